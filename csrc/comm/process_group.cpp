@@ -1,0 +1,81 @@
+#include "comm/process_group.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
+namespace megatron_ext::comm {
+
+c10::intrusive_ptr<c10d::ProcessGroup> resolve(const std::string& group_name) {
+  return c10d::resolve_process_group(group_name);
+}
+
+int64_t group_size(const std::string& group_name) { return resolve(group_name)->getSize(); }
+
+int64_t group_rank(const std::string& group_name) { return resolve(group_name)->getRank(); }
+
+void check_divisible(const at::Tensor& input, int64_t dim, int64_t world_size, const char* what) {
+  TORCH_CHECK_VALUE(input.dim() > 0, what, ": expected a tensor with at least one dimension, got a scalar");
+  const int64_t d = at::maybe_wrap_dim(dim, input.dim());
+  TORCH_CHECK_VALUE(input.size(d) % world_size == 0, what, ": dimension ", d, " of the input has size ",
+                    input.size(d), ", which is not divisible by the group size ", world_size,
+                    " (input shape ", input.sizes(), ")");
+}
+
+at::Tensor all_reduce(const at::Tensor& input, const std::string& group_name,
+                      c10d::ReduceOp::RedOpType op) {
+  auto result = input.clone(at::MemoryFormat::Contiguous);
+  all_reduce_async_(result, group_name, op)->wait();
+  return result;
+}
+
+c10::intrusive_ptr<c10d::Work> all_reduce_async_(at::Tensor& tensor, const std::string& group_name,
+                                                 c10d::ReduceOp::RedOpType op) {
+  TORCH_CHECK(tensor.is_contiguous(), "all_reduce_async_: the tensor must be contiguous");
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp(op);
+  return resolve(group_name)->allreduce(tensors, opts);
+}
+
+at::Tensor all_gather(const at::Tensor& input, int64_t dim, const std::string& group_name) {
+  auto group = resolve(group_name);
+  const int64_t world = group->getSize();
+  TORCH_CHECK_VALUE(input.dim() > 0, "all_gather: expected a tensor with at least one dimension");
+  const int64_t d = at::maybe_wrap_dim(dim, input.dim());
+  auto local = input.contiguous();
+  auto sizes = local.sizes().vec();
+  sizes[0] *= world;
+  auto gathered = at::empty(sizes, local.options());
+  group->all_gather_single(gathered, local)->wait();
+  if (d == 0) return gathered;
+  return at::cat(gathered.chunk(world, 0), d);
+}
+
+c10::intrusive_ptr<c10d::Work> reduce_scatter_first_dim_async(at::Tensor& output, at::Tensor& input,
+                                                              const std::string& group_name) {
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  return resolve(group_name)->reduce_scatter_single(output, input, opts);
+}
+
+at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, const std::string& group_name) {
+  const int64_t world = group_size(group_name);
+  check_divisible(input, dim, world, "reduce_scatter");
+  const int64_t d = at::maybe_wrap_dim(dim, input.dim());
+  // Chunks of ``dim`` laid out one after another along dim 0, the layout reduce_scatter reads.
+  auto stacked = d == 0 ? input.contiguous() : at::cat(input.chunk(world, d), 0).contiguous();
+  auto sizes = stacked.sizes().vec();
+  sizes[0] /= world;
+  auto chunk = at::empty(sizes, stacked.options());
+  reduce_scatter_first_dim_async(chunk, stacked, group_name)->wait();
+  return chunk;
+}
+
+at::Tensor split(const at::Tensor& input, int64_t dim, const std::string& group_name) {
+  auto group = resolve(group_name);
+  const int64_t world = group->getSize();
+  check_divisible(input, dim, world, "split");
+  return input.chunk(world, dim)[group->getRank()].contiguous();
+}
+
+}  // namespace megatron_ext::comm

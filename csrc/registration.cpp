@@ -1,0 +1,46 @@
+// The library's single schema block, and the Python module that reports how it was built.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "megatron_ext_build_config.h"
+
+TORCH_LIBRARY(megatron_ext, m) {
+  // Communication regions (ops/mappings.cpp). ``group_name`` is a c10d registry name.
+  m.def("copy_to_tensor_model_parallel_region(Tensor(a) input, str group_name) -> Tensor(a)");
+  m.def("reduce_from_tensor_model_parallel_region(Tensor input, str group_name) -> Tensor");
+  m.def("scatter_to_tensor_model_parallel_region(Tensor input, str group_name) -> Tensor");
+  m.def("gather_from_tensor_model_parallel_region(Tensor input, str group_name) -> Tensor");
+  m.def("scatter_to_sequence_parallel_region(Tensor input, str group_name) -> Tensor");
+  m.def(
+      "gather_from_sequence_parallel_region(Tensor input, bool tensor_parallel_output_grad, "
+      "str group_name) -> Tensor");
+  m.def("reduce_scatter_to_sequence_parallel_region(Tensor input, str group_name) -> Tensor");
+  m.def("all_gather_last_dim_from_tensor_parallel_region(Tensor input, str group_name) -> Tensor");
+  m.def("reduce_scatter_last_dim_to_tensor_parallel_region(Tensor input, str group_name) -> Tensor");
+
+  // Vocabulary-parallel lookup (kernels/vocab_mask*): local row ids and the ids of other ranks.
+  m.def("vocab_range_mask(Tensor ids, int first, int last) -> (Tensor, Tensor)");
+}
+
+namespace {
+
+pybind11::dict build_info() {
+  pybind11::dict info;
+  info["torch_version"] = MEGATRON_EXT_BUILT_WITH_TORCH;
+#ifdef MEGATRON_EXT_WITH_CUDA
+  info["cuda_compiled"] = true;
+#else
+  info["cuda_compiled"] = false;
+#endif
+  info["cuda_version"] = MEGATRON_EXT_CUDA_VERSION;
+  info["cuda_archs"] = MEGATRON_EXT_CUDA_ARCHS;
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "megatron_ext C++ extension: ops are registered under torch.ops.megatron_ext";
+  m.def("build_info", &build_info,
+        "How the extension was built: torch version, whether CUDA was compiled, CUDA archs.");
+}

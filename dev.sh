@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Set-up and entry points. Every command first makes sure the virtual environment, torch and the
+# extension are in place; what is already there is reused (seconds on a re-run).
+#
+#   ./dev.sh train [ARGS...]   the example training run (torchrun, 4 CPU processes by default)
+#   ./dev.sh test [PYTEST...]  the test suite
+#   ./dev.sh bench NAME        a benchmark from benchmarks/ (NAME without .py)
+#   ./dev.sh setup             set-up only
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${MEGATRON_EXT_VENV:-.venv}
+PY="$VENV/bin/python"
+
+hash_of() { cat "$@" | sha256sum | cut -d' ' -f1; }
+
+setup() {
+  if [ ! -x "$PY" ]; then
+    echo "[setup] creating $VENV"
+    "$(command -v python3.11 || command -v python3)" -m venv "$VENV"
+  fi
+  local deps_hash
+  deps_hash=$(hash_of requirements-dev.txt)
+  if [ "$(cat "$VENV/.deps" 2>/dev/null)" != "$deps_hash" ]; then
+    echo "[setup] installing torch 2.14.1 and the test tools"
+    "$PY" -m pip install --quiet -r requirements-dev.txt
+    echo "$deps_hash" > "$VENV/.deps"
+  fi
+  local src_hash
+  src_hash=$(hash_of setup.py pyproject.toml $(find csrc -type f | sort))
+  if [ ! -f "$VENV/.build" ]; then
+    echo "[setup] building and installing megatron_ext (C++ extension)"
+    "$PY" -m pip install --quiet --no-build-isolation --no-deps -e .
+    echo "$src_hash" > "$VENV/.build"
+  elif [ "$(cat "$VENV/.build")" != "$src_hash" ]; then
+    echo "[setup] C++ sources changed: rebuilding the extension"
+    "$PY" setup.py --quiet build_ext --inplace
+    echo "$src_hash" > "$VENV/.build"
+  fi
+}
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  setup) setup ;;
+  train)
+    setup
+    exec "$VENV/bin/torchrun" --standalone --nproc-per-node "${NPROC:-4}" examples/regions_demo.py "$@"
+    ;;
+  test)
+    setup
+    exec "$PY" -m pytest "$@"
+    ;;
+  bench)
+    setup
+    exec "$PY" "benchmarks/${1:?benchmark name}.py" "${@:2}"
+    ;;
+  *)
+    echo "usage: ./dev.sh {train|test|bench NAME|setup} [ARGS...]" >&2
+    exit 2
+    ;;
+esac

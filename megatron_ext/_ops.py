@@ -1,0 +1,66 @@
+"""Fake (meta) kernels of the C++ ops, so shapes propagate under FakeTensor and torch.compile."""
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext import _C  # noqa: F401  (registers the ops)
+
+
+def _group_size(group_name: str) -> int:
+    return dist.distributed_c10d._resolve_process_group(group_name).size()
+
+
+def _resized(x: torch.Tensor, dim: int, factor_num: int, factor_den: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * factor_num // factor_den
+    return x.new_empty(shape)
+
+
+@torch.library.register_fake("megatron_ext::copy_to_tensor_model_parallel_region")
+def _(input, group_name):
+    return input.view_as(input)
+
+
+@torch.library.register_fake("megatron_ext::reduce_from_tensor_model_parallel_region")
+def _(input, group_name):
+    return torch.empty_like(input)
+
+
+@torch.library.register_fake("megatron_ext::scatter_to_tensor_model_parallel_region")
+def _(input, group_name):
+    return _resized(input, -1, 1, _group_size(group_name))
+
+
+@torch.library.register_fake("megatron_ext::gather_from_tensor_model_parallel_region")
+def _(input, group_name):
+    return _resized(input, -1, _group_size(group_name), 1)
+
+
+@torch.library.register_fake("megatron_ext::scatter_to_sequence_parallel_region")
+def _(input, group_name):
+    return _resized(input, 0, 1, _group_size(group_name))
+
+
+@torch.library.register_fake("megatron_ext::gather_from_sequence_parallel_region")
+def _(input, tensor_parallel_output_grad, group_name):
+    return _resized(input, 0, _group_size(group_name), 1)
+
+
+@torch.library.register_fake("megatron_ext::reduce_scatter_to_sequence_parallel_region")
+def _(input, group_name):
+    return _resized(input, 0, 1, _group_size(group_name))
+
+
+@torch.library.register_fake("megatron_ext::all_gather_last_dim_from_tensor_parallel_region")
+def _(input, group_name):
+    return _resized(input, -1, _group_size(group_name), 1)
+
+
+@torch.library.register_fake("megatron_ext::reduce_scatter_last_dim_to_tensor_parallel_region")
+def _(input, group_name):
+    return _resized(input, -1, 1, _group_size(group_name))
+
+
+@torch.library.register_fake("megatron_ext::vocab_range_mask")
+def _(ids, first, last):
+    return torch.empty_like(ids, dtype=torch.long), torch.empty_like(ids, dtype=torch.bool)

@@ -1,0 +1,77 @@
+"""Size arithmetic and tensor splitting shared by the tensor-parallel layers."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext import parallel_state
+
+
+def ensure_divisibility(numerator: int, denominator: int) -> None:
+    """Raises ValueError unless ``numerator`` is divisible by ``denominator``."""
+    if denominator == 0 or numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """``numerator // denominator``, raising ValueError if the division is not exact."""
+    ensure_divisibility(numerator, denominator)
+    return numerator // denominator
+
+
+def split_tensor_along_last_dim(
+    tensor: torch.Tensor, num_partitions: int, contiguous_split_chunks: bool = False
+) -> Sequence[torch.Tensor]:
+    """Splits ``tensor`` into ``num_partitions`` equal chunks along its last dim (views unless
+    ``contiguous_split_chunks``)."""
+    last_dim_size = divide(tensor.size(-1), num_partitions)
+    chunks = torch.split(tensor, last_dim_size, dim=-1)
+    if contiguous_split_chunks:
+        return tuple(chunk.contiguous() for chunk in chunks)
+    return chunks
+
+
+def _tp_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return parallel_state.get_tensor_model_parallel_group() if group is None else group
+
+
+def split_tensor_into_1d_equal_chunks(
+    tensor: torch.Tensor, new_buffer: bool = False, tp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """This tensor-parallel rank's chunk of ``tensor`` flattened (numel must divide by the TP size)."""
+    group = _tp_group(tp_group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    flat = tensor.reshape(-1)
+    chunk = divide(flat.numel(), world)
+    data = flat[rank * chunk : (rank + 1) * chunk]
+    return data.clone() if new_buffer else data
+
+
+def gather_split_1d_tensor(tensor: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The inverse of split_tensor_into_1d_equal_chunks: all-gathers the 1-D chunks of the
+    tensor-parallel group into one flat tensor."""
+    group = _tp_group(tp_group)
+    world = dist.get_world_size(group)
+    gathered = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather_into_tensor(gathered, tensor.contiguous().reshape(-1), group=group)
+    return gathered
+
+
+class VocabUtility:
+    """The range ``[first, last)`` of vocabulary rows held by one rank: the vocabulary is split
+    into equal contiguous partitions."""
+
+    @staticmethod
+    def vocab_range_from_per_partition_vocab_size(
+        per_partition_vocab_size: int, rank: int, world_size: int
+    ) -> tuple[int, int]:
+        first = rank * per_partition_vocab_size
+        return first, first + per_partition_vocab_size
+
+    @staticmethod
+    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
+        per_partition = divide(global_vocab_size, world_size)
+        return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank, world_size)

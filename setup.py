@@ -1,0 +1,118 @@
+"""Build of megatron_ext: the CPU extension always, the CUDA sources when a CUDA toolchain is usable.
+
+Knobs (environment variables):
+  FORCE_CUDA=1              compile the CUDA sources even if torch sees no GPU
+  MEGATRON_EXT_FORCE_CPU=1  never compile the CUDA sources
+  TORCH_CUDA_ARCH_LIST      target archs; defaults to "8.0;9.0+PTX" when no GPU is visible
+  MAX_JOBS                  parallel compile jobs (ninja)
+"""
+
+import glob
+import json
+import os
+import shutil
+
+
+def _locate_cuda_home() -> None:
+    # torch takes CUDA_HOME from the folder above ``which nvcc``; when nvcc is a symlink or a
+    # wrapper script (/usr/local/bin/nvcc) that folder holds no CUDA headers or libraries.
+    if "CUDA_HOME" in os.environ or "CUDA_PATH" in os.environ:
+        return
+    nvcc = shutil.which("nvcc")
+    candidates = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else []
+    candidates.append("/usr/local/cuda")
+    for home in candidates:
+        if os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+            os.environ["CUDA_HOME"] = home
+            return
+
+
+_locate_cuda_home()
+
+import torch  # noqa: E402
+from setuptools import find_packages, setup  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def _want_cuda() -> bool:
+    if _flag("MEGATRON_EXT_FORCE_CPU"):
+        return False
+    nvcc_found = CUDA_HOME is not None or shutil.which("nvcc") is not None
+    if _flag("FORCE_CUDA"):
+        if not nvcc_found:
+            raise RuntimeError("FORCE_CUDA=1 but no nvcc was found (set CUDA_HOME or put nvcc on PATH)")
+        return True
+    return torch.version.cuda is not None and nvcc_found
+
+
+def _write_build_config(cuda: bool) -> str:
+    """Writes the facts ``megatron_ext.build_info()`` reports into a generated header."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    generated = os.path.join(here, "build", "generated")
+    os.makedirs(generated, exist_ok=True)
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if cuda else ""
+    header = (
+        "#pragma once\n"
+        f"#define MEGATRON_EXT_BUILT_WITH_TORCH {json.dumps(torch.__version__)}\n"
+        f"#define MEGATRON_EXT_CUDA_ARCHS {json.dumps(archs)}\n"
+        f"#define MEGATRON_EXT_CUDA_VERSION {json.dumps((torch.version.cuda or '') if cuda else '')}\n"
+    )
+    path = os.path.join(generated, "megatron_ext_build_config.h")
+    if not os.path.exists(path) or open(path).read() != header:
+        with open(path, "w") as f:
+            f.write(header)
+    return generated
+
+
+def _pip_cuda_include_dirs() -> list[str]:
+    """Headers of the CUDA libraries torch's wheel depends on (cuSPARSE, cuBLAS, ...), which a
+    toolkit holding only the compiler lacks."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return sorted(d for root in nvidia.__path__ for d in glob.glob(os.path.join(root, "*", "include")))
+
+
+def _extension():
+    here = os.path.dirname(os.path.abspath(__file__))
+    cpp_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+    cuda_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
+    cuda = _want_cuda()
+    if cuda and not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        # torch's arch detection queries a device; without one it fails.
+        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
+    include_dirs = [os.path.join(here, "csrc"), _write_build_config(cuda)]
+    cxx_flags = ["-O3", "-std=c++20"]
+    if not cuda:
+        return CppExtension(
+            "megatron_ext._C",
+            cpp_sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags},
+        )
+    nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-DMEGATRON_EXT_WITH_CUDA"]
+    return CUDAExtension(
+        "megatron_ext._C",
+        cpp_sources + cuda_sources,
+        include_dirs=include_dirs + _pip_cuda_include_dirs(),
+        define_macros=[("MEGATRON_EXT_WITH_CUDA", None)],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+    )
+
+
+setup(
+    name="megatron_ext",
+    version="0.1.0",
+    packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.10",
+    install_requires=["torch==2.14.1"],
+)

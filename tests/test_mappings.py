@@ -1,0 +1,171 @@
+"""Forward and backward of every communication region against values computed without
+communication, in float64, at tensor-parallel sizes 1, 2 and 4."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from megatron_ext import parallel_state as ps
+from megatron_ext import tensor_parallel as tp_
+from tests.distributed import run_distributed
+
+EXACT = dict(rtol=1e-12, atol=1e-12)
+
+
+def _per_rank(n: int, shape, seed: int) -> list[torch.Tensor]:
+    """One tensor per TP rank, the same on every process (so each can compute the reference)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g, dtype=torch.float64) for _ in range(n)]
+
+
+def _run(region, x: torch.Tensor, grad: torch.Tensor, **kwargs):
+    x = x.clone().requires_grad_(True)
+    x_before = x.detach().clone()
+    out = region(x, **kwargs)
+    out.backward(grad)
+    assert_close(x.detach(), x_before, rtol=0, atol=0)  # the input is never modified
+    return out.detach(), x.grad
+
+
+def _check_regions(group=None):
+    tp_group = group if group is not None else ps.get_tensor_model_parallel_group()
+    n, r = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    kw = {} if group is None else {"group": group}
+    s, b, h = 4 * n, 3, 8 * n
+    xs = _per_rank(n, (s, b, h), seed=1)  # each rank's own input
+    gs = _per_rank(n, (s, b, h), seed=2)  # each rank's upstream gradient
+    total_x, total_g = sum(xs), sum(gs)
+
+    def chunk(t, dim):
+        return t.chunk(n, dim)[r]
+
+    out, grad = _run(tp_.copy_to_tensor_model_parallel_region, xs[r], gs[r], **kw)
+    assert_close(out, xs[r], **EXACT)
+    assert_close(grad, total_g, **EXACT)
+
+    out, grad = _run(tp_.reduce_from_tensor_model_parallel_region, xs[r], gs[r], **kw)
+    assert_close(out, total_x, **EXACT)
+    assert_close(grad, gs[r], **EXACT)
+
+    full = xs[0]
+    out, grad = _run(tp_.scatter_to_tensor_model_parallel_region, full, chunk(gs[r], -1), **kw)
+    assert_close(out, chunk(full, -1), **EXACT)
+    assert_close(grad, torch.cat([g.chunk(n, -1)[i] for i, g in enumerate(gs)], -1), **EXACT)
+
+    local = [x.chunk(n, -1)[i] for i, x in enumerate(xs)]
+    out, grad = _run(tp_.gather_from_tensor_model_parallel_region, local[r], gs[r], **kw)
+    assert_close(out, torch.cat(local, -1), **EXACT)
+    assert_close(grad, chunk(gs[r], -1), **EXACT)
+
+    out, grad = _run(tp_.scatter_to_sequence_parallel_region, full, chunk(gs[r], 0), **kw)
+    assert_close(out, chunk(full, 0), **EXACT)
+    assert_close(grad, torch.cat([g.chunk(n, 0)[i] for i, g in enumerate(gs)], 0), **EXACT)
+
+    local = [x.chunk(n, 0)[i] for i, x in enumerate(xs)]
+    out, grad = _run(tp_.gather_from_sequence_parallel_region, local[r], gs[r], **kw)
+    assert_close(out, torch.cat(local, 0), **EXACT)
+    assert_close(grad, chunk(total_g, 0), **EXACT)
+    out, grad = _run(tp_.gather_from_sequence_parallel_region, local[r], gs[r],
+                     tensor_parallel_output_grad=False, **kw)
+    assert_close(out, torch.cat(local, 0), **EXACT)
+    assert_close(grad, chunk(gs[r], 0), **EXACT)
+
+    out, grad = _run(tp_.reduce_scatter_to_sequence_parallel_region, xs[r], chunk(gs[r], 0), **kw)
+    assert_close(out, chunk(total_x, 0), **EXACT)
+    assert_close(grad, torch.cat([g.chunk(n, 0)[i] for i, g in enumerate(gs)], 0), **EXACT)
+
+    local = [x.chunk(n, -1)[i] for i, x in enumerate(xs)]
+    out, grad = _run(tp_.all_gather_last_dim_from_tensor_parallel_region, local[r], gs[r], **kw)
+    assert_close(out, torch.cat(local, -1), **EXACT)
+    assert_close(grad, chunk(total_g, -1), **EXACT)
+
+    out, grad = _run(tp_.reduce_scatter_last_dim_to_tensor_parallel_region, xs[r], chunk(gs[r], -1), **kw)
+    assert_close(out, chunk(total_x, -1), **EXACT)
+    assert_close(grad, torch.cat([g.chunk(n, -1)[i] for i, g in enumerate(gs)], -1), **EXACT)
+
+
+def _check_autograd_nodes_are_cpp():
+    x = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    for region in (tp_.copy_to_tensor_model_parallel_region, tp_.reduce_from_tensor_model_parallel_region,
+                   tp_.gather_from_sequence_parallel_region):
+        out = region(x)
+        assert out.grad_fn is not None
+        assert not isinstance(out.grad_fn, torch.autograd.function.BackwardCFunction)
+        assert "RegionFunction" in out.grad_fn.name(), out.grad_fn.name()
+
+
+def _check_errors(n: int):
+    with pytest.raises(TypeError, match="expected a torch.Tensor, got list"):
+        tp_.copy_to_tensor_model_parallel_region([1.0, 2.0])
+    if n == 1:
+        return
+    odd = torch.randn(2 * n + 1, 3 * n + 1)
+    with pytest.raises(ValueError, match=rf"dimension 1 of the input has size {3 * n + 1}, which is not "
+                       rf"divisible by the group size {n}"):
+        tp_.scatter_to_tensor_model_parallel_region(odd)
+    with pytest.raises(ValueError, match=rf"dimension 0 of the input has size {2 * n + 1}.*group size {n}"):
+        tp_.reduce_scatter_to_sequence_parallel_region(odd)
+    with pytest.raises(ValueError, match=rf"dimension 1 of the input has size {3 * n + 1}"):
+        tp_.reduce_scatter_last_dim_to_tensor_parallel_region(odd)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        tp_.scatter_to_sequence_parallel_region(torch.tensor(1.0))
+
+
+def _check_dtypes(n: int):
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        x = torch.arange(2 * n * 4, dtype=dtype).reshape(2 * n, 4)
+        assert_close(tp_.reduce_from_tensor_model_parallel_region(x), x * n)
+        gathered = tp_.gather_from_sequence_parallel_region(x)
+        assert gathered.dtype == dtype and gathered.shape == (2 * n * n, 4)
+        assert_close(tp_.reduce_scatter_to_sequence_parallel_region(x), x.chunk(n, 0)[ps.get_tensor_model_parallel_rank()] * n)
+
+
+def _check_fake_shapes(n: int):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(4 * n, 2, 8 * n)
+        assert tp_.gather_from_tensor_model_parallel_region(x).shape == (4 * n, 2, 8 * n * n)
+        assert tp_.scatter_to_tensor_model_parallel_region(x).shape == (4 * n, 2, 8)
+        assert tp_.gather_from_sequence_parallel_region(x).shape == (4 * n * n, 2, 8 * n)
+        assert tp_.reduce_scatter_to_sequence_parallel_region(x).shape == (4, 2, 8 * n)
+        assert tp_.reduce_from_tensor_model_parallel_region(x).shape == x.shape
+
+
+def _regions_worker(tp_sizes):
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        tp_.copy_to_tensor_model_parallel_region(torch.ones(2))
+    for tp in tp_sizes:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+        _check_regions()
+        _check_regions(group=ps.get_data_parallel_group())  # an explicit group
+        _check_errors(tp)
+        if tp > 1:
+            _check_autograd_nodes_are_cpp()
+            _check_dtypes(tp)
+            _check_fake_shapes(tp)
+        ps.destroy_model_parallel()
+    return True
+
+
+def test_regions_world1():
+    assert run_distributed(1, _regions_worker, [1]) == [True]
+
+
+def test_regions_world4():
+    assert run_distributed(4, _regions_worker, [1, 2, 4]) == [True] * 4
+
+
+def test_group_of_one_passes_through():
+    # Runs in-process: a one-rank group needs no peers.
+    run_distributed(1, _pass_through_worker)
+
+
+def _pass_through_worker():
+    ps.initialize_model_parallel()
+    x = torch.randn(3, 5, requires_grad=True)
+    for region in (tp_.copy_to_tensor_model_parallel_region, tp_.reduce_from_tensor_model_parallel_region,
+                   tp_.scatter_to_tensor_model_parallel_region, tp_.gather_from_sequence_parallel_region,
+                   tp_.reduce_scatter_last_dim_to_tensor_parallel_region):
+        assert region(x) is x
