@@ -68,6 +68,10 @@ class ToyStage(torch.nn.Module):
         self.live = self.peak = 0
         self.outputs: list[torch.Tensor] = []
         self.received: list[torch.Tensor | None] = []
+        self.first_microbatch_calls = 0
+
+    def set_is_first_microbatch(self) -> None:
+        self.first_microbatch_calls += 1
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         self.input_tensor = tensor
@@ -174,6 +178,7 @@ def _run_and_check(schedule, pp: int, m: int, forward_only: bool, layers, refs, 
     else:
         assert store == [], where
     assert model.received[0] is None if first else model.received[0].requires_grad, where
+    assert len(model.received) == m and model.first_microbatch_calls == 1, where
     if forward_only:
         assert all(p.grad is None for p in model.parameters()), where
         assert finalized == [] and sync.flags == [], where

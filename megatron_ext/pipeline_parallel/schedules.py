@@ -240,9 +240,13 @@ def forward_step(
     forward_data_store: list,
     config: Any,
     collect_non_loss_data: bool = False,
+    checkpoint_activations_microbatch: bool | None = None,
     is_first_microbatch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs one micro-batch through this stage.
+
+    ``checkpoint_activations_microbatch``, when given, is passed on as a third argument of
+    ``forward_step_func``.
 
     Returns ``(output_tensor, num_tokens)``: the activation to send on, or on the last stage the
     loss scaled for accumulation over micro-batches (whose reduced values are appended to
@@ -260,7 +264,10 @@ def forward_step(
             set_input_tensor = None  # allowed with one stage only (checked in _prepare)
         if set_input_tensor is not None:
             set_input_tensor(input_tensor)
-        result = forward_step_func(data_iterator, model)
+        if checkpoint_activations_microbatch is None:
+            result = forward_step_func(data_iterator, model)
+        else:
+            result = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
         if not isinstance(result, (tuple, list)) or len(result) != 2:
             raise TypeError(
                 "forward_step_func must return (output_tensor, loss_func), got "
@@ -309,16 +316,16 @@ def _check_output(output_tensor: Any, shape: tuple[int, int, int], config: Any) 
         )
 
 
-def _deallocate(output_tensor: torch.Tensor, config: Any) -> None:
+def deallocate_output_tensor(out: torch.Tensor, deallocate_pipeline_outputs: bool = False) -> None:
     """Frees a sent activation's data; its graph (grad_fn) stays for the backward.
 
-    A view shares its base's storage, so swapping its data would free nothing.
+    A view shares its base's storage, so swapping its data would free nothing: views are kept.
     """
-    if getattr(config, "deallocate_pipeline_outputs", False) and output_tensor._base is None:
-        output_tensor.data = torch.empty((1,), device=output_tensor.device, dtype=output_tensor.dtype)
+    if deallocate_pipeline_outputs and out._base is None:
+        out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
 
 
-def _backward_from(output: torch.Tensor, grad_output: torch.Tensor | None) -> None:
+def custom_backward(output: torch.Tensor, grad_output: torch.Tensor | None) -> None:
     """torch.autograd.backward without its shape check: a deallocated output has lost its shape
     but not its graph."""
     if grad_output is None:
@@ -334,22 +341,28 @@ def _backward_from(output: torch.Tensor, grad_output: torch.Tensor | None) -> No
     )
 
 
+def _deallocates(config: Any) -> bool:
+    return bool(getattr(config, "deallocate_pipeline_outputs", False))
+
+
 def backward_step(
     input_tensor: torch.Tensor | None,
     output_tensor: torch.Tensor,
     output_tensor_grad: torch.Tensor | None,
+    model_type: Any,
     config: Any,
 ) -> torch.Tensor | None:
     """Runs this stage's backward for one micro-batch; returns the gradient of its input tensor
-    (None on the first stage)."""
+    (None on the first stage). ``model_type`` is accepted for Megatron-core's signature; only
+    decoder-only pipelines exist here, so it is not used."""
     with _timed(config, "backward-compute", 2):
         if input_tensor is not None:
             input_tensor.retain_grad()
         grad_scale_func = getattr(config, "grad_scale_func", None)
         if output_tensor_grad is None and grad_scale_func is not None:
             output_tensor = grad_scale_func(output_tensor)
-        if getattr(config, "deallocate_pipeline_outputs", False):
-            _backward_from(output_tensor, output_tensor_grad)
+        if _deallocates(config):
+            custom_backward(output_tensor, output_tensor_grad)
         else:
             torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
         if input_tensor is None:
@@ -407,11 +420,12 @@ def forward_backward_no_pipelining(
                     sync.enable()
                 output_tensor, num_tokens = forward_step(
                     forward_step_func, data_iterator, model, num_microbatches, None, store, config,
-                    collect_non_loss_data, _is_first_microbatch(first_val_step, forward_only, i == 0),
+                    collect_non_loss_data,
+                    is_first_microbatch=_is_first_microbatch(first_val_step, forward_only, i == 0),
                 )
                 total_tokens += int(num_tokens)
                 if not forward_only:
-                    backward_step(None, output_tensor, None, config)
+                    backward_step(None, output_tensor, None, None, config)
         finally:
             sync.enable()
         _finalize(model, config, forward_only, total_tokens)
@@ -453,7 +467,7 @@ def forward_backward_pipelining_gpipe(
                 output_tensor, num_tokens = forward_step(
                     forward_step_func, data_iterator, model, num_microbatches, input_tensor, store,
                     config, collect_non_loss_data,
-                    _is_first_microbatch(first_val_step, forward_only, i == 0),
+                    is_first_microbatch=_is_first_microbatch(first_val_step, forward_only, i == 0),
                 )
                 total_tokens += int(num_tokens)
                 if not parallel_state.is_pipeline_last_stage():
@@ -462,7 +476,7 @@ def forward_backward_pipelining_gpipe(
                 if not forward_only:
                     in_flight.append((input_tensor, output_tensor))
                     if not parallel_state.is_pipeline_last_stage():
-                        _deallocate(output_tensor, config)
+                        deallocate_output_tensor(output_tensor, _deallocates(config))
             if not forward_only:
                 for i in range(num_microbatches):
                     if i == num_microbatches - 1:
@@ -470,7 +484,7 @@ def forward_backward_pipelining_gpipe(
                     input_tensor, output_tensor = in_flight.pop(0)
                     output_tensor_grad = p2p.recv_backward(shape, config)
                     input_tensor_grad = backward_step(
-                        input_tensor, output_tensor, output_tensor_grad, config
+                        input_tensor, output_tensor, output_tensor_grad, None, config
                     )
                     p2p.send_backward(input_tensor_grad, config)
         finally:
@@ -517,7 +531,8 @@ def forward_backward_pipelining_without_interleaving(
         nonlocal total_tokens
         output_tensor, num_tokens = forward_step(
             forward_step_func, data_iterator, model, num_microbatches, input_tensor, store, config,
-            collect_non_loss_data, _is_first_microbatch(first_val_step, forward_only, i == 0),
+            collect_non_loss_data,
+            is_first_microbatch=_is_first_microbatch(first_val_step, forward_only, i == 0),
         )
         total_tokens += int(num_tokens)
         if not last_stage:
@@ -534,7 +549,7 @@ def forward_backward_pipelining_without_interleaving(
                 if not forward_only:
                     in_flight.append((input_tensor, output_tensor))
                     if not last_stage:
-                        _deallocate(output_tensor, config)
+                        deallocate_output_tensor(output_tensor, _deallocates(config))
 
             input_tensor = p2p.recv_forward(shape, config) if num_steady > 0 else None
             for i in range(num_steady):
@@ -548,12 +563,12 @@ def forward_backward_pipelining_without_interleaving(
                 output_tensor_grad = p2p.send_forward_recv_backward(output_tensor, shape, config)
                 in_flight.append((input_tensor, output_tensor))
                 if not last_stage:
-                    _deallocate(output_tensor, config)
+                    deallocate_output_tensor(output_tensor, _deallocates(config))
                 input_tensor, output_tensor = in_flight.pop(0)
                 if num_warmup == 0 and last_iteration:
                     sync.enable()
                 input_tensor_grad = backward_step(
-                    input_tensor, output_tensor, output_tensor_grad, config
+                    input_tensor, output_tensor, output_tensor_grad, None, config
                 )
                 if last_iteration:
                     input_tensor = None
@@ -568,7 +583,7 @@ def forward_backward_pipelining_without_interleaving(
                     input_tensor, output_tensor = in_flight.pop(0)
                     output_tensor_grad = p2p.recv_backward(shape, config)
                     input_tensor_grad = backward_step(
-                        input_tensor, output_tensor, output_tensor_grad, config
+                        input_tensor, output_tensor, output_tensor_grad, None, config
                     )
                     p2p.send_backward(input_tensor_grad, config)
         finally:
