@@ -1,0 +1,18 @@
+"""Pipeline parallelism: point-to-point stage communication and the forward-backward schedules."""
+
+from megatron_ext.pipeline_parallel import p2p_communication, schedules
+from megatron_ext.pipeline_parallel.schedules import (
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_gpipe,
+    forward_backward_pipelining_without_interleaving,
+    get_forward_backward_func,
+)
+
+__all__ = [
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_gpipe",
+    "forward_backward_pipelining_without_interleaving",
+    "get_forward_backward_func",
+    "p2p_communication",
+    "schedules",
+]
