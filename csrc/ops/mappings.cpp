@@ -118,8 +118,7 @@ at::Tensor apply_region(const Region& r, const at::Tensor& x, const std::string&
   check_tensor(x, r.name);
   const int64_t world = comm::group_size(group);
   if (world == 1) return x;
-  // Only forwards that cut the input need its size divisible; an all-gather takes any size.
-  if (r.forward == Collective::kSplit || r.forward == Collective::kReduceScatter) {
+  if (r.forward != Collective::kIdentity && r.forward != Collective::kAllReduce) {
     comm::check_divisible(x, r.dim, world, r.name);
   }
   return RegionFunction::apply(x, &r, group, below);
