@@ -6,7 +6,7 @@
 
 TORCH_LIBRARY(megatron_ext, m) {
   // Communication regions (ops/mappings.cpp). ``group_name`` is a c10d registry name.
-  m.def("copy_to_tensor_model_parallel_region(Tensor(a) input, str group_name) -> Tensor(a)");
+  m.def("copy_to_tensor_model_parallel_region(Tensor input, str group_name) -> Tensor");
   m.def("reduce_from_tensor_model_parallel_region(Tensor input, str group_name) -> Tensor");
   m.def("scatter_to_tensor_model_parallel_region(Tensor input, str group_name) -> Tensor");
   m.def("gather_from_tensor_model_parallel_region(Tensor input, str group_name) -> Tensor");

@@ -7,7 +7,11 @@ from megatron_ext import _C  # noqa: F401  (registers the ops)
 
 
 def _group_size(group_name: str) -> int:
-    return dist.distributed_c10d._resolve_process_group(group_name).size()
+    # Looked up among Python's groups so tracing sees a plain int, not a c10d object.
+    for group, name in dist.distributed_c10d._world.pg_names.items():
+        if name == group_name:
+            return group.size()
+    raise ValueError(f"no process group named {group_name!r}")
 
 
 def _resized(x: torch.Tensor, dim: int, factor_num: int, factor_den: int) -> torch.Tensor:
@@ -18,7 +22,7 @@ def _resized(x: torch.Tensor, dim: int, factor_num: int, factor_den: int) -> tor
 
 @torch.library.register_fake("megatron_ext::copy_to_tensor_model_parallel_region")
 def _(input, group_name):
-    return input.view_as(input)
+    return torch.empty_like(input)
 
 
 @torch.library.register_fake("megatron_ext::reduce_from_tensor_model_parallel_region")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -58,16 +59,27 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
         p.start()
     values: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, error, value = results.get(timeout=timeout)
+        while len(values) + len(errors) < world_size:
+            try:
+                rank, error, value = results.get(timeout=0.5)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(values) - set(errors))
+                    errors[-1] = f"ranks {missing} did not finish within {timeout} s"
+                    break
+                for rank, p in enumerate(procs):
+                    if rank not in values and rank not in errors and p.exitcode is not None:
+                        # Give a report already on its way the chance to arrive.
+                        time.sleep(0.5)
+                        if results.empty():
+                            errors[rank] = f"exited with code {p.exitcode} without reporting"
+                continue
             if error is None:
                 values[rank] = value
             else:
                 errors[rank] = error
-    except queue.Empty:
-        missing = sorted(set(range(world_size)) - set(values) - set(errors))
-        errors.setdefault(-1, f"ranks {missing} did not finish within {timeout} s")
     finally:
         for p in procs:
             p.join(timeout=10)

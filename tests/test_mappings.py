@@ -133,6 +133,21 @@ def _check_fake_shapes(n: int):
         assert tp_.reduce_from_tensor_model_parallel_region(x).shape == x.shape
 
 
+def _check_opcheck(n: int):
+    """Schema, fake kernel, autograd registration and AOT tracing of every region op."""
+    name = ps.get_tensor_model_parallel_group().group_name
+    ops = torch.ops.megatron_ext
+    x = torch.randn(2 * n, 3 * n, dtype=torch.float64, requires_grad=True)
+    cases = [(getattr(ops, op).default, (x, name)) for op in (
+        "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+        "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
+        "scatter_to_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
+        "all_gather_last_dim_from_tensor_parallel_region", "reduce_scatter_last_dim_to_tensor_parallel_region")]
+    cases += [(ops.gather_from_sequence_parallel_region.default, (x, flag, name)) for flag in (True, False)]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
 def _regions_worker(tp_sizes):
     with pytest.raises(RuntimeError, match="initialize_model_parallel"):
         tp_.copy_to_tensor_model_parallel_region(torch.ones(2))
@@ -145,6 +160,7 @@ def _regions_worker(tp_sizes):
             _check_autograd_nodes_are_cpp()
             _check_dtypes(tp)
             _check_fake_shapes(tp)
+            _check_opcheck(tp)
         ps.destroy_model_parallel()
     return True
 
@@ -159,7 +175,7 @@ def test_regions_world4():
 
 def test_group_of_one_passes_through():
     # Runs in-process: a one-rank group needs no peers.
-    run_distributed(1, _pass_through_worker)
+    assert run_distributed(1, _pass_through_worker) == [True]
 
 
 def _pass_through_worker():
@@ -169,3 +185,4 @@ def _pass_through_worker():
                    tp_.scatter_to_tensor_model_parallel_region, tp_.gather_from_sequence_parallel_region,
                    tp_.reduce_scatter_last_dim_to_tensor_parallel_region):
         assert region(x) is x
+    return True

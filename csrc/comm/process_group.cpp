@@ -75,7 +75,8 @@ at::Tensor split(const at::Tensor& input, int64_t dim, const std::string& group_
   auto group = resolve(group_name);
   const int64_t world = group->getSize();
   check_divisible(input, dim, world, "split");
-  return input.chunk(world, dim)[group->getRank()].contiguous();
+  // A copy even when the chunk is already contiguous: the result must not alias the input.
+  return input.chunk(world, dim)[group->getRank()].clone(at::MemoryFormat::Contiguous);
 }
 
 }  // namespace megatron_ext::comm

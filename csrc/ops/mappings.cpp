@@ -20,6 +20,10 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <mutex>
+#include <string_view>
+#include <unordered_map>
+
 #include "comm/process_group.h"
 
 namespace megatron_ext {
@@ -34,114 +38,137 @@ constexpr int64_t kLast = -1;
 
 enum class Collective { kIdentity, kAllReduce, kSplit, kAllGather, kReduceScatter };
 
-at::Tensor run(Collective c, const at::Tensor& x, int64_t dim, const std::string& group) {
-  switch (c) {
-    case Collective::kIdentity:
-      return x;
-    case Collective::kAllReduce:
-      return comm::all_reduce(x, group);
-    case Collective::kSplit:
-      return comm::split(x, dim, group);
-    case Collective::kAllGather:
-      return comm::all_gather(x, dim, group);
-    case Collective::kReduceScatter:
-      return comm::reduce_scatter(x, dim, group);
-  }
-  TORCH_CHECK(false, "unreachable");
-}
+// A region: the collective its forward runs along ``dim``, and the region op whose forward is
+// this region's backward (nullptr: the gradient passes through). Running the backward through
+// that op rather than through c10d directly keeps the backward traceable (the op has a fake
+// kernel).
+struct Region {
+  const char* name;
+  Collective forward;
+  int64_t dim;
+  const char* backward_op;
+};
+
+constexpr Region kCopy{"copy_to_tensor_model_parallel_region", Collective::kIdentity, kLast,
+                       "reduce_from_tensor_model_parallel_region"};
+constexpr Region kReduce{"reduce_from_tensor_model_parallel_region", Collective::kAllReduce, kLast,
+                         nullptr};
+constexpr Region kScatter{"scatter_to_tensor_model_parallel_region", Collective::kSplit, kLast,
+                          "gather_from_tensor_model_parallel_region"};
+constexpr Region kGather{"gather_from_tensor_model_parallel_region", Collective::kAllGather, kLast,
+                         "scatter_to_tensor_model_parallel_region"};
+constexpr Region kScatterSeq{"scatter_to_sequence_parallel_region", Collective::kSplit, kFirst,
+                             "gather_from_sequence_parallel_region"};
+constexpr Region kGatherSeq{"gather_from_sequence_parallel_region", Collective::kAllGather, kFirst,
+                            "reduce_scatter_to_sequence_parallel_region"};
+constexpr Region kGatherSeqSplitGrad{"gather_from_sequence_parallel_region",
+                                     Collective::kAllGather, kFirst,
+                                     "scatter_to_sequence_parallel_region"};
+constexpr Region kReduceScatterSeq{"reduce_scatter_to_sequence_parallel_region",
+                                   Collective::kReduceScatter, kFirst,
+                                   "gather_from_sequence_parallel_region"};
+constexpr Region kAllGatherLast{"all_gather_last_dim_from_tensor_parallel_region",
+                                Collective::kAllGather, kLast,
+                                "reduce_scatter_last_dim_to_tensor_parallel_region"};
+constexpr Region kReduceScatterLast{"reduce_scatter_last_dim_to_tensor_parallel_region",
+                                    Collective::kReduceScatter, kLast,
+                                    "all_gather_last_dim_from_tensor_parallel_region"};
 
 void check_tensor(const at::Tensor& x, const char* op) {
   TORCH_CHECK_VALUE(x.defined(), op, ": expected a tensor, got an undefined tensor");
 }
 
-// Forward and backward of one region, the dim they act on.
-struct Region {
-  const char* name;
-  Collective forward;
-  Collective backward;
-  int64_t dim;
-};
-
-constexpr Region kCopy{"copy_to_tensor_model_parallel_region", Collective::kIdentity,
-                       Collective::kAllReduce, kLast};
-constexpr Region kReduce{"reduce_from_tensor_model_parallel_region", Collective::kAllReduce,
-                         Collective::kIdentity, kLast};
-constexpr Region kScatter{"scatter_to_tensor_model_parallel_region", Collective::kSplit,
-                          Collective::kAllGather, kLast};
-constexpr Region kGather{"gather_from_tensor_model_parallel_region", Collective::kAllGather,
-                         Collective::kSplit, kLast};
-constexpr Region kScatterSeq{"scatter_to_sequence_parallel_region", Collective::kSplit,
-                             Collective::kAllGather, kFirst};
-constexpr Region kGatherSeq{"gather_from_sequence_parallel_region", Collective::kAllGather,
-                            Collective::kReduceScatter, kFirst};
-constexpr Region kGatherSeqSplitGrad{"gather_from_sequence_parallel_region", Collective::kAllGather,
-                                     Collective::kSplit, kFirst};
-constexpr Region kReduceScatterSeq{"reduce_scatter_to_sequence_parallel_region",
-                                   Collective::kReduceScatter, Collective::kAllGather, kFirst};
-constexpr Region kAllGatherLast{"all_gather_last_dim_from_tensor_parallel_region",
-                                Collective::kAllGather, Collective::kReduceScatter, kLast};
-constexpr Region kReduceScatterLast{"reduce_scatter_last_dim_to_tensor_parallel_region",
-                                    Collective::kReduceScatter, Collective::kAllGather, kLast};
-
-// The collective of a region's forward, below autograd: what the backend kernels run.
+// The collective of a region's forward: what the backend kernel runs. Outputs never alias the
+// input (the identity copies), as the schemas promise.
 at::Tensor forward_collective(const Region& r, const at::Tensor& x, const std::string& group) {
   check_tensor(x, r.name);
-  if (r.forward == Collective::kIdentity) return x.alias();
-  if (comm::group_size(group) == 1) return x.clone();
-  return run(r.forward, x, r.dim, group);
+  if (r.forward == Collective::kIdentity || comm::group_size(group) == 1) return x.clone();
+  switch (r.forward) {
+    case Collective::kAllReduce:
+      return comm::all_reduce(x, group);
+    case Collective::kSplit:
+      return comm::split(x, r.dim, group);
+    case Collective::kAllGather:
+      return comm::all_gather(x, r.dim, group);
+    case Collective::kReduceScatter:
+      return comm::reduce_scatter(x, r.dim, group);
+    case Collective::kIdentity:
+      break;
+  }
+  TORCH_CHECK(false, "unreachable");
 }
 
-// Calls a region's op below autograd through the dispatcher, so fake and meta tensors take the
-// op's fake kernel rather than a collective.
-using Redispatch = at::Tensor (*)(const at::Tensor&, const std::string&);
+using RegionOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, c10::string_view)>;
+using GatherSeqOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, bool, c10::string_view)>;
+
+const c10::OperatorHandle& find_op(const char* name) {
+  // Handles are stable for the process's lifetime; looked up once per call site.
+  static std::mutex mutex;
+  static std::unordered_map<std::string, c10::OperatorHandle> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(name);
+  if (it == cache.end()) {
+    it = cache
+             .emplace(name, c10::Dispatcher::singleton().findSchemaOrThrow(
+                                (std::string("megatron_ext::") + name).c_str(), ""))
+             .first;
+  }
+  return it->second;
+}
+
+// Calls a region op below autograd: fake and meta tensors take its fake kernel, real ones the
+// collective.
+at::Tensor call_region_op(const char* name, const at::Tensor& x, const std::string& group) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  if (std::string_view(name) == kGatherSeq.name) {
+    return find_op(name).typed<at::Tensor(const at::Tensor&, bool, c10::string_view)>().call(
+        x, true, group);
+  }
+  return find_op(name).typed<at::Tensor(const at::Tensor&, c10::string_view)>().call(x, group);
+}
 
 struct RegionFunction : public Function<RegionFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Region* region,
-                            const std::string& group, Redispatch below) {
+                            const std::string& group) {
     ctx->saved_data["group"] = group;
     ctx->saved_data["region"] = reinterpret_cast<int64_t>(region);
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return below(x, group);
+    if (region == &kGatherSeqSplitGrad) {
+      // Same forward as kGatherSeq, only the backward differs.
+      at::AutoDispatchBelowADInplaceOrView guard;
+      return find_op(region->name)
+          .typed<at::Tensor(const at::Tensor&, bool, c10::string_view)>()
+          .call(x, false, group);
+    }
+    return call_region_op(region->name, x, group);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto* region = reinterpret_cast<const Region*>(ctx->saved_data["region"].toInt());
     const auto group = ctx->saved_data["group"].toStringRef();
     at::Tensor grad = grads[0];
-    if (grad.defined()) grad = run(region->backward, grad, region->dim, group);
-    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
+    if (grad.defined() && region->backward_op != nullptr) {
+      grad = call_region_op(region->backward_op, grad, group);
+    }
+    return {grad, at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor apply_region(const Region& r, const at::Tensor& x, const std::string& group,
-                        Redispatch below) {
+at::Tensor apply_region(const Region& r, const at::Tensor& x, const std::string& group) {
   check_tensor(x, r.name);
   const int64_t world = comm::group_size(group);
-  if (world == 1) return x;
-  if (r.forward != Collective::kIdentity && r.forward != Collective::kAllReduce) {
+  if (world == 1) return x;  // one rank: no communication, no autograd node
+  if (r.forward == Collective::kSplit || r.forward == Collective::kReduceScatter) {
     comm::check_divisible(x, r.dim, world, r.name);
   }
-  return RegionFunction::apply(x, &r, group, below);
+  return RegionFunction::apply(x, &r, group);
 }
 
-using RegionOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, c10::string_view)>;
-
-RegionOp find_region_op(const char* name) {
-  return c10::Dispatcher::singleton()
-      .findSchemaOrThrow((std::string("megatron_ext::") + name).c_str(), "")
-      .typed<at::Tensor(const at::Tensor&, c10::string_view)>();
-}
-
-#define MEGATRON_EXT_REGION(fn, region)                                                  \
-  at::Tensor fn##_forward(const at::Tensor& x, c10::string_view group) {                 \
-    return forward_collective(region, x, std::string(group));                           \
-  }                                                                                       \
-  at::Tensor fn##_below(const at::Tensor& x, const std::string& group) {                 \
-    static const RegionOp op = find_region_op(region.name);                              \
-    return op.call(x, group);                                                             \
-  }                                                                                       \
-  at::Tensor fn##_autograd(const at::Tensor& x, c10::string_view group) {                \
-    return apply_region(region, x, std::string(group), &fn##_below);                     \
+#define MEGATRON_EXT_REGION(fn, region)                                   \
+  at::Tensor fn##_forward(const at::Tensor& x, c10::string_view group) {  \
+    return forward_collective(region, x, std::string(group));            \
+  }                                                                        \
+  at::Tensor fn##_autograd(const at::Tensor& x, c10::string_view group) { \
+    return apply_region(region, x, std::string(group));                  \
   }
 
 MEGATRON_EXT_REGION(copy, kCopy)
@@ -154,29 +181,15 @@ MEGATRON_EXT_REGION(all_gather_last, kAllGatherLast)
 MEGATRON_EXT_REGION(reduce_scatter_last, kReduceScatterLast)
 #undef MEGATRON_EXT_REGION
 
-using GatherSeqOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, bool, c10::string_view)>;
-
-template <bool kTensorParallelOutputGrad>
-at::Tensor gather_seq_below(const at::Tensor& x, const std::string& group) {
-  static const GatherSeqOp op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("megatron_ext::gather_from_sequence_parallel_region", "")
-          .typed<at::Tensor(const at::Tensor&, bool, c10::string_view)>();
-  return op.call(x, kTensorParallelOutputGrad, group);
-}
-
 at::Tensor gather_seq_forward(const at::Tensor& x, bool tensor_parallel_output_grad,
                               c10::string_view group) {
-  return forward_collective(tensor_parallel_output_grad ? kGatherSeq : kGatherSeqSplitGrad, x,
-                            std::string(group));
+  return forward_collective(kGatherSeq, x, std::string(group));
 }
 
 at::Tensor gather_seq_autograd(const at::Tensor& x, bool tensor_parallel_output_grad,
                                c10::string_view group) {
-  if (tensor_parallel_output_grad) {
-    return apply_region(kGatherSeq, x, std::string(group), &gather_seq_below<true>);
-  }
-  return apply_region(kGatherSeqSplitGrad, x, std::string(group), &gather_seq_below<false>);
+  return apply_region(tensor_parallel_output_grad ? kGatherSeq : kGatherSeqSplitGrad, x,
+                      std::string(group));
 }
 
 }  // namespace
