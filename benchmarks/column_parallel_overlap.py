@@ -32,19 +32,6 @@ import torch.multiprocessing as mp
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "column_parallel_overlap.json")
 
 
-def _timed(fn: Callable[[], None], warmup: int, reps: int) -> float:
-    times = []
-    for i in range(warmup + reps):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            times.append(elapsed.item())
-    return statistics.median(times)
-
-
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
@@ -62,6 +49,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
     grad = torch.randn(args.tokens, out_per_rank, generator=g)
     xd = x.detach()
 
+    def ours() -> Callable[[], None]:
+        # The op's forward runs before the timed region: only its backward is measured.
+        x.grad = w.grad = b.grad = None
+        out = tp_.linear_with_grad_accumulation_and_async_allreduce(
+            x, w, b, gradient_accumulation_fusion=False, allreduce_dgrad=True, sequence_parallel=False
+        )
+        return lambda: out.backward(grad)
+
     def torch_ops(overlap: bool) -> Callable[[], None]:
         def run() -> None:
             grad_input = grad @ w.detach()
@@ -72,34 +67,31 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
                 work.wait()
             del grad_input, grad_weight, grad_bias
 
-        return run
+        return lambda: run
 
     dgrad_buffer = grad @ w.detach()
-    parts = {
-        "dgrad GEMM": lambda: grad @ w.detach(),
-        "wgrad GEMM + bias sum": lambda: (grad.t() @ xd, grad.sum(0)),
-        "all-reduce of the input gradient": lambda: dist.all_reduce(dgrad_buffer, group=group),
+    variants: dict[str, Callable[[], Callable[[], None]]] = {
+        "megatron_ext op (overlap)": ours,
+        "torch ops, overlapped": torch_ops(True),
+        "torch ops, not overlapped": torch_ops(False),
+        "dgrad GEMM": lambda: lambda: grad @ w.detach(),
+        "wgrad GEMM + bias sum": lambda: lambda: (grad.t() @ xd, grad.sum(0)),
+        "all-reduce of the input gradient": lambda: lambda: dist.all_reduce(dgrad_buffer, group=group),
     }
-
-    # The op's forward runs outside the timed region: only its backward is measured.
-    times = []
+    # Variants take turns within each repetition, so load from other processes on the machine
+    # falls on all of them alike.
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for i in range(args.warmup + args.reps):
-        x.grad = w.grad = b.grad = None
-        out = tp_.linear_with_grad_accumulation_and_async_allreduce(
-            x, w, b, gradient_accumulation_fusion=False, allreduce_dgrad=True, sequence_parallel=False
-        )
-        dist.barrier()
-        start = time.perf_counter()
-        out.backward(grad)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if i >= args.warmup:
-            times.append(elapsed.item())
-    rows = {"megatron_ext op (overlap)": statistics.median(times)}
-    rows["torch ops, overlapped"] = _timed(torch_ops(True), args.warmup, args.reps)
-    rows["torch ops, not overlapped"] = _timed(torch_ops(False), args.warmup, args.reps)
-    for name, fn in parts.items():
-        rows[name] = _timed(fn, args.warmup, args.reps)
+        for name, prepare in variants.items():
+            run = prepare()
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if i >= args.warmup:
+                times[name].append(elapsed.item())
+    rows = {name: statistics.median(t) for name, t in times.items()}
     if rank == 0:
         queue.put(rows)
     parallel_state.destroy_model_parallel()
@@ -145,7 +137,7 @@ def main() -> None:
         json.dump(
             {
                 "config": {**vars(args), "dtype": "float32", "backend": "gloo", "device": "cpu"},
-                "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+                "machine": {"cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0], "platform": platform.platform(), "torch": torch.__version__},
                 "median_ms": {name: seconds * 1e3 for name, seconds in rows.items()},
                 "ideal_overlap_ms": ideal * 1e3,
             },
