@@ -185,6 +185,17 @@ def _async_linear(n: int, rank: int) -> None:
         assert_close(b.grad, g_full.sum((0, 1)).chunk(n)[rank], **TIGHT)
         w.grad = b.grad = None
 
+    group_name = ps.get_tensor_model_parallel_group().group_name
+    op = torch.ops.megatron_ext.linear_with_grad_accumulation_and_async_allreduce.default
+    # Not test_aot_dispatch_dynamic: the backward issues its collectives from C++ (that is how it
+    # overlaps them), which AOT autograd cannot trace.
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    x = x_full.clone().requires_grad_(True)
+    torch.library.opcheck(op, (x, w, b, None, False, n > 1, False, group_name), test_utils=checks)
+    if n > 1:
+        x = x_full.chunk(n, 0)[rank].clone().requires_grad_(True)
+        torch.library.opcheck(op, (x, w, None, None, False, False, True, group_name), test_utils=checks)
+
     # Gradient-accumulation fusion: two backward passes add into main_grad; weight.grad stays None.
     w.main_grad = torch.full_like(w, 0.5)
     for _ in range(2):
