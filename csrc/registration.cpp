@@ -20,6 +20,14 @@ TORCH_LIBRARY(megatron_ext, m) {
 
   // Vocabulary-parallel lookup (kernels/vocab_mask*): local row ids and the ids of other ranks.
   m.def("vocab_range_mask(Tensor ids, int first, int last) -> (Tensor, Tensor)");
+
+  // Linear with the input-gradient collective overlapped with the weight-gradient GEMM
+  // (ops/linear.cpp). ``main_grad`` is the weight's fp32 accumulation buffer, read only when
+  // gradient_accumulation_fusion is set; backward adds the weight gradient into it.
+  m.def(
+      "linear_with_grad_accumulation_and_async_allreduce(Tensor input, Tensor weight, Tensor? bias, "
+      "Tensor? main_grad, bool gradient_accumulation_fusion, bool allreduce_dgrad, "
+      "bool sequence_parallel, str group_name) -> Tensor");
 }
 
 namespace {

@@ -9,6 +9,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from megatron_ext import _C
 from megatron_ext import _ops  # noqa: F401  (fake kernels of the C++ ops)
 from megatron_ext import parallel_state, pipeline_parallel, tensor_parallel
+from megatron_ext.model_parallel_config import ModelParallelConfig
 
 __version__ = "0.1.0"
 
@@ -19,4 +20,13 @@ def build_info() -> dict:
     return dict(_C.build_info())
 
 
-__all__ = ["build_info", "parallel_state", "pipeline_parallel", "tensor_parallel", "__version__"]
+__all__ = [
+    "ModelParallelConfig",
+    "build_info",
+    "parallel_state",
+    "pipeline_parallel",
+    "tensor_parallel",
+    "__version__",
+]
+
+

@@ -68,3 +68,13 @@ def _(input, group_name):
 @torch.library.register_fake("megatron_ext::vocab_range_mask")
 def _(ids, first, last):
     return torch.empty_like(ids, dtype=torch.long), torch.empty_like(ids, dtype=torch.bool)
+
+
+@torch.library.register_fake("megatron_ext::linear_with_grad_accumulation_and_async_allreduce")
+def _(input, weight, bias, main_grad, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+      group_name):
+    shape = list(input.shape)
+    if sequence_parallel:
+        shape[0] *= _group_size(group_name)
+    shape[-1] = weight.shape[0]
+    return input.new_empty(shape)

@@ -1,5 +1,16 @@
 """Tensor parallelism: communication regions, layers, vocab-parallel cross-entropy, RNG."""
 
+from megatron_ext.tensor_parallel.data import broadcast_data
+from megatron_ext.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_tensor_model_parallel_attributes,
+    linear_with_grad_accumulation_and_async_allreduce,
+    param_is_not_tensor_parallel_duplicate,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
+    set_tensor_model_parallel_attributes,
+)
 from megatron_ext.tensor_parallel.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
     copy_to_tensor_model_parallel_region,
@@ -11,6 +22,15 @@ from megatron_ext.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megatron_ext.tensor_parallel.random import (
+    CheckpointFunction,
+    CudaRNGStatesTracker,
+    checkpoint,
+    get_cuda_rng_tracker,
+    get_data_parallel_rng_tracker_name,
+    get_expert_parallel_rng_tracker_name,
+    model_parallel_cuda_manual_seed,
+)
 from megatron_ext.tensor_parallel.utils import (
     VocabUtility,
     divide,
@@ -21,6 +41,17 @@ from megatron_ext.tensor_parallel.utils import (
 )
 
 __all__ = [
+    # data
+    "broadcast_data",
+    # layers
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "copy_tensor_model_parallel_attributes",
+    "linear_with_grad_accumulation_and_async_allreduce",
+    "param_is_not_tensor_parallel_duplicate",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "set_tensor_model_parallel_attributes",
     # mappings
     "all_gather_last_dim_from_tensor_parallel_region",
     "copy_to_tensor_model_parallel_region",
@@ -31,6 +62,14 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
+    # random
+    "CheckpointFunction",
+    "CudaRNGStatesTracker",
+    "checkpoint",
+    "get_cuda_rng_tracker",
+    "get_data_parallel_rng_tracker_name",
+    "get_expert_parallel_rng_tracker_name",
+    "model_parallel_cuda_manual_seed",
     # utils
     "VocabUtility",
     "divide",
