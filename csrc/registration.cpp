@@ -20,6 +20,24 @@ TORCH_LIBRARY(megatron_ext, m) {
 
   // Vocabulary-parallel lookup (kernels/vocab_mask*): local row ids and the ids of other ranks.
   m.def("vocab_range_mask(Tensor ids, int first, int last) -> (Tensor, Tensor)");
+
+  // Vocabulary-parallel cross-entropy (ops/cross_entropy.cpp, kernels/cross_entropy*). The public
+  // op is an autograd node over ``_forward`` (kernels + collectives, returns the loss and the row
+  // max and log-sum-exp saved for backward); ``_row_stats`` and ``_backward`` are the CPU/CUDA
+  // kernels and communicate nothing.
+  m.def(
+      "vocab_parallel_cross_entropy(Tensor vocab_parallel_logits, Tensor target, "
+      "float label_smoothing, int? ignore_index, str group_name) -> Tensor");
+  m.def(
+      "vocab_parallel_cross_entropy_forward(Tensor vocab_parallel_logits, Tensor target, "
+      "float label_smoothing, int? ignore_index, str group_name) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "vocab_parallel_cross_entropy_row_stats(Tensor vocab_parallel_logits, Tensor target, "
+      "int vocab_start, int? ignore_index) -> Tensor");
+  m.def(
+      "vocab_parallel_cross_entropy_backward(Tensor grad_loss, Tensor vocab_parallel_logits, "
+      "Tensor target, Tensor row_max, Tensor log_sum_exp, float label_smoothing, int? ignore_index, "
+      "int vocab_start, int vocab_size) -> Tensor");
 }
 
 namespace {

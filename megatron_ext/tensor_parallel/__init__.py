@@ -1,5 +1,6 @@
 """Tensor parallelism: communication regions, layers, vocab-parallel cross-entropy, RNG."""
 
+from megatron_ext.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ext.tensor_parallel.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
     copy_to_tensor_model_parallel_region,
@@ -21,6 +22,8 @@ from megatron_ext.tensor_parallel.utils import (
 )
 
 __all__ = [
+    # cross_entropy
+    "vocab_parallel_cross_entropy",
     # mappings
     "all_gather_last_dim_from_tensor_parallel_region",
     "copy_to_tensor_model_parallel_region",
