@@ -28,6 +28,23 @@ TORCH_LIBRARY(megatron_ext, m) {
       "linear_with_grad_accumulation_and_async_allreduce(Tensor input, Tensor weight, Tensor? bias, "
       "Tensor? main_grad, bool gradient_accumulation_fusion, bool allreduce_dgrad, "
       "bool sequence_parallel, str group_name) -> Tensor");
+  // Vocabulary-parallel cross-entropy (ops/cross_entropy.cpp, kernels/cross_entropy*). The public
+  // op is an autograd node over ``_forward`` (kernels + collectives, returns the loss and the row
+  // max and log-sum-exp saved for backward); ``_row_stats`` and ``_backward`` are the CPU/CUDA
+  // kernels and communicate nothing.
+  m.def(
+      "vocab_parallel_cross_entropy(Tensor vocab_parallel_logits, Tensor target, "
+      "float label_smoothing, int? ignore_index, str group_name) -> Tensor");
+  m.def(
+      "vocab_parallel_cross_entropy_forward(Tensor vocab_parallel_logits, Tensor target, "
+      "float label_smoothing, int? ignore_index, str group_name) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "vocab_parallel_cross_entropy_row_stats(Tensor vocab_parallel_logits, Tensor target, "
+      "int vocab_start, int? ignore_index) -> Tensor");
+  m.def(
+      "vocab_parallel_cross_entropy_backward(Tensor grad_loss, Tensor vocab_parallel_logits, "
+      "Tensor target, Tensor row_max, Tensor log_sum_exp, float label_smoothing, int? ignore_index, "
+      "int vocab_start, int vocab_size) -> Tensor");
 }
 
 namespace {

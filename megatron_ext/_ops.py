@@ -78,3 +78,28 @@ def _(input, weight, bias, main_grad, gradient_accumulation_fusion, allreduce_dg
         shape[0] *= _group_size(group_name)
     shape[-1] = weight.shape[0]
     return input.new_empty(shape)
+
+def _cross_entropy_acc_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("megatron_ext::vocab_parallel_cross_entropy")
+def _(vocab_parallel_logits, target, label_smoothing, ignore_index, group_name):
+    return target.new_empty(target.shape, dtype=_cross_entropy_acc_dtype(vocab_parallel_logits))
+
+
+@torch.library.register_fake("megatron_ext::vocab_parallel_cross_entropy_forward")
+def _(vocab_parallel_logits, target, label_smoothing, ignore_index, group_name):
+    dtype = _cross_entropy_acc_dtype(vocab_parallel_logits)
+    return tuple(target.new_empty(target.shape, dtype=dtype) for _ in range(3))
+
+
+@torch.library.register_fake("megatron_ext::vocab_parallel_cross_entropy_row_stats")
+def _(vocab_parallel_logits, target, vocab_start, ignore_index):
+    return target.new_empty((*target.shape, 5), dtype=_cross_entropy_acc_dtype(vocab_parallel_logits))
+
+
+@torch.library.register_fake("megatron_ext::vocab_parallel_cross_entropy_backward")
+def _(grad_loss, vocab_parallel_logits, target, row_max, log_sum_exp, label_smoothing, ignore_index,
+      vocab_start, vocab_size):
+    return torch.empty_like(vocab_parallel_logits, memory_format=torch.contiguous_format)

@@ -1,5 +1,6 @@
 """Tensor parallelism: communication regions, layers, vocab-parallel cross-entropy, RNG."""
 
+from megatron_ext.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ext.tensor_parallel.data import broadcast_data
 from megatron_ext.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -52,6 +53,8 @@ __all__ = [
     "param_is_not_tensor_parallel_duplicate",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_tensor_model_parallel_attributes",
+    # cross_entropy
+    "vocab_parallel_cross_entropy",
     # mappings
     "all_gather_last_dim_from_tensor_parallel_region",
     "copy_to_tensor_model_parallel_region",
