@@ -1,0 +1,288 @@
+"""Trains a small byte-level GPT with tensor x pipeline x data parallelism.
+
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --tp 2 --pp 2
+
+The number of processes must equal tp x pp x dp (dp is inferred when not given). Every layout
+trains the same model on the same global batches: with the same seed and global batch the
+per-step losses agree across layouts (exactly, up to rounding, in float64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import sysconfig
+import time
+from datetime import timedelta
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext import parallel_state, tensor_parallel
+from megatron_ext.distributed import finalize_model_grads
+from megatron_ext.models import GPTModel
+from megatron_ext.pipeline_parallel import get_forward_backward_func
+from megatron_ext.transformer import TransformerConfig
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+BYTE_VOCAB = 256
+DEFAULT_CORPUS_BYTES = 4 * 1024 * 1024
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp x pp))")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=256, help=">= 256 (bytes); padded rows are never targets")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    p.add_argument("--recompute", action="store_true", help="recompute each layer's activations in backward")
+    p.add_argument("--data", default=None, help="a text file (byte-level); default: Python's standard library sources")
+    p.add_argument("--log-json", default=None, help="write config, per-step losses and tokens/s here")
+    p.add_argument("--plot", default="runs/train_gpt_loss.png", help="PNG loss curve written by rank 0 ('' = none)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may wait before failing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace, world_size: int) -> None:
+    """Every rank runs this on the same arguments, so every rank raises the same error."""
+    for name in ("tp", "pp", "layers", "hidden", "heads", "seq_len", "micro_batch_size", "global_batch_size", "steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.dp is None:
+        if world_size % (args.tp * args.pp) != 0:
+            raise ValueError(f"world size {world_size} is not divisible by tp x pp = {args.tp * args.pp}")
+        args.dp = world_size // (args.tp * args.pp)
+    if args.tp * args.pp * args.dp != world_size:
+        raise ValueError(
+            f"world size {world_size} != tp x pp x dp = {args.tp} x {args.pp} x {args.dp}; "
+            f"launch with --nproc-per-node {args.tp * args.pp * args.dp}"
+        )
+    if args.heads % args.tp != 0:
+        raise ValueError(f"--heads {args.heads} is not divisible by --tp {args.tp}")
+    if args.hidden % args.heads != 0:
+        raise ValueError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    if args.layers % args.pp != 0:
+        raise ValueError(f"--layers {args.layers} is not divisible by --pp {args.pp}")
+    if args.global_batch_size % (args.micro_batch_size * args.dp) != 0:
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by "
+            f"--micro-batch-size x dp = {args.micro_batch_size} x {args.dp}"
+        )
+    if args.vocab_size < BYTE_VOCAB or args.vocab_size % args.tp != 0:
+        raise ValueError(f"--vocab-size {args.vocab_size} must be >= {BYTE_VOCAB} and divisible by --tp {args.tp}")
+    if args.data is not None and not os.path.isfile(args.data):
+        raise ValueError(f"--data {args.data!r}: no such file")
+    if not 0.0 <= args.dropout < 1.0:
+        raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+
+
+def load_corpus(path: str | None, min_bytes: int) -> torch.Tensor:
+    """The training text as byte ids. Default: the standard library's top-level sources, in
+    name order, which every machine with this Python has."""
+    if path is not None:
+        with open(path, "rb") as f:
+            data = f.read()
+    else:
+        chunks, size = [], 0
+        for name in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))):
+            with open(name, "rb") as f:
+                chunks.append(f.read())
+            size += len(chunks[-1])
+            if size >= DEFAULT_CORPUS_BYTES:
+                break
+        data = b"".join(chunks)[:DEFAULT_CORPUS_BYTES]
+    if len(data) < min_bytes:
+        raise ValueError(f"the corpus has {len(data)} bytes; at least {min_bytes} are needed (seq-len + 1)")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def step_microbatches(corpus: torch.Tensor, step: int, args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
+    """This data-parallel rank's micro-batches of the global batch of ``step``.
+
+    The global batch is the same set of samples in every layout: its sample offsets depend only
+    on the seed and the step; data-parallel rank d takes the d-th contiguous share of it.
+    """
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    offsets = torch.randint(0, corpus.numel() - args.seq_len - 1, (args.global_batch_size,), generator=g)
+    per_rank = args.global_batch_size // args.dp
+    dp_rank = parallel_state.get_data_parallel_rank()
+    mine = offsets[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    window = torch.arange(args.seq_len + 1)
+    samples = corpus[mine[:, None] + window]  # [per_rank, s + 1]
+    return [
+        {"tokens": mb[:, :-1].contiguous(), "labels": mb[:, 1:].contiguous()}
+        for mb in samples.split(args.micro_batch_size)
+    ]
+
+
+def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = output.float().mean() if output.dtype != torch.float64 else output.mean()
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model: GPTModel):
+    batch = next(data_iterator) if data_iterator is not None else None
+    if batch is None:
+        return model(None, None), loss_func
+    tokens, labels = batch["tokens"], batch["labels"]
+    position_ids = torch.arange(tokens.size(1)).expand_as(tokens)
+    return model(tokens, position_ids, labels=labels), loss_func
+
+
+def build_model(args: argparse.Namespace) -> GPTModel:
+    dtype = DTYPES[args.dtype]
+    config = TransformerConfig(
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        hidden_dropout=args.dropout,
+        attention_dropout=args.dropout,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=True,
+        recompute_granularity="full" if args.recompute else None,
+        finalize_model_grads_func=finalize_model_grads,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    return GPTModel(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_len)
+
+
+def global_mean_loss(losses: list[dict[str, torch.Tensor]]) -> float:
+    """The mean loss of the step's global batch, known on every rank."""
+    value = torch.zeros(1, dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        value += torch.stack([d["lm loss"].double() for d in losses]).mean()
+        dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+        value /= parallel_state.get_data_parallel_world_size()
+    dist.broadcast(value, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                   group=parallel_state.get_pipeline_model_parallel_group())
+    return value.item()
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Runs the training loop in an initialised process group; returns the log (every rank)."""
+    world_size = dist.get_world_size()
+    check_args(args, world_size)
+    corpus = load_corpus(args.data, args.seq_len + 2)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        distributed_timeout_minutes=max(1, int(args.timeout // 60)),
+    )
+    try:
+        return _train_loop(args, corpus)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
+    model = build_model(args)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    forward_backward = get_forward_backward_func(schedule=args.schedule)
+    num_microbatches = args.global_batch_size // (args.micro_batch_size * args.dp)
+    needs_data = parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
+    rank0 = dist.get_rank() == 0
+    progress = None
+    if rank0 and not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True)
+
+    losses, tokens_per_s = [], []
+    tokens_per_step = args.global_batch_size * args.seq_len
+    model.train()
+    for step in range(args.steps):
+        start = time.perf_counter()
+        microbatches = step_microbatches(corpus, step, args)
+        optimizer.zero_grad(set_to_none=True)
+        step_losses = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(microbatches) if needs_data else None,
+            model=model,
+            num_microbatches=num_microbatches,
+            seq_length=args.seq_len,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
+        optimizer.step()
+        losses.append(global_mean_loss(step_losses))
+        tokens_per_s.append(tokens_per_step / (time.perf_counter() - start))
+        if progress is not None:
+            progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s[-1]:.0f}")
+            progress.update(1)
+    if progress is not None:
+        progress.close()
+    config = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
+    config["world_size"] = dist.get_world_size()
+    return {"config": config, "losses": losses, "tokens_per_s": tokens_per_s}
+
+
+def write_outputs(log: dict, args: argparse.Namespace) -> None:
+    if args.log_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
+        with open(args.log_json, "w") as f:
+            json.dump(log, f, indent=1)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(range(1, len(log["losses"]) + 1), log["losses"])
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats / byte)")
+        c = log["config"]
+        ax.set_title(f"GPT {c['layers']}x{c['hidden']}, tp {c['tp']} pp {c['pp']} dp {c['dp']}, {c['schedule']}")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=100)
+        plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    try:
+        log = train(args)
+        if dist.get_rank() == 0:
+            write_outputs(log, args)
+            mean_tps = sum(log["tokens_per_s"][1:]) / max(1, len(log["tokens_per_s"]) - 1)
+            print(
+                f"loss {log['losses'][0]:.4f} -> {log['losses'][-1]:.4f} over {args.steps} steps, "
+                f"{mean_tps:.0f} tokens/s" + (f"; loss curve: {args.plot}" if args.plot else "")
+            )
+        return log
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

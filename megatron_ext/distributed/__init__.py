@@ -1,0 +1,9 @@
+"""Data-parallel and embedding gradient reductions."""
+
+from megatron_ext.distributed.finalize_model_grads import (
+    allreduce_embedding_grads,
+    allreduce_gradients,
+    finalize_model_grads,
+)
+
+__all__ = ["allreduce_embedding_grads", "allreduce_gradients", "finalize_model_grads"]

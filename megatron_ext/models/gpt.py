@@ -1,0 +1,138 @@
+"""A GPT built from the parallel transformer, split into pipeline stages."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext import parallel_state, tensor_parallel
+from megatron_ext.transformer import ParallelTransformer, TransformerConfig
+from megatron_ext.transformer.utils import initialization_seed
+
+
+class GPTEmbedding(torch.nn.Module):
+    """Vocab-parallel word embedding + learned position embedding + dropout -> ``[s, b, h]``."""
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int):
+        super().__init__()
+        self.config = config
+        self.max_sequence_length = max_sequence_length
+        self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
+            vocab_size, config.hidden_size, init_method=config.init_method, config=config
+        )
+        self.position_embeddings = torch.nn.Embedding(
+            max_sequence_length, config.hidden_size, dtype=config.params_dtype
+        )
+        if config.perform_initialization:
+            config.init_method(self.position_embeddings.weight.data)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.size(-1) > self.max_sequence_length:
+            raise ValueError(
+                f"sequence length {input_ids.size(-1)} exceeds max_sequence_length {self.max_sequence_length}"
+            )
+        embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        embeddings = embeddings.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+        return torch.nn.functional.dropout(embeddings, p=self.config.hidden_dropout, training=self.training)
+
+
+class GPTModel(torch.nn.Module):
+    """Decoder-only language model; one instance per pipeline stage.
+
+    The first stage (``pre_process``) embeds tokens; the last (``post_process``) applies the final
+    LayerNorm and computes vocab-parallel logits with the word-embedding matrix, never gathering
+    them: with ``labels`` the forward returns the per-token loss ``[b, s]`` from
+    ``vocab_parallel_cross_entropy``, without them the logits ``[b, s, vocab / tp]``. When the
+    first and last stages differ, the last stage holds its own copy of the word embedding, made
+    equal to the first stage's at construction and kept equal by summing their gradients over the
+    embedding group (``megatron_ext.distributed.finalize_model_grads``).
+
+    Weights are drawn from the CPU generator as seeded when the model is built (call
+    ``model_parallel_cuda_manual_seed`` first); with ``config.use_cpu_initialization`` every
+    parallel layout starts from the same weights as the serial model.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        max_sequence_length: int,
+        pre_process: bool | None = None,
+        post_process: bool | None = None,
+        share_embeddings_and_output_weights: bool = True,
+        parallel_output: bool = True,
+    ):
+        super().__init__()
+        if config.sequence_parallel:
+            raise ValueError("GPTModel does not support sequence_parallel=True yet")
+        self.config = config
+        self.vocab_size = vocab_size
+        self.pre_process = parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process
+        self.post_process = parallel_state.is_pipeline_last_stage() if post_process is None else post_process
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        seed = torch.initial_seed()
+
+        if self.pre_process:
+            with initialization_seed(seed, 0):
+                self.embedding = GPTEmbedding(config, vocab_size, max_sequence_length)
+        self.decoder = ParallelTransformer(config, self.pre_process, self.post_process, init_seed=seed)
+        if self.post_process:
+            tied_here = self.pre_process and share_embeddings_and_output_weights
+            with initialization_seed(seed, config.num_layers + 1):
+                self.output_layer = tensor_parallel.ColumnParallelLinear(
+                    config.hidden_size,
+                    vocab_size,
+                    config=config,
+                    init_method=config.init_method,
+                    bias=False,
+                    gather_output=not parallel_output,
+                    skip_weight_param_allocation=tied_here,
+                )
+        self._setup_tied_output_weight()
+
+    def _setup_tied_output_weight(self) -> None:
+        """Makes the last stage's copy of the word embedding equal to the first stage's."""
+        if not self.share_embeddings_and_output_weights:
+            return
+        if self.pre_process and self.post_process:
+            return  # one stage: the output layer reads the embedding weight itself
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1 or not parallel_state.is_rank_in_embedding_group():
+            return
+        weight = self.shared_embedding_or_output_weight()
+        weight.shared_embedding = True
+        if self.post_process:
+            weight.data.zero_()
+        dist.all_reduce(weight.data, group=parallel_state.get_embedding_group())
+
+    def shared_embedding_or_output_weight(self) -> torch.nn.Parameter | None:
+        """The word-embedding matrix on the first stage, its copy on the last, else None."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process and self.share_embeddings_and_output_weights:
+            return self.output_layer.weight
+        return None
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | list[torch.Tensor] | None) -> None:
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"GPTModel takes one input tensor per stage, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
+        hidden = self.decoder(hidden, attention_mask)
+        if not self.post_process:
+            return hidden
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, vocab / tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1))
+        return loss.transpose(0, 1).contiguous()  # [b, s]

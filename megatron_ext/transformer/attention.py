@@ -1,0 +1,75 @@
+"""Causal self-attention with heads split across tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_ext import parallel_state
+from megatron_ext.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_cuda_rng_tracker
+from megatron_ext.tensor_parallel.utils import divide
+from megatron_ext.transformer.transformer_config import TransformerConfig
+
+
+class ParallelAttention(torch.nn.Module):
+    """Self-attention over ``[s, b, h]`` hidden states.
+
+    The fused QKV projection is column-parallel: its output features are laid out head by head
+    (``[head][q | k | v][kv_channels]``), so each rank's contiguous slice holds whole heads and
+    attends with them alone. The output projection is row-parallel and sums the heads' partial
+    outputs. Attention dropout runs inside the RNG tracker's fork, since each rank drops
+    different heads. Returns ``(output, output_bias)`` with the bias not yet added.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int = 1):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.num_heads_per_partition = divide(config.num_attention_heads, tp)
+        self.head_dim = config.kv_channels
+        projection_size = config.kv_channels * config.num_attention_heads
+        self.query_key_value = ColumnParallelLinear(
+            config.hidden_size,
+            3 * projection_size,
+            config=config,
+            init_method=config.init_method,
+            bias=True,
+            gather_output=False,
+        )
+        self.dense = RowParallelLinear(
+            projection_size,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=True,
+            input_is_parallel=True,
+            skip_bias_add=True,
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``attention_mask`` (optional, boolean, True = masked out) is broadcast to
+        ``[b, heads, s, s]`` and combined with the causal mask."""
+        s, b, _ = hidden_states.shape
+        qkv, _ = self.query_key_value(hidden_states)
+        qkv = qkv.view(s, b, self.num_heads_per_partition, 3 * self.head_dim)
+        query, key, value = (t.permute(1, 2, 0, 3) for t in qkv.split(self.head_dim, dim=-1))  # [b, n, s, d]
+
+        scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        mask = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu(1)
+        if attention_mask is not None:
+            mask = mask | attention_mask.to(torch.bool)
+        scores = scores.masked_fill(mask, float("-inf"))
+        if self.config.attention_softmax_in_fp32 and scores.dtype in (torch.float16, torch.bfloat16):
+            probs = torch.softmax(scores.float(), dim=-1).to(scores.dtype)
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        with get_cuda_rng_tracker().fork():
+            probs = torch.nn.functional.dropout(probs, p=self.config.attention_dropout, training=self.training)
+
+        context = torch.matmul(probs, value)  # [b, n, s, d]
+        context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_partition * self.head_dim)
+        return self.dense(context)

@@ -1,0 +1,34 @@
+"""Small pieces shared by the transformer modules."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def initialization_seed(base_seed: int | None, offset: int) -> Iterator[None]:
+    """Draws the parameters built inside from the CPU generator seeded with ``base_seed + offset``
+    and restores the generator afterwards.
+
+    Seeding each layer by its global index makes a layer's (master) weights the same whichever
+    pipeline stage builds it, so every parallel layout starts from the serial model's weights.
+    ``base_seed=None`` leaves the generator alone.
+    """
+    if base_seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(base_seed + offset)
+        yield
+
+
+def bias_dropout_add(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, prob: float, training: bool
+) -> torch.Tensor:
+    """``residual + dropout(x + bias)``."""
+    if bias is not None:
+        x = x + bias
+    return residual + torch.nn.functional.dropout(x, p=prob, training=training)
