@@ -44,7 +44,7 @@ case "$cmd" in
   setup) setup ;;
   train)
     setup
-    exec "$VENV/bin/torchrun" --standalone --nproc-per-node "${NPROC:-4}" examples/regions_demo.py "$@"
+    exec "$VENV/bin/torchrun" --standalone --nproc-per-node "${NPROC:-4}" examples/train_gpt.py "$@"
     ;;
   test)
     setup
