@@ -163,7 +163,7 @@ def build_model(args: argparse.Namespace) -> GPTModel:
         finalize_model_grads_func=finalize_model_grads,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    return GPTModel(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_len)
+    return GPTModel(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_len, init_seed=args.seed)
 
 
 def global_mean_loss(losses: list[dict[str, torch.Tensor]]) -> float:
@@ -186,7 +186,7 @@ def train(args: argparse.Namespace) -> dict:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
-        distributed_timeout_minutes=max(1, int(args.timeout // 60)),
+        distributed_timeout_minutes=args.timeout / 60,
     )
     try:
         return _train_loop(args, corpus)

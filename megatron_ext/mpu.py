@@ -3,8 +3,7 @@ megatron_ext's parallel_state and tensor_parallel.
 
 "Model parallel" here means tensor parallel, as it did in those libraries:
 ``get_model_parallel_rank()`` is the tensor-model-parallel rank, ``copy_to_model_parallel_region``
-the tensor-parallel copy region, and so on. ``vocab_parallel_cross_entropy`` is exported when
-``megatron_ext.tensor_parallel.cross_entropy`` is present.
+the tensor-parallel copy region, and so on.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from megatron_ext.parallel_state import (
     get_tensor_model_parallel_world_size,
     model_parallel_is_initialized,
 )
+from megatron_ext.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ext.tensor_parallel.data import broadcast_data
 from megatron_ext.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron_ext.tensor_parallel.mappings import (
@@ -44,9 +44,25 @@ def initialize_model_parallel(
     pipeline_model_parallel_size_: int = 1,
     virtual_pipeline_model_parallel_size_: int | None = None,
     pipeline_model_parallel_split_rank_: int | None = None,
+    *,
+    model_parallel_size_: int | None = None,
+    default_backend: str | None = None,
+    p2p_backend: str | None = None,
     **kwargs,
 ) -> None:
-    """``parallel_state.initialize_model_parallel`` under the old trailing-underscore keywords."""
+    """``parallel_state.initialize_model_parallel`` under the old trailing-underscore keywords.
+
+    ``model_parallel_size_`` (fairscale, Megatron-LM v1) is the tensor-parallel size. apex's
+    ``default_backend`` / ``p2p_backend`` are accepted and ignored: the groups use the backend of
+    the default process group.
+    """
+    if model_parallel_size_ is not None:
+        if tensor_model_parallel_size_ not in (1, model_parallel_size_):
+            raise ValueError(
+                f"model_parallel_size_={model_parallel_size_} and tensor_model_parallel_size_="
+                f"{tensor_model_parallel_size_} disagree; they name the same size"
+            )
+        tensor_model_parallel_size_ = model_parallel_size_
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size_,
         pipeline_model_parallel_size=pipeline_model_parallel_size_,
@@ -97,6 +113,7 @@ def gather_from_model_parallel_region(input_):
 
 
 __all__ = [
+    "vocab_parallel_cross_entropy",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
@@ -126,10 +143,3 @@ __all__ = [
     "scatter_to_model_parallel_region",
     "split_tensor_along_last_dim",
 ]
-
-try:
-    from megatron_ext.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: F401
-except ImportError:  # the module is not part of this build
-    pass
-else:
-    __all__.append("vocab_parallel_cross_entropy")

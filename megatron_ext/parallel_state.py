@@ -76,7 +76,7 @@ def initialize_model_parallel(
     num_distributed_optimizer_instances: int = 1,
     expert_tensor_parallel_size: int | None = None,
     nccl_communicator_config_path: str | None = None,
-    distributed_timeout_minutes: int = 30,
+    distributed_timeout_minutes: float = 30,
     order: str = "tp-cp-ep-dp-pp",
     get_embedding_ranks: Callable[[list[int]], list[int]] | None = None,
     get_position_embedding_ranks: Callable[[list[int]], list[int]] | None = None,

@@ -4,6 +4,8 @@ float16 and bfloat16, label smoothing, ignore_index, large logits, bad input, ke
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -106,6 +108,16 @@ def _check_low_precision():
         ref_loss, ref_dx = _reference(rounded, target, grad, 0.1, None)
         loss, dx = _ours(_local(rounded), target, grad, label_smoothing=0.1)
         assert loss.dtype == torch.float32 and dx.dtype == dtype
+        assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-5)
+        assert_close(dx, _local(ref_dx).to(dtype))
+    # ignore_index with 32- and 16-bit logits: those tokens get exactly zero loss and gradient.
+    full, target, grad = _inputs(21, shape=(6, 2), ignore_index=5)
+    ignored = target == 5
+    for dtype in (torch.float32, torch.bfloat16):
+        rounded = full.to(dtype)
+        ref_loss, ref_dx = _reference(rounded, target, grad, 0.1, 5)
+        loss, dx = _ours(_local(rounded), target, grad, label_smoothing=0.1, ignore_index=5)
+        assert bool(ignored.any()) and torch.all(loss[ignored] == 0) and torch.all(dx[ignored] == 0)
         assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-5)
         assert_close(dx, _local(ref_dx).to(dtype))
 
@@ -222,6 +234,8 @@ def test_opcheck_and_row_stats_world1():
 
 def test_kernels_registered():
     cuda = megatron_ext.build_info()["cuda_compiled"]
+    if os.environ.get("FORCE_CUDA") == "1":
+        assert cuda, "FORCE_CUDA=1 but the extension was built without its CUDA kernels"
     for op in KERNEL_OPS:
         assert _has_kernel(op, "CPU")
         assert _has_kernel(op, "CUDA") == cuda

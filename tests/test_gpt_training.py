@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_ext import parallel_state as ps
 from tests.distributed import run_distributed
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -101,6 +102,25 @@ def test_bad_arguments_raise_before_training(argv, world, message):
     args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "1"] + argv)
     with pytest.raises(ValueError, match=message.replace("+", r"\+")):
         train_gpt.check_args(args, world)
+
+
+def _bad_arguments_worker(cases):
+    train_gpt = _train_gpt()
+    messages = []
+    for argv in cases:
+        with pytest.raises(ValueError) as error:
+            train_gpt.train(train_gpt.parse_args(SMALL + argv))
+        messages.append(str(error.value))
+    assert not ps.model_parallel_is_initialized()  # refused before the groups were built
+    return messages
+
+
+def test_bad_arguments_raise_on_every_rank():
+    cases = [["--tp", "2", "--pp", "1", "--heads", "3", "--hidden", "48"], ["--tp", "1", "--pp", "2", "--layers", "3"]]
+    messages = run_distributed(2, _bad_arguments_worker, cases)
+    assert messages[0] == messages[1]
+    assert "--heads 3 is not divisible by --tp 2" in messages[0][0]
+    assert "--layers 3 is not divisible by --pp 2" in messages[0][1]
 
 
 def _dying_rank_worker():

@@ -121,6 +121,14 @@ def _check_dtypes(n: int):
         assert_close(tp_.reduce_scatter_to_sequence_parallel_region(x), x.chunk(n, 0)[ps.get_tensor_model_parallel_rank()] * n)
 
 
+def _check_unsupported_dtype(n: int):
+    # gloo cannot move uint16: the error names the operation, dtype and backend on every rank.
+    with pytest.raises(RuntimeError, match=r"all-gather of a UInt16 tensor on cpu over process group .* \(backend gloo\)"):
+        tp_.gather_from_tensor_model_parallel_region(torch.zeros(2, 2, dtype=torch.uint16))
+    with pytest.raises(RuntimeError, match=r"all-reduce of a UInt16 tensor"):
+        tp_.reduce_from_tensor_model_parallel_region(torch.zeros(2, 2, dtype=torch.uint16))
+
+
 def _check_fake_shapes(n: int):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -160,6 +168,7 @@ def _regions_worker(tp_sizes):
             _check_autograd_nodes_are_cpp()
             _check_dtypes(tp)
             _check_fake_shapes(tp)
+            _check_unsupported_dtype(tp)
             _check_opcheck(tp)
         ps.destroy_model_parallel()
     return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.testing import assert_close
@@ -10,7 +11,7 @@ from megatron_ext import mpu, parallel_state, tensor_parallel
 from tests.distributed import run_distributed
 
 
-def _mpu_worker() -> None:
+def _mpu_worker() -> bool:
     assert not mpu.model_parallel_is_initialized()
     mpu.initialize_model_parallel(tensor_model_parallel_size_=2, pipeline_model_parallel_size_=2)
     assert mpu.model_parallel_is_initialized()
@@ -45,16 +46,20 @@ def _mpu_worker() -> None:
     assert mpu.get_cuda_rng_tracker() is tensor_parallel.get_cuda_rng_tracker()
     mpu.model_parallel_cuda_manual_seed(5)
     assert "model-parallel-rng" in mpu.get_cuda_rng_tracker().get_states()
-    try:
-        import megatron_ext.tensor_parallel.cross_entropy as ce
-    except ImportError:
-        assert not hasattr(mpu, "vocab_parallel_cross_entropy")
-    else:
-        assert mpu.vocab_parallel_cross_entropy is ce.vocab_parallel_cross_entropy
+    assert mpu.vocab_parallel_cross_entropy is tensor_parallel.vocab_parallel_cross_entropy
 
     mpu.destroy_model_parallel()
     assert not mpu.model_parallel_is_initialized()
 
+    # fairscale / Megatron-LM v1 name the tensor-parallel size model_parallel_size_; apex passes
+    # backend keywords.
+    mpu.initialize_model_parallel(model_parallel_size_=4, default_backend="gloo", p2p_backend="gloo")
+    assert mpu.get_model_parallel_world_size() == 4 and mpu.get_model_parallel_rank() == rank
+    mpu.destroy_model_parallel()
+    with pytest.raises(ValueError, match="model_parallel_size_=2 and tensor_model_parallel_size_=4 disagree"):
+        mpu.initialize_model_parallel(4, model_parallel_size_=2)
+    return True
+
 
 def test_mpu_names():
-    run_distributed(4, _mpu_worker)
+    assert run_distributed(4, _mpu_worker) == [True] * 4

@@ -9,6 +9,24 @@ c10::intrusive_ptr<c10d::ProcessGroup> resolve(const std::string& group_name) {
   return c10d::resolve_process_group(group_name);
 }
 
+namespace {
+
+// Runs a blocking collective; a backend failure (a dtype gloo cannot reduce, a lost peer) is
+// rethrown with the operation, dtype, device, group and backend named.
+template <typename Fn>
+at::Tensor collective(const char* what, const at::Tensor& input, const std::string& group_name,
+                      Fn&& fn) {
+  try {
+    return fn();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, what, " of a ", input.scalar_type(), " tensor on ", input.device(),
+                " over process group '", group_name, "' (backend ",
+                resolve(group_name)->getBackendName(), ") failed: ", e.what_without_backtrace());
+  }
+}
+
+}  // namespace
+
 int64_t group_size(const std::string& group_name) { return resolve(group_name)->getSize(); }
 
 int64_t group_rank(const std::string& group_name) { return resolve(group_name)->getRank(); }
@@ -23,9 +41,11 @@ void check_divisible(const at::Tensor& input, int64_t dim, int64_t world_size, c
 
 at::Tensor all_reduce(const at::Tensor& input, const std::string& group_name,
                       c10d::ReduceOp::RedOpType op) {
-  auto result = input.clone(at::MemoryFormat::Contiguous);
-  all_reduce_async_(result, group_name, op)->wait();
-  return result;
+  return collective("all-reduce", input, group_name, [&] {
+    auto result = input.clone(at::MemoryFormat::Contiguous);
+    all_reduce_async_(result, group_name, op)->wait();
+    return result;
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> all_reduce_async_(at::Tensor& tensor, const std::string& group_name,
@@ -45,8 +65,11 @@ at::Tensor all_gather(const at::Tensor& input, int64_t dim, const std::string& g
   auto local = input.contiguous();
   auto sizes = local.sizes().vec();
   sizes[0] *= world;
-  auto gathered = at::empty(sizes, local.options());
-  group->all_gather_single(gathered, local)->wait();
+  auto gathered = collective("all-gather", input, group_name, [&] {
+    auto out = at::empty(sizes, local.options());
+    group->all_gather_single(out, local)->wait();
+    return out;
+  });
   if (d == 0) return gathered;
   return at::cat(gathered.chunk(world, 0), d);
 }
@@ -66,9 +89,11 @@ at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, const std::strin
   auto stacked = d == 0 ? input.contiguous() : at::cat(input.chunk(world, d), 0).contiguous();
   auto sizes = stacked.sizes().vec();
   sizes[0] /= world;
-  auto chunk = at::empty(sizes, stacked.options());
-  reduce_scatter_first_dim_async(chunk, stacked, group_name)->wait();
-  return chunk;
+  return collective("reduce-scatter", input, group_name, [&] {
+    auto chunk = at::empty(sizes, stacked.options());
+    reduce_scatter_first_dim_async(chunk, stacked, group_name)->wait();
+    return chunk;
+  });
 }
 
 at::Tensor split(const at::Tensor& input, int64_t dim, const std::string& group_name) {

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state
+from megatron_ext.pipeline_parallel.schedules import get_attr_wrapped_model
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -66,7 +67,11 @@ def allreduce_embedding_grads(model_chunks: list[torch.nn.Module]) -> None:
         model = model_chunks[-1]
     else:
         return
-    weight = getattr(model, "shared_embedding_or_output_weight", lambda: None)()
+    try:  # look through wrappers such as DistributedDataParallel
+        shared_weight = get_attr_wrapped_model(model, "shared_embedding_or_output_weight")
+    except AttributeError:
+        return
+    weight = shared_weight()
     if weight is None or not getattr(weight, "shared_embedding", False):
         return
     grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)

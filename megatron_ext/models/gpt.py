@@ -47,9 +47,11 @@ class GPTModel(torch.nn.Module):
     equal to the first stage's at construction and kept equal by summing their gradients over the
     embedding group (``megatron_ext.distributed.finalize_model_grads``).
 
-    Weights are drawn from the CPU generator as seeded when the model is built (call
-    ``model_parallel_cuda_manual_seed`` first); with ``config.use_cpu_initialization`` every
-    parallel layout starts from the same weights as the serial model.
+    Weights are drawn from the CPU generator: component ``k`` (the embedding, each layer by its
+    global index, the output layer) from ``init_seed + k``, so a layer's weights do not depend on
+    which stage builds it. ``init_seed`` defaults to ``torch.initial_seed()`` (what
+    ``torch.manual_seed`` last set). With ``config.use_cpu_initialization`` every parallel layout
+    therefore starts from the serial model's weights.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class GPTModel(torch.nn.Module):
         post_process: bool | None = None,
         share_embeddings_and_output_weights: bool = True,
         parallel_output: bool = True,
+        init_seed: int | None = None,
     ):
         super().__init__()
         if config.sequence_parallel:
@@ -70,7 +73,7 @@ class GPTModel(torch.nn.Module):
         self.pre_process = parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process
         self.post_process = parallel_state.is_pipeline_last_stage() if post_process is None else post_process
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
-        seed = torch.initial_seed()
+        seed = torch.initial_seed() if init_seed is None else init_seed
 
         if self.pre_process:
             with initialization_seed(seed, 0):
@@ -131,8 +134,10 @@ class GPTModel(torch.nn.Module):
         if not self.post_process:
             return hidden
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, vocab / tp]
         if labels is None:
+            logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, vocab (/ tp if parallel_output)]
             return logits.transpose(0, 1).contiguous()
+        # The loss reads vocab-parallel logits whatever parallel_output says.
+        logits, _ = self.output_layer(hidden, weight=weight, runtime_gather_output=False)
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1))
         return loss.transpose(0, 1).contiguous()  # [b, s]

@@ -298,6 +298,14 @@ class VocabParallelEmbedding(torch.nn.Module):
             set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        # Every rank holds the same ids, so every rank raises alike; without this check an id
+        # outside the vocabulary would silently embed to zeros at TP > 1.
+        out_of_range = (input_ < 0) | (input_ >= self.num_embeddings)
+        if bool(out_of_range.any()):
+            raise ValueError(
+                f"VocabParallelEmbedding: token id {input_[out_of_range].flatten()[0].item()} is outside "
+                f"[0, {self.num_embeddings}) ({int(out_of_range.sum())} ids out of range)"
+            )
         if self.tensor_model_parallel_size > 1:
             local_ids, outside = torch.ops.megatron_ext.vocab_range_mask(
                 input_, self.vocab_start_index, self.vocab_end_index

@@ -21,7 +21,8 @@ def initialization_seed(base_seed: int | None, offset: int) -> Iterator[None]:
         yield
         return
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(base_seed + offset)
+        # Only the CPU generator: torch.manual_seed would also reseed (and not restore) CUDA's.
+        torch.random.default_generator.manual_seed(base_seed + offset)
         yield
 
 

@@ -1,0 +1,99 @@
+"""GPTModel and the gradient finalisation: parallel logits and losses equal the serial model's,
+the tied embedding stays tied across pipeline stages, bad token ids are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from megatron_ext import parallel_state as ps
+from megatron_ext import tensor_parallel
+from megatron_ext.distributed import finalize_model_grads
+from megatron_ext.models import GPTModel
+from megatron_ext.transformer import TransformerConfig
+from tests.distributed import run_distributed
+
+VOCAB, SEQ, BATCH, SEED = 64, 8, 3, 7
+EXACT = dict(rtol=1e-10, atol=1e-12)
+
+
+def _model(tp: int, pp: int = 1, **kwargs) -> GPTModel:
+    config = TransformerConfig(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, num_layers=2, hidden_size=16,
+        num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64,
+        pipeline_dtype=torch.float64, use_cpu_initialization=True,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, init_seed=SEED, **kwargs)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return tokens, torch.arange(SEQ).expand(BATCH, SEQ), labels
+
+
+class _Wrapper(torch.nn.Module):
+    """Stands for DistributedDataParallel: it keeps the model as ``.module``."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+
+def _tensor_parallel_worker() -> bool:
+    tokens, positions, labels = _batch()
+    ps.initialize_model_parallel(1)
+    serial = _model(1)
+    ref_logits = serial(tokens, positions)
+    ref_loss = serial(tokens, positions, labels=labels)
+    ref_loss.sum().backward()
+    ref_grad = serial.embedding.word_embeddings.weight.grad
+    ps.destroy_model_parallel()
+
+    ps.initialize_model_parallel(2)
+    r = ps.get_tensor_model_parallel_rank()
+    for parallel_output in (True, False):
+        model = _model(2, parallel_output=parallel_output)
+        logits = model(tokens, positions)
+        expected = ref_logits.chunk(2, -1)[r] if parallel_output else ref_logits
+        assert_close(logits, expected, **EXACT)
+        loss = model(tokens, positions, labels=labels)  # vocab-parallel whatever parallel_output says
+        assert_close(loss, ref_loss, **EXACT)
+        loss.sum().backward()
+        assert_close(model.embedding.word_embeddings.weight.grad, ref_grad.chunk(2, 0)[r], **EXACT)
+
+    for bad in (VOCAB, -1):
+        ids = tokens.clone()
+        ids[1, 2] = bad
+        with pytest.raises(ValueError, match=rf"token id {bad} is outside \[0, {VOCAB}\)"):
+            model(ids, positions)
+    ps.destroy_model_parallel()
+    return True
+
+
+def _tied_embedding_worker() -> bool:
+    ps.initialize_model_parallel(1, 2)
+    first = ps.is_pipeline_first_stage()
+    model = _model(1, 2)
+    weight = model.shared_embedding_or_output_weight()
+    gathered = [torch.empty_like(weight) for _ in range(2)]
+    dist.all_gather(gathered, weight.detach())
+    assert_close(gathered[0], gathered[1], rtol=0, atol=0)  # the last stage's copy starts equal
+    # Each stage's own gradient; after finalisation both hold their sum, found through a wrapper.
+    weight.grad = torch.full_like(weight, 1.0 if first else 2.0)
+    finalize_model_grads([_Wrapper(model)])
+    assert torch.all(weight.grad == 3.0)
+    ps.destroy_model_parallel()
+    return True
+
+
+def test_tensor_parallel_gpt_equals_serial():
+    assert run_distributed(2, _tensor_parallel_worker) == [True, True]
+
+
+def test_tied_embedding_across_stages():
+    assert run_distributed(2, _tied_embedding_worker) == [True, True]
