@@ -117,23 +117,19 @@ at::Tensor backward_cpu(const at::Tensor& grad_loss, const at::Tensor& logits, c
                         const at::Tensor& row_max, const at::Tensor& log_sum_exp,
                         double label_smoothing, std::optional<int64_t> ignore_index,
                         int64_t vocab_start, int64_t vocab_size) {
-  check_cross_entropy_kernel_args(logits, target, "vocab_parallel_cross_entropy_backward");
-  const int64_t vocab = logits.size(-1);
-  const int64_t rows = target.numel();
-  const auto acc = cross_entropy_acc_type(logits.scalar_type());
-  auto x = logits.contiguous();
-  auto t = target.contiguous();
-  auto g = grad_loss.to(acc).contiguous();
-  auto m = row_max.to(acc).contiguous();
-  auto l = log_sum_exp.to(acc).contiguous();
-  TORCH_CHECK_VALUE(g.numel() == rows && m.numel() == rows && l.numel() == rows,
-                    "vocab_parallel_cross_entropy_backward: expected one gradient, max and "
-                    "log-sum-exp per token (", rows, "), got ", g.numel(), ", ", m.numel(), ", ",
-                    l.numel());
+  const auto in = prepare_cross_entropy_backward(grad_loss, logits, target, row_max, log_sum_exp,
+                                                 label_smoothing, vocab_size);
+  const int64_t vocab = in.vocab;
+  const int64_t rows = in.rows;
+  const auto& x = in.logits;
+  const auto& t = in.target;
+  const auto& g = in.grad_loss;
+  const auto& m = in.row_max;
+  const auto& l = in.log_sum_exp;
   auto grad = at::empty(x.sizes(), x.options());
   const bool has_ignore = ignore_index.has_value();
   const int64_t ignore = ignore_index.value_or(0);
-  const double other = vocab_size > 1 ? label_smoothing / static_cast<double>(vocab_size - 1) : 0.0;
+  const double other = in.other_weight;
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, x.scalar_type(), "vocab_parallel_cross_entropy_backward", [&] {
         using acc_t = at::opmath_type<scalar_t>;

@@ -28,4 +28,31 @@ inline at::ScalarType cross_entropy_acc_type(at::ScalarType logits) {
   return logits == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// The backward kernels' inputs, contiguous, statistics in the accumulation dtype.
+struct CrossEntropyBackwardInputs {
+  at::Tensor logits, target, grad_loss, row_max, log_sum_exp;
+  int64_t vocab;  // this rank's vocabulary slice
+  int64_t rows;   // tokens
+  double other_weight;  // label_smoothing / (V - 1): what each non-target class gets
+};
+
+inline CrossEntropyBackwardInputs prepare_cross_entropy_backward(
+    const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
+    const at::Tensor& row_max, const at::Tensor& log_sum_exp, double label_smoothing,
+    int64_t vocab_size) {
+  check_cross_entropy_kernel_args(logits, target, "vocab_parallel_cross_entropy_backward");
+  const auto acc = cross_entropy_acc_type(logits.scalar_type());
+  CrossEntropyBackwardInputs in{logits.contiguous(), target.contiguous(),
+                                grad_loss.to(acc).contiguous(), row_max.to(acc).contiguous(),
+                                log_sum_exp.to(acc).contiguous(), logits.size(-1), target.numel(),
+                                vocab_size > 1 ? label_smoothing / static_cast<double>(vocab_size - 1)
+                                               : 0.0};
+  TORCH_CHECK_VALUE(in.grad_loss.numel() == in.rows && in.row_max.numel() == in.rows &&
+                        in.log_sum_exp.numel() == in.rows,
+                    "vocab_parallel_cross_entropy_backward: expected one gradient, max and "
+                    "log-sum-exp per token (", in.rows, "), got ", in.grad_loss.numel(), ", ",
+                    in.row_max.numel(), ", ", in.log_sum_exp.numel());
+  return in;
+}
+
 }  // namespace megatron_ext
