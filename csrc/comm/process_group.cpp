@@ -57,21 +57,27 @@ c10::intrusive_ptr<c10d::Work> all_reduce_async_(at::Tensor& tensor, const std::
   return resolve(group_name)->allreduce(tensors, opts);
 }
 
-at::Tensor all_gather(const at::Tensor& input, int64_t dim, const std::string& group_name) {
+std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>> all_gather_first_dim_async(
+    const at::Tensor& input, const std::string& group_name) {
   auto group = resolve(group_name);
-  const int64_t world = group->getSize();
-  TORCH_CHECK_VALUE(input.dim() > 0, "all_gather: expected a tensor with at least one dimension");
-  const int64_t d = at::maybe_wrap_dim(dim, input.dim());
   auto local = input.contiguous();
   auto sizes = local.sizes().vec();
-  sizes[0] *= world;
+  sizes[0] *= group->getSize();
+  auto gathered = at::empty(sizes, local.options());
+  auto work = group->all_gather_single(gathered, local);
+  return {gathered, work};
+}
+
+at::Tensor all_gather(const at::Tensor& input, int64_t dim, const std::string& group_name) {
+  TORCH_CHECK_VALUE(input.dim() > 0, "all_gather: expected a tensor with at least one dimension");
+  const int64_t d = at::maybe_wrap_dim(dim, input.dim());
   auto gathered = collective("all-gather", input, group_name, [&] {
-    auto out = at::empty(sizes, local.options());
-    group->all_gather_single(out, local)->wait();
+    auto [out, work] = all_gather_first_dim_async(input, group_name);
+    work->wait();
     return out;
   });
   if (d == 0) return gathered;
-  return at::cat(gathered.chunk(world, 0), d);
+  return at::cat(gathered.chunk(group_size(group_name), 0), d);
 }
 
 c10::intrusive_ptr<c10d::Work> reduce_scatter_first_dim_async(at::Tensor& output, at::Tensor& input,

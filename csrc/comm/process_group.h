@@ -20,6 +20,9 @@ c10::intrusive_ptr<c10d::Work> all_reduce_async_(at::Tensor& tensor, const std::
                                                  c10d::ReduceOp::RedOpType op = c10d::ReduceOp::SUM);
 // Concatenation of every rank's ``input`` along ``dim``, in rank order.
 at::Tensor all_gather(const at::Tensor& input, int64_t dim, const std::string& group_name);
+// Starts gathering ``input`` along dim 0 into a new tensor; the caller waits on the work.
+std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>> all_gather_first_dim_async(
+    const at::Tensor& input, const std::string& group_name);
 // The sum over the group, split along ``dim``: this rank's chunk.
 at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, const std::string& group_name);
 // Starts a reduce-scatter along dim 0 of a contiguous tensor into ``output``.

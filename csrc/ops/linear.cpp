@@ -57,18 +57,6 @@ void check_args(const at::Tensor& input, const at::Tensor& weight, const std::op
   }
 }
 
-// Starts gathering ``input`` along dim 0 into a new tensor; the caller waits on the work.
-std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>> all_gather_first_dim_async(
-    const at::Tensor& input, const std::string& group) {
-  auto pg = comm::resolve(group);
-  auto local = input.contiguous();
-  auto sizes = local.sizes().vec();
-  sizes[0] *= pg->getSize();
-  auto gathered = at::empty(sizes, local.options());
-  auto work = pg->_allgather_base(gathered, local);
-  return {gathered, work};
-}
-
 // The forward below autograd, for every backend.
 at::Tensor linear_forward(const at::Tensor& input, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias,
@@ -80,7 +68,7 @@ at::Tensor linear_forward(const at::Tensor& input, const at::Tensor& weight,
   const std::string group(group_name);
   at::Tensor total_input = input;
   if (sequence_parallel && comm::group_size(group) > 1) {
-    auto [gathered, work] = all_gather_first_dim_async(input, group);
+    auto [gathered, work] = comm::all_gather_first_dim_async(input, group);
     work->wait();
     total_input = gathered;
   }
@@ -139,7 +127,7 @@ struct LinearAsyncFunction : public Function<LinearAsyncFunction> {
     at::Tensor total_input = input;
     c10::intrusive_ptr<c10d::Work> gather_work;
     if (sequence_parallel && need_weight_grad) {
-      std::tie(total_input, gather_work) = all_gather_first_dim_async(input, group);
+      std::tie(total_input, gather_work) = comm::all_gather_first_dim_async(input, group);
     }
 
     at::Tensor grad_input;
