@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from megatron_ext import parallel_state, tensor_parallel
 from megatron_ext.distributed import DistributedDataParallel, finalize_model_grads
+from megatron_ext.distributed.distributed_data_parallel import DEFAULT_BUCKET_SIZE_BYTES
 from megatron_ext.models import GPTModel
 from megatron_ext.pipeline_parallel import get_forward_backward_func
-from megatron_ext.distributed.distributed_data_parallel import DEFAULT_BUCKET_SIZE_BYTES
 from megatron_ext.transformer import TransformerConfig
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
