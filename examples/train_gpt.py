@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state, tensor_parallel
-from megatron_ext.distributed import finalize_model_grads
+from megatron_ext.distributed import DistributedDataParallel, finalize_model_grads
+from megatron_ext.distributed.distributed_data_parallel import DEFAULT_BUCKET_SIZE_BYTES
 from megatron_ext.models import GPTModel
 from megatron_ext.pipeline_parallel import get_forward_backward_func
 from megatron_ext.transformer import TransformerConfig
@@ -52,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     p.add_argument("--recompute", action="store_true", help="recompute each layer's activations in backward")
+    p.add_argument("--grad-bucket-bytes", type=int, default=DEFAULT_BUCKET_SIZE_BYTES,
+                   help="size bound of a data-parallel gradient all-reduce bucket")
     p.add_argument("--data", default=None, help="a text file (byte-level); default: Python's standard library sources")
     p.add_argument("--log-json", default=None, help="write config, per-step losses and tokens/s here")
     p.add_argument("--plot", default="runs/train_gpt_loss.png", help="PNG loss curve written by rank 0 ('' = none)")
@@ -62,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Every rank runs this on the same arguments, so every rank raises the same error."""
-    for name in ("tp", "pp", "layers", "hidden", "heads", "seq_len", "micro_batch_size", "global_batch_size", "steps"):
+    for name in ("tp", "pp", "layers", "hidden", "heads", "seq_len", "micro_batch_size", "global_batch_size", "steps",
+                 "grad_bucket_bytes"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.dp is None:
@@ -137,7 +141,7 @@ def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tenso
     return loss, {"lm loss": loss.detach()}
 
 
-def forward_step(data_iterator, model: GPTModel):
+def forward_step(data_iterator, model: DistributedDataParallel):
     batch = next(data_iterator) if data_iterator is not None else None
     if batch is None:
         return model(None, None), loss_func
@@ -195,7 +199,14 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
-    model = build_model(args)
+    # Gradients are averaged over the data-parallel group in buckets that start during the last
+    # micro-batch's backward; the earlier micro-batches only accumulate (no_sync).
+    model = DistributedDataParallel(
+        build_model(args),
+        data_parallel_group=parallel_state.get_data_parallel_group(),
+        bucket_size_bytes=args.grad_bucket_bytes,
+    )
+    model.module.config.no_sync_func = model.no_sync
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     forward_backward = get_forward_backward_func(schedule=args.schedule)
     num_microbatches = args.global_batch_size // (args.micro_batch_size * args.dp)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state
+from megatron_ext.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron_ext.pipeline_parallel.schedules import get_attr_wrapped_model
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -79,9 +80,31 @@ def allreduce_embedding_grads(model_chunks: list[torch.nn.Module]) -> None:
     weight.grad = grad
 
 
+def _find_ddp(model: torch.nn.Module) -> DistributedDataParallel | None:
+    """The DistributedDataParallel that ``model`` is or wraps (through ``.module``), if any."""
+    inner: Any = model
+    while inner is not None:
+        if isinstance(inner, DistributedDataParallel):
+            return inner
+        inner = getattr(inner, "module", None)
+    return None
+
+
 def finalize_model_grads(model_chunks: list[torch.nn.Module], num_tokens: torch.Tensor | None = None) -> None:
     """Averages gradients over the data-parallel group and sums the tied embedding's over the
-    embedding group: what must happen after every backward and before every optimizer step."""
-    params = [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
-    allreduce_gradients(params, parallel_state.get_data_parallel_group())
+    embedding group: what must happen after every backward and before every optimizer step.
+
+    A chunk that is (or wraps) a ``DistributedDataParallel`` has started its reductions during
+    the backward: its ``finish_grad_sync()`` completes them. The gradients of other chunks are
+    all-reduced here, after the backward.
+    """
+    params = []
+    for chunk in model_chunks:
+        ddp = _find_ddp(chunk)
+        if ddp is not None:
+            ddp.finish_grad_sync()
+        else:
+            params.extend(p for p in chunk.parameters() if p.requires_grad)
+    if params:
+        allreduce_gradients(params, parallel_state.get_data_parallel_group())
     allreduce_embedding_grads(model_chunks)
