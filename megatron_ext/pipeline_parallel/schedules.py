@@ -450,47 +450,12 @@ def forward_backward_pipelining_gpipe(
     Every stage holds the activations of all ``num_microbatches`` at the peak; 1F1B computes the
     same gradients with at most ``pipeline_model_parallel_size`` in flight.
     """
-    model, data_iterator, config, shape = _prepare(
-        model=model, data_iterator=data_iterator, num_microbatches=num_microbatches,
-        seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only,
-        collect_non_loss_data=collect_non_loss_data, pipelined=True,
+    return _pipelined(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step, all_forwards_first=True,
     )
-    store: list = []
-    total_tokens = 0
-    in_flight: list[tuple[torch.Tensor | None, torch.Tensor]] = []
-    sync = _GradSync(config)
-    with _timed(config, "forward-backward", 1):
-        sync.disable()
-        try:
-            for i in range(num_microbatches):
-                input_tensor = p2p.recv_forward(shape, config)
-                output_tensor, num_tokens = forward_step(
-                    forward_step_func, data_iterator, model, num_microbatches, input_tensor, store,
-                    config, collect_non_loss_data,
-                    is_first_microbatch=_is_first_microbatch(first_val_step, forward_only, i == 0),
-                )
-                total_tokens += int(num_tokens)
-                if not parallel_state.is_pipeline_last_stage():
-                    _check_output(output_tensor, shape, config)
-                p2p.send_forward(output_tensor, config)
-                if not forward_only:
-                    in_flight.append((input_tensor, output_tensor))
-                    if not parallel_state.is_pipeline_last_stage():
-                        deallocate_output_tensor(output_tensor, _deallocates(config))
-            if not forward_only:
-                for i in range(num_microbatches):
-                    if i == num_microbatches - 1:
-                        sync.enable()
-                    input_tensor, output_tensor = in_flight.pop(0)
-                    output_tensor_grad = p2p.recv_backward(shape, config)
-                    input_tensor_grad = backward_step(
-                        input_tensor, output_tensor, output_tensor_grad, None, config
-                    )
-                    p2p.send_backward(input_tensor_grad, config)
-        finally:
-            sync.enable()
-        _finalize(model, config, forward_only, total_tokens)
-    return store
 
 
 def forward_backward_pipelining_without_interleaving(
@@ -511,6 +476,32 @@ def forward_backward_pipelining_without_interleaving(
 
     A stage holds at most ``min(pp - r, m)`` micro-batches' activations at any time.
     """
+    return _pipelined(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step, all_forwards_first=False,
+    )
+
+
+def _pipelined(
+    *,
+    forward_step_func: ForwardStepFunc,
+    data_iterator: Iterator | list[Iterator] | None,
+    model: torch.nn.Module | list[torch.nn.Module],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool,
+    collect_non_loss_data: bool,
+    first_val_step: bool | None,
+    all_forwards_first: bool,
+) -> list:
+    """Warm-up forwards, steady one-forward-one-backward, cool-down backwards.
+
+    GPipe is the case with every micro-batch in the warm-up (no steady phase); 1F1B warms up
+    with ``min(pp - r - 1, m)`` on stage r.
+    """
     model, data_iterator, config, shape = _prepare(
         model=model, data_iterator=data_iterator, num_microbatches=num_microbatches,
         seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only,
@@ -519,7 +510,7 @@ def forward_backward_pipelining_without_interleaving(
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     last_stage = parallel_state.is_pipeline_last_stage()
-    num_warmup = min(pp_size - pp_rank - 1, num_microbatches)
+    num_warmup = num_microbatches if all_forwards_first else min(pp_size - pp_rank - 1, num_microbatches)
     num_steady = num_microbatches - num_warmup
 
     store: list = []
