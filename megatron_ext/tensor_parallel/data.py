@@ -7,15 +7,11 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_ext import parallel_state
+from megatron_ext.tensor_parallel.utils import resolve_tp_group
 
 _MAX_DATA_DIM = 8
 # Header layout: [status, then per key: ndim, size_0 .. size_7].
 _OK, _BAD_DATA = 0, 1
-
-
-def _tp_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    return parallel_state.get_tensor_model_parallel_group() if tp_group is None else tp_group
 
 
 def _comm_device(group: dist.ProcessGroup) -> torch.device:
@@ -55,7 +51,7 @@ def broadcast_data(
     group communicates on (CPU for gloo, the current GPU for NCCL). If rank 0's data is unusable
     (missing key, wrong dtype), every rank raises ``ValueError`` instead of waiting.
     """
-    group = _tp_group(tp_group)
+    group = resolve_tp_group(tp_group)
     src = dist.get_global_rank(group, 0)
     is_src = dist.get_rank(group) == 0
     device = _comm_device(group)

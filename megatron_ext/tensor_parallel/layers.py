@@ -34,7 +34,7 @@ from megatron_ext.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron_ext.tensor_parallel.random import get_cuda_rng_tracker
-from megatron_ext.tensor_parallel.utils import VocabUtility, divide
+from megatron_ext.tensor_parallel.utils import VocabUtility, divide, resolve_tp_group
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
 
@@ -127,7 +127,7 @@ def _initialize_affine_weight_cpu(
 
 
 def _group_and_size(tp_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
-    group = parallel_state.get_tensor_model_parallel_group() if tp_group is None else tp_group
+    group = resolve_tp_group(tp_group)
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 

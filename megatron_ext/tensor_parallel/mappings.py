@@ -26,16 +26,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_ext import parallel_state
+from megatron_ext.tensor_parallel.utils import resolve_tp_group
 
 _ops = torch.ops.megatron_ext
 
 
 def resolve_group_name(group: dist.ProcessGroup | None) -> str:
     """The c10d registry name of ``group``; ``None`` means the tensor-model-parallel group."""
-    if group is None:
-        group = parallel_state.get_tensor_model_parallel_group()
-    return group.group_name
+    return resolve_tp_group(group).group_name
 
 
 def _check_tensor(input_: object, region: str) -> torch.Tensor:

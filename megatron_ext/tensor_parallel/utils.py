@@ -34,15 +34,23 @@ def split_tensor_along_last_dim(
     return chunks
 
 
-def _tp_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+def resolve_tp_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """``group``, or the tensor-model-parallel group when it is ``None``."""
     return parallel_state.get_tensor_model_parallel_group() if group is None else group
+
+
+def group_args(group: dist.ProcessGroup | None = None) -> tuple[str, int, int]:
+    """What an op's schema takes of a group: its c10d registry name, its size and this process's
+    rank in it (``None`` means the tensor-model-parallel group)."""
+    group = resolve_tp_group(group)
+    return group.group_name, dist.get_world_size(group), dist.get_rank(group)
 
 
 def split_tensor_into_1d_equal_chunks(
     tensor: torch.Tensor, new_buffer: bool = False, tp_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """This tensor-parallel rank's chunk of ``tensor`` flattened (numel must divide by the TP size)."""
-    group = _tp_group(tp_group)
+    group = resolve_tp_group(tp_group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     flat = tensor.reshape(-1)
     chunk = divide(flat.numel(), world)
@@ -53,7 +61,7 @@ def split_tensor_into_1d_equal_chunks(
 def gather_split_1d_tensor(tensor: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The inverse of split_tensor_into_1d_equal_chunks: all-gathers the 1-D chunks of the
     tensor-parallel group into one flat tensor."""
-    group = _tp_group(tp_group)
+    group = resolve_tp_group(tp_group)
     world = dist.get_world_size(group)
     gathered = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
     dist.all_gather_into_tensor(gathered, tensor.contiguous().reshape(-1), group=group)
