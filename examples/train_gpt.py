@@ -174,6 +174,7 @@ def build_model(args: argparse.Namespace) -> GPTModel:
         recompute_granularity="full" if args.recompute else None,
         finalize_model_grads_func=finalize_model_grads,
     )
+    torch.manual_seed(args.seed)  # the CPU generator: dropout outside tensor-parallel regions on CPU
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     return GPTModel(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_len, init_seed=args.seed)
 

@@ -25,11 +25,14 @@ from megatron_ext.tensor_parallel.mappings import (
 )
 from megatron_ext.tensor_parallel.random import (
     CheckpointFunction,
+    CheckpointWithoutOutput,
     CudaRNGStatesTracker,
     checkpoint,
+    convert_cuda_rng_state,
     get_cuda_rng_tracker,
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
+    is_graph_safe_cuda_rng_tracker,
     model_parallel_cuda_manual_seed,
 )
 from megatron_ext.tensor_parallel.utils import (
@@ -67,11 +70,14 @@ __all__ = [
     "scatter_to_tensor_model_parallel_region",
     # random
     "CheckpointFunction",
+    "CheckpointWithoutOutput",
     "CudaRNGStatesTracker",
     "checkpoint",
+    "convert_cuda_rng_state",
     "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",
+    "is_graph_safe_cuda_rng_tracker",
     "model_parallel_cuda_manual_seed",
     # utils
     "VocabUtility",
