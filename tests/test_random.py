@@ -47,11 +47,15 @@ def _check_streams() -> None:
     assert torch.equal(expert_draw, torch.rand(5, dtype=torch.float64, generator=g))
     with tracker.fork():
         first = torch.rand(5, dtype=torch.float64)
-    expected = torch.rand(5, dtype=torch.float64, generator=torch.Generator().manual_seed(SEED + 2718 + tp_rank))
+    expected = torch.rand(
+        5, dtype=torch.float64, generator=torch.Generator().manual_seed(SEED + 2718 + tp_rank)
+    )
     assert torch.equal(first, expected)
     with tracker.fork("data-parallel-rng"):
         data_draw = torch.rand(5, dtype=torch.float64)
-    assert torch.equal(data_draw, torch.rand(5, dtype=torch.float64, generator=torch.Generator().manual_seed(SEED)))
+    assert torch.equal(
+        data_draw, torch.rand(5, dtype=torch.float64, generator=torch.Generator().manual_seed(SEED))
+    )
 
     # Dropout inside the model-parallel stream differs across TP ranks, agrees across DP ranks.
     with tracker.fork():
@@ -154,7 +158,9 @@ def _check_tracker_variants() -> None:
     tp_.model_parallel_cuda_manual_seed(SEED, False, False, False, 5, 0, 0, False)
     with tp_.get_cuda_rng_tracker().fork():
         draw = torch.rand(3, dtype=torch.float64)
-    assert torch.equal(draw, torch.rand(3, dtype=torch.float64, generator=torch.Generator().manual_seed(SEED + 2718 + 5)))
+    assert torch.equal(
+        draw, torch.rand(3, dtype=torch.float64, generator=torch.Generator().manual_seed(SEED + 2718 + 5))
+    )
     assert tp_.random.get_all_rng_states() is tp_.get_cuda_rng_tracker().states_
     assert not tp_.is_graph_safe_cuda_rng_tracker(tp_.get_cuda_rng_tracker())
 
@@ -210,15 +216,24 @@ def _check_gpu_style_init() -> None:
     assert torch.equal(weights[0], weights[2]) and torch.equal(weights[1], weights[3])
     assert not torch.equal(weights[0], weights[1])
     tp_rank = ps.get_tensor_model_parallel_rank()
-    expected = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(SEED + 2718 + tp_rank))
+    expected = torch.randn(
+        4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(SEED + 2718 + tp_rank)
+    )
     assert torch.equal(layer.weight.detach(), expected)
 
 
 def _block(config: ModelParallelConfig):
     torch.manual_seed(7)
     column = tp_.ColumnParallelLinear(8, 16, config=config, init_method=torch.nn.init.xavier_normal_)
-    row = tp_.RowParallelLinear(16, 8, config=config, init_method=torch.nn.init.xavier_normal_, bias=True,
-                                input_is_parallel=True, skip_bias_add=False)
+    row = tp_.RowParallelLinear(
+        16,
+        8,
+        config=config,
+        init_method=torch.nn.init.xavier_normal_,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+    )
 
     def run(x: torch.Tensor, scale: float) -> torch.Tensor:
         h, _ = column(x)

@@ -2,11 +2,16 @@
 
 from megatron_ext.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ext.tensor_parallel.data import broadcast_data
+from megatron_ext.tensor_parallel.inference_layers import (
+    InferenceLayerNormColumnParallelLinear,
+    InferenceRowParallelLinear,
+)
 from megatron_ext.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_tensor_model_parallel_attributes,
+    linear_with_frozen_weight,
     linear_with_grad_accumulation_and_async_allreduce,
     param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
@@ -14,6 +19,9 @@ from megatron_ext.tensor_parallel.layers import (
 )
 from megatron_ext.tensor_parallel.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
+    all_to_all,
+    all_to_all_hp2sp,
+    all_to_all_sp2hp,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -47,11 +55,15 @@ from megatron_ext.tensor_parallel.utils import (
 __all__ = [
     # data
     "broadcast_data",
+    # inference_layers
+    "InferenceLayerNormColumnParallelLinear",
+    "InferenceRowParallelLinear",
     # layers
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "copy_tensor_model_parallel_attributes",
+    "linear_with_frozen_weight",
     "linear_with_grad_accumulation_and_async_allreduce",
     "param_is_not_tensor_parallel_duplicate",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
@@ -60,6 +72,9 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     # mappings
     "all_gather_last_dim_from_tensor_parallel_region",
+    "all_to_all",
+    "all_to_all_hp2sp",
+    "all_to_all_sp2hp",
     "copy_to_tensor_model_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",

@@ -210,7 +210,9 @@ def initialize_rng_tracker(
     if _CUDA_RNG_STATE_TRACKER_INITIALIZED:
         return
     cls = _InferenceCudaRNGStatesTracker if inference_rng_tracker else CudaRNGStatesTracker
-    _CUDA_RNG_STATE_TRACKER = cls(use_cudagraphable_rng=use_cudagraphable_rng, is_inference_rng_tracker=inference_rng_tracker)
+    _CUDA_RNG_STATE_TRACKER = cls(
+        use_cudagraphable_rng=use_cudagraphable_rng, is_inference_rng_tracker=inference_rng_tracker
+    )
     _CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
@@ -268,14 +270,19 @@ def model_parallel_cuda_manual_seed(
         ep_rank = parallel_state.get_expert_model_parallel_rank()
     if etp_rank is None:
         etp_rank = parallel_state.get_expert_tensor_parallel_rank()
-    initialize_rng_tracker(te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=force_reset_rng)
+    initialize_rng_tracker(
+        te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng, force_reset=force_reset_rng
+    )
     tracker = _CUDA_RNG_STATE_TRACKER
     tracker.reset()
     if _uses_cuda():
         torch.cuda.manual_seed(seed)
     tracker.add(_DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, seed + _TENSOR_PARALLEL_SEED_OFFSET + tp_rank)
-    tracker.add(_EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + _EXPERT_PARALLEL_SEED_OFFSET + 100 * ep_rank + (etp_rank or 0))
+    tracker.add(
+        _EXPERT_PARALLEL_RNG_TRACKER_NAME,
+        seed + _EXPERT_PARALLEL_SEED_OFFSET + 100 * ep_rank + (etp_rank or 0),
+    )
 
 
 # Whether a checkpointed function is running its forward or its recomputation.
@@ -303,7 +310,9 @@ def _rng_snapshot() -> tuple[torch.Tensor, Any, dict]:
     cuda_state = _get_rng_state(graph_safe) if _uses_cuda() else None
     if graph_safe:
         cuda_state = convert_cuda_rng_state(convert_cuda_rng_state(cuda_state), to_graphable=True)
-    states = {k: v.clone_state() if isinstance(v, torch.Generator) else v for k, v in tracker.get_states().items()}
+    states = {
+        k: v.clone_state() if isinstance(v, torch.Generator) else v for k, v in tracker.get_states().items()
+    }
     return torch.get_rng_state(), cuda_state, states
 
 
@@ -389,7 +398,9 @@ class CheckpointWithoutOutputFunction(torch.autograd.Function):
     backward back-propagates through the outputs CheckpointWithoutOutput recomputed."""
 
     @staticmethod
-    def forward(ctx, run_function: Callable, checkpoint_without_output_obj: "CheckpointWithoutOutput", *args: Any) -> Any:
+    def forward(
+        ctx, run_function: Callable, checkpoint_without_output_obj: "CheckpointWithoutOutput", *args: Any
+    ) -> Any:
         with torch.no_grad():
             outputs = run_function(*args)
         ctx.tensor_indices = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -408,7 +419,9 @@ class CheckpointWithoutOutputFunction(torch.autograd.Function):
                 "computed before the discarded outputs are needed"
             )
         inputs, outputs = ctx.inputs, ctx.outputs
-        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+        pairs = [
+            (o, g) for o, g in zip(outputs, grad_outputs) if isinstance(o, torch.Tensor) and o.requires_grad
+        ]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         ctx.outputs = ctx.inputs = None
@@ -427,7 +440,9 @@ class CheckpointWithoutOutput:
 
     def __init__(self, fp8: bool = False) -> None:
         if fp8:
-            raise NotImplementedError("CheckpointWithoutOutput(fp8=True) needs TransformerEngine's FP8, which megatron_ext does not use")
+            raise NotImplementedError(
+                "CheckpointWithoutOutput(fp8=True) needs TransformerEngine's FP8, which megatron_ext does not use"
+            )
         self.fp8 = False
         self.run_function: Callable | None = None
         self.rng_states: Any = None
