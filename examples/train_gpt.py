@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     p.add_argument("--recompute", action="store_true", help="recompute each layer's activations in backward")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="shard LayerNorm/dropout activations along the sequence over the tensor-parallel group")
     p.add_argument("--grad-bucket-bytes", type=int, default=DEFAULT_BUCKET_SIZE_BYTES,
                    help="size bound of a data-parallel gradient all-reduce bucket")
     p.add_argument("--data", default=None, help="a text file (byte-level); default: Python's standard library sources")
@@ -97,6 +99,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.vocab_size < BYTE_VOCAB or args.vocab_size % args.tp != 0:
         raise ValueError(f"--vocab-size {args.vocab_size} must be >= {BYTE_VOCAB} and divisible by --tp {args.tp}")
+    if args.sequence_parallel and args.seq_len % args.tp != 0:
+        raise ValueError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp} (needed by --sequence-parallel)")
     if args.data is not None and not os.path.isfile(args.data):
         raise ValueError(f"--data {args.data!r}: no such file")
     if args.save_interval is not None and (args.save_interval < 1 or args.save is None):
@@ -172,6 +176,7 @@ def build_model(args: argparse.Namespace) -> GPTModel:
         pipeline_dtype=dtype,
         use_cpu_initialization=True,
         recompute_granularity="full" if args.recompute else None,
+        sequence_parallel=args.sequence_parallel,
         finalize_model_grads_func=finalize_model_grads,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
