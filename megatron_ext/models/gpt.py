@@ -11,7 +11,12 @@ from megatron_ext.transformer.utils import initialization_seed
 
 
 class GPTEmbedding(torch.nn.Module):
-    """Vocab-parallel word embedding + learned position embedding + dropout -> ``[s, b, h]``."""
+    """Vocab-parallel word embedding + learned position embedding + dropout -> ``[s, b, h]``.
+
+    Under sequence parallelism the output is this rank's ``[s / tp, b, h]`` slice of the
+    sequence (scattered along dim 0), and its dropout draws from the model-parallel RNG stream:
+    each rank drops different positions of different tokens, as in Megatron-core.
+    """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int):
         super().__init__()
@@ -33,6 +38,10 @@ class GPTEmbedding(torch.nn.Module):
             )
         embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
         embeddings = embeddings.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+        if self.config.sequence_parallel:
+            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return torch.nn.functional.dropout(embeddings, p=self.config.hidden_dropout, training=self.training)
         return torch.nn.functional.dropout(embeddings, p=self.config.hidden_dropout, training=self.training)
 
 
@@ -66,8 +75,6 @@ class GPTModel(torch.nn.Module):
         init_seed: int | None = None,
     ):
         super().__init__()
-        if config.sequence_parallel:
-            raise ValueError("GPTModel does not support sequence_parallel=True yet")
         self.config = config
         self.vocab_size = vocab_size
         self.pre_process = parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process
@@ -104,6 +111,8 @@ class GPTModel(torch.nn.Module):
         weight = self.shared_embedding_or_output_weight()
         weight.shared_embedding = True
         if self.post_process:
+            # The copy: counted once in the gradient norm (Megatron's ``shared`` attribute).
+            weight.shared = True
             weight.data.zero_()
         dist.all_reduce(weight.data, group=parallel_state.get_embedding_group())
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megatron_ext import parallel_state, tensor_parallel
 from megatron_ext.transformer.transformer_config import TransformerConfig
 from megatron_ext.transformer.transformer_layer import ParallelTransformerLayer
-from megatron_ext.transformer.utils import initialization_seed
+from megatron_ext.transformer.utils import initialization_seed, layer_norm
 
 
 class ParallelTransformer(torch.nn.Module):
@@ -17,6 +19,10 @@ class ParallelTransformer(torch.nn.Module):
     received from the previous stage), as in Megatron-core. With
     ``config.recompute_granularity == "full"`` each layer's activations are recomputed in the
     backward pass through ``tensor_parallel.checkpoint``, which replays the forward's RNG states.
+
+    Under ``config.sequence_parallel`` the hidden states are ``[s / tp, b, h]`` and the whole
+    stack runs on the model-parallel RNG stream (Megatron-core's TransformerBlock): dropout on
+    sequence-sharded activations must differ across tensor-parallel ranks.
 
     ``init_seed``: when given, layer ``i`` (global index) is built from the CPU generator seeded
     with ``init_seed + i + 1`` so that its weights do not depend on the pipeline layout.
@@ -47,9 +53,7 @@ class ParallelTransformer(torch.nn.Module):
                 layers.append(ParallelTransformerLayer(config, layer_number=i + 1))
         self.layers = torch.nn.ModuleList(layers)
         if post_process:
-            self.final_layernorm = torch.nn.LayerNorm(
-                config.hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype
-            )
+            self.final_layernorm = layer_norm(config, config.hidden_size)
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         self.input_tensor = input_tensor
@@ -59,6 +63,13 @@ class ParallelTransformer(torch.nn.Module):
             hidden_states = self.input_tensor
         if hidden_states is None:
             raise RuntimeError("ParallelTransformer: no input (on a later pipeline stage call set_input_tensor first)")
+        rng_context = (
+            tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext()
+        )
+        with rng_context:
+            return self._run_layers(hidden_states, attention_mask)
+
+    def _run_layers(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         recompute = self.config.recompute_granularity == "full" and self.training
         for layer in self.layers:
             if recompute:
