@@ -53,9 +53,12 @@ def checkpoint_dir(save_dir: str, iteration: int) -> str:
 
 
 def find_checkpoint(path: str) -> str | None:
-    """``path`` itself if it is a checkpoint, else the one its tracker file names, else None."""
+    """``path`` itself if it is a checkpoint (complete or not), else the one its tracker file
+    names, else None."""
     if os.path.isfile(os.path.join(path, MARKER)):
         return path
+    if os.path.isdir(path) and any(n == ".metadata" or n.endswith(".distcp") for n in os.listdir(path)):
+        return path  # written by a save that did not finish: loading says so
     tracker = os.path.join(path, TRACKER)
     if not os.path.isfile(tracker):
         return None
