@@ -88,19 +88,21 @@ def summarize(per_rank: list[dict[str, dict[str, list[float]]]]) -> dict[str, di
 
 def print_table(title: str, summary: dict[str, dict[str, float]], baseline: str | None = None,
                 unit: str = "ms") -> None:
+    """The summary as a table; with ``baseline``, each variant's median time and peak extra
+    memory divided by the baseline's."""
     scale = 1e3 if unit == "ms" else 1.0
     print(title)
-    header = f"{'variant':<34} {'min':>9} {'median':>9} {'max':>9} {'peak extra':>11}"
+    header = f"{'variant':<24} {'min':>9} {'median':>9} {'max':>9} {'peak extra':>11}"
     if baseline:
-        header += f" {'time / ' + baseline:>22} {'memory / ' + baseline:>24}"
-    print(header + f"   ({unit}, MiB per rank)")
+        header += f" {'time ratio':>11} {'memory ratio':>13}"
+    print(header + f"   ({unit}, MiB per rank; ratios to {baseline})" if baseline else header)
+    b = summary.get(baseline) if baseline else None
     for name, s in summary.items():
-        line = (f"{name:<34} {s['min_s'] * scale:>9.2f} {s['median_s'] * scale:>9.2f} "
+        line = (f"{name:<24} {s['min_s'] * scale:>9.2f} {s['median_s'] * scale:>9.2f} "
                 f"{s['max_s'] * scale:>9.2f} {s['peak_extra_mib']:>11.1f}")
-        if baseline and baseline in summary:
-            b = summary[baseline]
-            mem = b["peak_extra_mib"] / s["peak_extra_mib"] if s["peak_extra_mib"] > 0 else float("inf")
-            line += f" {s['median_s'] / b['median_s']:>22.2f} {'1/' + format(mem, '.2f'):>24}"
+        if b is not None:
+            mem = f"{s['peak_extra_mib'] / b['peak_extra_mib']:.3f}" if b["peak_extra_mib"] > 0 else "-"
+            line += f" {s['median_s'] / b['median_s']:>11.2f} {mem:>13}"
         print(line)
 
 
