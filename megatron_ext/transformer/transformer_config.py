@@ -295,6 +295,10 @@ class TransformerConfig(ModelParallelConfig):
     fine_grained_activation_offloading: bool = False
     offload_modules: list[str] | None = field(default_factory=list)
     min_offloaded_tensor_size: int = 1024 * 1024
+    # Not in Megatron-core: GPTModel computes the loss with the fused output layer +
+    # cross-entropy (tensor_parallel.vocab_parallel_linear_cross_entropy), which never holds the
+    # [s, b, vocab / tp] logits; same losses and gradients. Only the loss path (labels given).
+    fused_output_cross_entropy: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
