@@ -103,3 +103,33 @@ def _(vocab_parallel_logits, target, vocab_start, ignore_index):
 def _(grad_loss, vocab_parallel_logits, target, row_max, log_sum_exp, label_smoothing, ignore_index,
       vocab_start, vocab_size):
     return torch.empty_like(vocab_parallel_logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::bias_gelu")
+def _(input, bias, approximate_tanh):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::bias_gelu_forward")
+def _(input, bias, approximate_tanh):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::bias_gelu_backward")
+def _(grad_output, input, bias, approximate_tanh):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::bias_dropout_add")
+def _(input, bias, residual, prob, training):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::bias_dropout_add_forward")
+def _(input, bias, residual, prob, seed, offset):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::dropout_backward")
+def _(grad_output, prob, seed, offset):
+    return torch.empty_like(grad_output, memory_format=torch.contiguous_format)
