@@ -265,3 +265,14 @@ def _layer_flags_worker() -> bool:
 
 def test_transformer_layer_fusion_flags_on_equal_off_and_parallel_equals_serial():
     assert run_distributed(2, _layer_flags_worker) == [True, True]
+
+
+def test_kernels_registered_for_every_backend_built():
+    cuda = megatron_ext.build_info()["cuda_compiled"]
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    for op in ("bias_gelu_forward", "bias_gelu_backward", "bias_dropout_add_forward", "dropout_backward"):
+        assert has(f"megatron_ext::{op}", "CPU") and has(f"megatron_ext::{op}", "Meta"), op
+        assert has(f"megatron_ext::{op}", "CUDA") == cuda, op
+    for op in ("bias_gelu", "bias_dropout_add"):
+        for key in ("Autograd", "CompositeExplicitAutograd", "Meta"):
+            assert has(f"megatron_ext::{op}", key), (op, key)
