@@ -63,11 +63,15 @@ def initialize_model_parallel(
                 f"{tensor_model_parallel_size_} disagree; they name the same size"
             )
         tensor_model_parallel_size_ = model_parallel_size_
+    if pipeline_model_parallel_split_rank_ is not None:
+        raise ValueError(
+            f"pipeline_model_parallel_split_rank_={pipeline_model_parallel_split_rank_} (encoder-decoder "
+            "pipelines) is not supported; Megatron-core 0.16 dropped it too"
+        )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size_,
         pipeline_model_parallel_size=pipeline_model_parallel_size_,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size_,
-        pipeline_model_parallel_split_rank=pipeline_model_parallel_split_rank_,
         **kwargs,
     )
 

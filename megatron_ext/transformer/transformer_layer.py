@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ext.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron_ext.transformer.attention import ParallelAttention
 from megatron_ext.transformer.mlp import ParallelMLP
 from megatron_ext.transformer.transformer_config import TransformerConfig
-from megatron_ext.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron_ext.transformer.utils import layer_norm
 
 
 class ParallelTransformerLayer(torch.nn.Module):
@@ -15,7 +16,8 @@ class ParallelTransformerLayer(torch.nn.Module):
 
     LayerNorm parameters are replicated on every tensor-parallel rank; without sequence
     parallelism each rank sees the same activations, so their gradients agree without
-    communication.
+    communication. Under sequence parallelism the layer's input and output are ``[s / tp, b, h]``
+    and the LayerNorm (and row-parallel bias) gradients are partial: see ``layer_norm``.
 
     With ``config.bias_dropout_fusion`` each bias + dropout + residual add is one kernel (forward
     and backward), its mask drawn from the default generator (see ``megatron_ext.fusions``).
@@ -25,10 +27,9 @@ class ParallelTransformerLayer(torch.nn.Module):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
-        ln = dict(eps=config.layernorm_epsilon, dtype=config.params_dtype)
-        self.input_layernorm = torch.nn.LayerNorm(config.hidden_size, **ln)
+        self.input_layernorm = layer_norm(config, config.hidden_size)
         self.self_attention = ParallelAttention(config, layer_number)
-        self.post_attention_layernorm = torch.nn.LayerNorm(config.hidden_size, **ln)
+        self.post_attention_layernorm = layer_norm(config, config.hidden_size)
         self.mlp = ParallelMLP(config)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
