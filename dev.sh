@@ -4,7 +4,8 @@
 #
 #   ./dev.sh train [ARGS...]   the example training run (torchrun, 4 CPU processes by default)
 #   ./dev.sh test [PYTEST...]  the test suite
-#   ./dev.sh bench NAME        a benchmark from benchmarks/ (NAME without .py)
+#   ./dev.sh bench NAME        a benchmark from benchmarks/ (NAME without .py); installs
+#                              megatron-core 0.16.1 into the environment to compare against
 #   ./dev.sh setup             set-up only
 #   ./dev.sh gpu               on a GPU machine, with the python and torch already there (no venv,
 #                              no downloads): build in place, run the `cuda` tests, then the GPU
@@ -55,6 +56,11 @@ case "$cmd" in
     ;;
   bench)
     setup
+    # The benchmarks compare against megatron-core in the same run; no test needs it.
+    if ! "$PY" -c "from importlib.metadata import version; assert version('megatron-core') == '0.16.1'" 2>/dev/null; then
+      echo "[bench] installing megatron-core==0.16.1 (without its dependencies) for the comparison"
+      "$PY" -m pip install --quiet --no-deps megatron-core==0.16.1
+    fi
     exec "$PY" "benchmarks/${1:?benchmark name}.py" "${@:2}"
     ;;
   gpu)

@@ -85,7 +85,8 @@ def _expected_order(m: int, v: int, g: int, pp: int, rank: int, forward_only: bo
     return order + backward[remaining:]
 
 
-@pytest.mark.parametrize("pp, v, m, g", [(2, 2, 4, 2), (4, 2, 8, 4), (4, 3, 4, 4), (2, 3, 5, 3), (4, 2, 9, 5)])
+@pytest.mark.parametrize("pp, v, m, g",
+                         [(2, 2, 4, 2), (4, 2, 8, 4), (4, 3, 4, 4), (2, 3, 5, 3), (4, 2, 9, 5)])
 def test_interleaved_tables_follow_megatron_and_have_the_bubble(pp, v, m, g):
     tables = [sch.interleaved_table(m, v, g, pp, r) for r in range(pp)]
     for r in range(pp):
@@ -143,7 +144,7 @@ def test_layer_offsets_match_megatron_formula():
     counts = layers_per_virtual_stage(config, 3, 2)
     offsets = {(c, r): sum(counts[:c * 3 + r]) for c in range(2) for r in range(3)}
     assert offsets == {(0, 0): 0, (0, 1): 1, (0, 2): 5, (1, 0): 7, (1, 1): 8, (1, 2): 12}
-    with pytest.raises(ValueError, match="not divisible by pipeline_model_parallel_size x virtual pipeline size"):
+    with pytest.raises(ValueError, match="not divisible by pipeline_model_parallel_size x virtual"):
         layers_per_virtual_stage(SimpleNamespace(num_layers=7), 2, 1)
     with pytest.raises(ValueError, match="not divisible by the virtual pipeline size 2"):
         layers_per_virtual_stage(SimpleNamespace(num_layers=9, num_layers_in_first_pipeline_stage=3), 2, 2)
@@ -208,8 +209,9 @@ class ToyChunk(torch.nn.Module):
         self.input_tensor = None
         self.outputs: list[torch.Tensor] = []
 
-    def set_input_tensor(self, tensor) -> None:
-        self.input_tensor = tensor
+    def set_input_tensor(self, tensors) -> None:
+        assert isinstance(tensors, list) and len(tensors) == 1  # Megatron-core hands over a list
+        self.input_tensor = tensors[0]
 
     def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
         h = x if self.first else self.input_tensor
@@ -321,7 +323,8 @@ def _run_layout(layers, pp: int, v: int, m: int, g: int | None, *, forward_only:
 
 def _interleaved_worker() -> None:
     layers = full_layers()
-    for pp, cases in ((2, [(2, 2, None), (2, 4, None), (2, 3, 3), (2, 5, 3), (2, 4, 4), (3, 4, None), (3, 3, 3)]),
+    two = [(2, 2, None), (2, 4, None), (2, 3, 3), (2, 5, 3), (2, 4, 4), (3, 4, None), (3, 3, 3)]
+    for pp, cases in ((2, two),
                       (4, [(2, 4, None), (2, 8, None), (2, 5, 5), (2, 9, 5), (3, 4, None)])):
         ps.initialize_model_parallel(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=2)
         assert get_forward_backward_func() is sch.forward_backward_pipelining_with_interleaving
@@ -360,7 +363,8 @@ def _check_errors(layers, comm, pgs) -> None:
                   model=chunks, num_microbatches=4, seq_length=S, micro_batch_size=B)
     func = sch.forward_backward_pipelining_with_interleaving
     with pytest.raises(ValueError, match="microbatch_group_size_per_vp_stage 5 must lie in"):
-        func(**{**kwargs, "model": build_chunks(layers, 2, rank, 2, make_config(microbatch_group_size_per_vp_stage=5), Recorder())})
+        wide = make_config(microbatch_group_size_per_vp_stage=5)
+        func(**{**kwargs, "model": build_chunks(layers, 2, rank, 2, wide, Recorder())})
     with pytest.raises(RuntimeError, match="leaves a last group of 1"):
         func(**{**kwargs, "num_microbatches": 5})
     with pytest.raises(ValueError, match="needs data_iterator as a list"):

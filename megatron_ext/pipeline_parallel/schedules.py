@@ -12,8 +12,9 @@ The contract, as in Megatron-core:
   ``v`` model chunks, chunk ``c`` of pipeline rank ``r`` being virtual stage ``c * pp + r``) with
   a ``config`` attribute (a ``ModelParallelConfig`` or any object with its fields; wrappers
   exposing ``.module`` are looked through). With more than one stage it needs
-  ``set_input_tensor(tensor)``: before each forward the schedule calls it with the activation
-  received from the previous stage (a leaf tensor that requires grad), or with None on the first.
+  ``set_input_tensor(tensors)``: before each forward the schedule calls it with a list holding the
+  activation received from the previous stage (a leaf tensor that requires grad), or ``[None]`` on
+  the first stage, as Megatron-core does.
 - ``forward_step_func(data_iterator, model)`` runs one model chunk's forward on one micro-batch and
   returns ``(output_tensor, loss_func)``. Except on the last stage, ``output_tensor`` is the
   ``[s, b, h]`` activation sent on (``s // tp`` under sequence parallelism, dtype
@@ -131,7 +132,8 @@ def get_pp_rank_microbatches(
         if vp_size is None:
             num_warmup = pp_size - pp_rank - 1
         else:
-            num_warmup = 2 * (pp_size - pp_rank - 1) + (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
+            num_warmup = 2 * (pp_size - pp_rank - 1)
+            num_warmup += (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
             if overlap_moe_expert_parallel_comm:
                 num_warmup += 1
     else:
@@ -267,7 +269,9 @@ def plan_schedule(tables: Sequence[Sequence[ScheduleEntry]], num_model_chunks: i
                 ran.append((r, entry))
         if not ran:
             waiting = {r: tables[r][position[r]] for r in range(pp_size) if position[r] < len(tables[r])}
-            raise ValueError(f"the schedule tables wait for each other forever; next entries per rank: {waiting}")
+            raise ValueError(
+                f"the schedule tables wait for each other forever; next entries per rank: {waiting}"
+            )
         for r, (kind, mb, chunk) in ran:
             done[(kind, mb, chunk * pp_size + r)] = tick
             position[r] += 1
@@ -526,7 +530,9 @@ def clear_embedding_activation_buffer(config: Any, model: Any, is_last_stage: bo
     return module
 
 
-def finish_embedding_wgrad_compute(config: Any, embedding_module: Any, is_last_stage: bool, tp_group: Any) -> None:
+def finish_embedding_wgrad_compute(
+    config: Any, embedding_module: Any, is_last_stage: bool, tp_group: Any
+) -> None:
     """The deferred embedding weight gradient (``config.defer_embedding_wgrad_compute``) is not
     implemented: the output layer computes its weight gradient in its own backward."""
     if is_last_stage and getattr(config, "defer_embedding_wgrad_compute", False):
@@ -634,7 +640,9 @@ def forward_step(
         except AttributeError:
             set_input_tensor = None  # allowed with one stage only (checked by the schedules)
         if set_input_tensor is not None:
-            set_input_tensor(input_tensor)
+            # As in Megatron-core, the model receives a list (one tensor per input; None on the
+            # first stage): models written for it index input_tensor[0].
+            set_input_tensor(input_tensor if isinstance(input_tensor, list) else [input_tensor])
         if checkpoint_activations_microbatch is None:
             result = forward_step_func(data_iterator, model)
         else:
