@@ -350,9 +350,40 @@ def _interleaved_worker() -> None:
     assert comm.virtual_pipeline_model_parallel_size == 2
     pgs = ProcessGroupCollection(tp=ps.get_tensor_model_parallel_group(), cp=ps.get_context_parallel_group(),
                                  embd=None, pos_embd=None, pp=everyone, dp_cp=None)
+    _check_communicator(comm)
     _run_layout(layers, WORLD, 2, 4, None, comm=comm, pgs=pgs)
     _check_errors(layers, comm, pgs)
     ps.destroy_model_parallel()
+
+
+def _check_communicator(comm: P2PCommunicator) -> None:
+    """Megatron-core's methods on a ring of 4: what each rank gets is its neighbour's value."""
+    rank, shape = dist.get_rank(), (S, B, H)
+
+    def value(r: int, tag: float) -> torch.Tensor:
+        return torch.full(shape, 10.0 * r + tag, dtype=torch.float64)
+
+    prev, nxt = (rank - 1) % WORLD, (rank + 1) % WORLD
+    got_prev, got_next = comm.send_forward_backward_recv_forward_backward(value(rank, 1), value(rank, 2),
+                                                                          True, True, shape)
+    assert_close(got_prev.detach(), value(prev, 1), **EXACT)
+    assert_close(got_next, value(nxt, 2), **EXACT)
+    got = comm.send_forward_recv_forward(value(rank, 3), True, shape, overlap_p2p_comm=True)
+    tensor, reqs = got
+    assert set(reqs) == {"send_next", "recv_prev"}
+    for req in reqs.values():
+        req.wait()
+    assert_close(tensor.detach(), value(prev, 3), **EXACT)
+    if rank % 2 == 0:
+        comm.send_forward([value(rank, 4), value(rank, 5)], False)
+        grads = comm.recv_backward([shape, shape], False)
+        assert [g[0, 0, 0].item() for g in grads] == [10.0 * nxt + 6, 10.0 * nxt + 7]
+    else:
+        received = comm.recv_forward([shape, shape], False)
+        assert [t[0, 0, 0].item() for t in received] == [10.0 * prev + 4, 10.0 * prev + 5]
+        comm.send_backward([value(rank, 6), value(rank, 7)], False)
+    # A list of shapes gives a list; the end of the pipeline receives nothing.
+    assert comm.recv_forward(shape, True) is None and comm.recv_backward([shape], True) == [None]
 
 
 def _check_errors(layers, comm, pgs) -> None:

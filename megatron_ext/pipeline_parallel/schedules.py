@@ -781,13 +781,12 @@ def run_schedule(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: bool | None = None,
-    trace: list | None = None,
 ) -> tuple[list, int]:
     """Runs this rank's table (``tables[pp_rank]``) against its neighbours'.
 
     ``tables`` holds the table of every rank of the pipeline group (``p2p_communicator.pp_group``;
     one table and no communicator for a single stage). Returns ``(forward_data_store,
-    total_num_tokens)``. ``trace``, if given, receives each entry as it runs.
+    total_num_tokens)``.
     """
     pp_size = 1 if p2p_communicator is None else p2p_communicator.pp_group.size()
     pp_rank = 0 if p2p_communicator is None else p2p_communicator.pp_group.rank()
@@ -823,8 +822,6 @@ def run_schedule(
         for tick, entry in enumerate(mine):
             send_next = send_prev = None
             if entry is not None:
-                if trace is not None:
-                    trace.append(entry)
                 kind, mb, chunk = entry
                 s = stage(chunk)
                 if kind == FORWARD:
