@@ -255,7 +255,8 @@ def build_chunks(layers, pp: int, rank: int, v: int, config, recorder: Recorder,
 
 def _run_layout(layers, pp: int, v: int, m: int, g: int | None, *, forward_only: bool = False,
                 deallocate: bool = False, comm: P2PCommunicator | None = None,
-                pgs: ProcessGroupCollection | None = None, counts: list[int] | None = None) -> None:
+                pgs: ProcessGroupCollection | None = None, counts: list[int] | None = None,
+                sync_funcs: bool = False) -> None:
     pp_group = comm.pp_group if comm is not None else ps.get_pipeline_model_parallel_group()
     rank = pp_group.rank()
     where = f"pp={pp} v={v} m={m} g={g} rank={rank} forward_only={forward_only}"
@@ -277,6 +278,11 @@ def _run_layout(layers, pp: int, v: int, m: int, g: int | None, *, forward_only:
     )
     if comm is not None:
         comm.config = config
+    events = []
+    if sync_funcs:  # record where in the order of forwards and backwards each call happens
+        config.grad_sync_func = [lambda params, c=c: events.append(("grad", c, len(recorder.order)))
+                                 for c in range(v)]
+        config.param_sync_func = lambda params: events.append(("param", len(recorder.order)))
     chunks = build_chunks(layers, pp, rank, v, config, recorder, counts)
     for chunk in chunks:
         chunk.layers[0].weight.register_hook(lambda grad, c=chunk.chunk: sync_flags.append((c, bool(active))))
@@ -312,7 +318,13 @@ def _run_layout(layers, pp: int, v: int, m: int, g: int | None, *, forward_only:
             assert_close(layer.bias.grad, ref_b, **EXACT, msg=where)
         # Each chunk's last backward runs outside no_sync (its gradients are reduced once).
         flags = [f for cc, f in sync_flags if cc == c]
-        assert flags == [True] * (m - 1) + [False], (where, c, flags)
+        assert flags == [True] * (m - (not sync_funcs)) + [False] * (not sync_funcs), (where, c, flags)
+    if sync_funcs:
+        order = recorder.order
+        assert sorted(e for e in events if e[0] == "grad") == [
+            ("grad", c, order.index(("backward", m - 1, c)) + 1) for c in range(v)], (where, events)
+        assert sorted(e for e in events if e[0] == "param") == sorted(
+            ("param", order.index(("forward", 0, c))) for c in range(v)), (where, events)
     assert len(finalized) == 1 and finalized[0] == chunks, where
     # Megatron-core hands the custom groups on to the finalizer.
     assert finalize_kwargs == [{} if pgs is None else {"pg_collection": pgs}], where
@@ -339,6 +351,7 @@ def _interleaved_worker() -> None:
         assert len(set(counts)) > 1 and sum(counts) == L
         _run_layout(layers, pp, 2, 2 * pp, None, counts=counts)
         _run_layout(layers, pp, 2, 2 * pp, None, deallocate=True)
+        _run_layout(layers, pp, 3, pp, None, sync_funcs=True)
         ps.destroy_model_parallel()
 
     # Custom process groups: parallel_state has pipelines of 2, the schedule runs all 4 ranks
