@@ -454,3 +454,37 @@ def _mpu_groups_worker() -> None:
 
 def test_use_mpu_process_groups():
     run_distributed(WORLD, _mpu_groups_worker)
+
+
+def _gpt_chunks_worker() -> dict:
+    from megatron_ext.models import GPTModel
+    from megatron_ext.transformer import TransformerConfig
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    config = TransformerConfig(num_layers=6, hidden_size=8, num_attention_heads=2, params_dtype=torch.float64,
+                               use_cpu_initialization=True, virtual_pipeline_model_parallel_size=2)
+    # Megatron's uneven split: the first stage holds 2 layers (1 per chunk), the last 4 (2 per chunk).
+    config.num_layers_in_first_pipeline_stage = 2
+    chunks = [GPTModel(config, vocab_size=16, max_sequence_length=4, init_seed=5, vp_stage=c) for c in range(2)]
+    out = {
+        "layers": [[layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks],
+        "pre": [chunk.pre_process for chunk in chunks],
+        "post": [chunk.post_process for chunk in chunks],
+        "shared": [chunk.shared_embedding_or_output_weight() is not None for chunk in chunks],
+    }
+    # The last stage's copy of the tied embedding equals the first stage's.
+    weight = (chunks[0] if ps.is_pipeline_first_stage() else chunks[-1]).shared_embedding_or_output_weight()
+    copies = [torch.empty_like(weight) for _ in range(2)]
+    dist.all_gather(copies, weight.detach(), group=ps.get_embedding_group())
+    out["tied_equal"] = torch.equal(copies[0], copies[1])
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_gpt_model_chunks_take_megatron_layers():
+    first, last = run_distributed(2, _gpt_chunks_worker)
+    assert first["layers"] == [[1], [4]] and last["layers"] == [[2, 3], [5, 6]]
+    assert first["pre"] == [True, False] and last["pre"] == [False, False]
+    assert first["post"] == [False, False] and last["post"] == [False, True]
+    assert first["shared"] == [True, False] and last["shared"] == [False, True]
+    assert first["tied_equal"] and last["tied_equal"]
