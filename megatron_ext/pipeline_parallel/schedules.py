@@ -32,8 +32,11 @@ The contract, as in Megatron-core:
 
 ``config.no_sync_func`` (a context-manager factory, or one per chunk) is entered for every
 backward but the last of each chunk, so a data-parallel wrapper reduces gradients once.
-``config.grad_scale_func`` scales the loss before its backward; ``config.deallocate_pipeline_outputs``
-frees each sent activation's data, keeping only its autograd graph.
+With ``config.grad_sync_func`` (one callable or one per chunk) every backward runs inside no_sync
+and ``grad_sync_func[c](chunk.parameters())`` is called after chunk c's last backward; with model
+chunks, ``config.param_sync_func[c](chunk.parameters())`` is called before chunk c's first forward
+(neither in forward-only runs). ``config.grad_scale_func`` scales the loss before its backward;
+``config.deallocate_pipeline_outputs`` frees each sent activation's data, keeping only its graph.
 
 How the schedules are built: each is one ordered table per pipeline rank of
 ``(FORWARD | BACKWARD, microbatch, chunk)`` entries (``schedule_table``), run by one runner
@@ -764,6 +767,18 @@ def _finalize(
     finalize(*args, **kwargs)
 
 
+def _per_chunk(config: Any, name: str, num_chunks: int) -> list[Callable] | None:
+    """``config.<name>``: None, one callable for every chunk, or a list of one per chunk."""
+    funcs = getattr(config, name, None)
+    if funcs is None:
+        return None
+    if isinstance(funcs, (list, tuple)):
+        if len(funcs) != num_chunks:
+            raise ValueError(f"config.{name} is a list of {len(funcs)} for {num_chunks} model chunks")
+        return list(funcs)
+    return [funcs] * num_chunks
+
+
 # The runner --------------------------------------------------------------------------------
 
 
@@ -781,13 +796,12 @@ def run_schedule(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: bool | None = None,
-    trace: list | None = None,
 ) -> tuple[list, int]:
     """Runs this rank's table (``tables[pp_rank]``) against its neighbours'.
 
     ``tables`` holds the table of every rank of the pipeline group (``p2p_communicator.pp_group``;
     one table and no communicator for a single stage). Returns ``(forward_data_store,
-    total_num_tokens)``. ``trace``, if given, receives each entry as it runs.
+    total_num_tokens)``.
     """
     pp_size = 1 if p2p_communicator is None else p2p_communicator.pp_group.size()
     pp_rank = 0 if p2p_communicator is None else p2p_communicator.pp_group.rank()
@@ -817,17 +831,19 @@ def run_schedule(
     grads: dict[tuple[int, int], torch.Tensor] = {}
     in_flight: dict[tuple[int, int], tuple[Any, Any]] = {}
     sync = _GradSync(config)
+    grad_sync = None if forward_only else _per_chunk(config, "grad_sync_func", num_chunks)
+    param_sync = None if forward_only or num_chunks == 1 else _per_chunk(config, "param_sync_func", num_chunks)
     num_forwards = 0
     sync.disable()
     try:
         for tick, entry in enumerate(mine):
             send_next = send_prev = None
             if entry is not None:
-                if trace is not None:
-                    trace.append(entry)
                 kind, mb, chunk = entry
                 s = stage(chunk)
                 if kind == FORWARD:
+                    if param_sync is not None and first_forward[chunk] == mb:
+                        param_sync[chunk](model_chunks[chunk].parameters())
                     input_tensor = inputs.pop((mb, chunk)) if s > 0 else None
                     checkpoint = None if window is None else (num_forwards % window >= partial)
                     num_forwards += 1
@@ -854,9 +870,15 @@ def run_schedule(
                 else:
                     input_tensor, output_tensor = in_flight.pop((mb, chunk))
                     output_grad = grads.pop((mb, chunk)) if s < num_stages - 1 else None
-                    if last_backward[chunk] == mb:
+                    last = last_backward[chunk] == mb
+                    if last and grad_sync is None:
                         sync.enable()
                     input_grad = backward_step(input_tensor, output_tensor, output_grad, None, config)
+                    if last and grad_sync is not None:
+                        # Megatron-core: a custom grad_sync_func starts the chunk's reduction
+                        # after its last backward, which ran inside no_sync.
+                        sync.enable()
+                        grad_sync[chunk](model_chunks[chunk].parameters())
                     sync.disable()
                     if s > 0:
                         if pp_size == 1:
