@@ -137,12 +137,14 @@ def write_json(name: str, payload: dict[str, Any], path: str | None = None) -> s
 
 
 def megatron_core_version() -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version("megatron-core")
-    except Exception:  # noqa: BLE001  (not installed, or a source tree on the path)
-        return None
+    """The importable megatron-core's version (installed, or a source tree on the path)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            from megatron.core.package_info import __version__
+        except ImportError:
+            return None
+    return __version__
 
 
 def import_megatron_core():
