@@ -42,7 +42,7 @@ def _save_then_resume_worker(save_dir: str, layouts, dropout: str):
 @pytest.fixture(scope="module")
 def saved_at_tp2_pp2(tmp_path_factory):
     save_dir = str(tmp_path_factory.mktemp("ckpt") / "run")
-    layouts = [(2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2)]
+    layouts = [(2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2), (2, 2, 1, "--sequence-parallel")]
     results = run_distributed(4, _save_then_resume_worker, save_dir, layouts, "0.0")
     full, resumed = results[0]
     for r in results[1:]:  # every rank reports the same global losses
@@ -237,3 +237,27 @@ def test_convert_to_one_file_and_back(saved_at_tp2_pp2, tmp_path):
     assert sorted(serial["model"]) == sorted(a["model"])
     for group in ("model", "optimizer"):
         torch.testing.assert_close(serial[group], a[group], rtol=1e-9, atol=1e-12)
+
+
+def test_global_names_of_interleaved_chunks():
+    # A virtual pipeline gives a rank several chunks holding non-consecutive layers; the global
+    # name comes from each layer's layer_number, the optimizer's name carries the chunk prefix.
+    from megatron_ext.dist_checkpointing import param_specs
+
+    class Layer(torch.nn.Module):
+        def __init__(self, number: int):
+            super().__init__()
+            self.layer_number = number
+            self.linear = torch.nn.Linear(2, 2)
+
+    class Chunk(torch.nn.Module):
+        def __init__(self, numbers):
+            super().__init__()
+            self.decoder = torch.nn.Module()
+            self.decoder.layers = torch.nn.ModuleList(Layer(n) for n in numbers)
+
+    specs = param_specs([Chunk([2, 3]), Chunk([6, 7])])  # stage 1 of pp 2, 2 chunks of 2 layers
+    assert specs["chunk0.decoder.layers.1.linear.weight"].global_name == "decoder.layers.2.linear.weight"
+    assert specs["chunk1.decoder.layers.0.linear.bias"].global_name == "decoder.layers.5.linear.bias"
+    with pytest.raises(RuntimeError, match="map to the same global name 'decoder.layers.1.linear.weight'"):
+        param_specs([Chunk([2]), Chunk([2])])
