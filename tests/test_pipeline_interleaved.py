@@ -20,6 +20,7 @@ from megatron_ext import parallel_state as ps
 from megatron_ext.pipeline_parallel import P2PCommunicator, get_forward_backward_func
 from megatron_ext.pipeline_parallel import schedules as sch
 from megatron_ext.process_groups_config import ProcessGroupCollection
+from megatron_ext.transformer.transformer_block import layers_per_virtual_stage
 from tests.distributed import run_distributed
 
 EXACT = dict(rtol=1e-12, atol=1e-12)
@@ -111,6 +112,47 @@ def test_plan_schedule_refuses_bad_tables():
         sch.plan_schedule([good[0], good[1] + [("sideways", 0, 0)]])
 
 
+@pytest.mark.parametrize(
+    "fields, pp, vp, counts",
+    [
+        # Middle stages share what the first and last leave: 8 - 1 - 1 over 2 stages.
+        (dict(num_layers=8, num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=1), 4, 1,
+         [1, 3, 3, 1]),
+        # Per chunk: first stage 2 / 2, middle 8 / 2, last 4 / 2; virtual stage c * pp + r.
+        (dict(num_layers=14, num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=4), 3, 2,
+         [1, 4, 2, 1, 4, 2]),
+        (dict(num_layers=10, num_layers_in_first_pipeline_stage=4), 4, 2, [2, 1, 1, 1, 2, 1, 1, 1]),
+        # The embedding and the loss count as one layer each of the first / last virtual stage.
+        (dict(num_layers=6, account_for_embedding_in_pipeline_split=True,
+              account_for_loss_in_pipeline_split=True), 2, 2, [1, 2, 2, 1]),
+        (dict(num_layers=12), 2, 3, [2] * 6),
+    ],
+)
+def test_layer_split_matches_megatron(fields, pp, vp, counts):
+    config = SimpleNamespace(**fields)
+    assert layers_per_virtual_stage(config, pp, vp) == counts
+
+
+def test_layer_offsets_match_megatron_formula():
+    # Megatron's get_transformer_layer_offset with first/last given and a virtual pipeline:
+    # vp_stage * (first + middle + last) / vp + first / vp + (rank - 1) * middle / vp / middle_stages.
+    from megatron_ext.transformer import transformer_block as tb
+
+    config = SimpleNamespace(num_layers=14, num_layers_in_first_pipeline_stage=2,
+                             num_layers_in_last_pipeline_stage=4, virtual_pipeline_model_parallel_size=2)
+    counts = layers_per_virtual_stage(config, 3, 2)
+    offsets = {(c, r): sum(counts[:c * 3 + r]) for c in range(2) for r in range(3)}
+    assert offsets == {(0, 0): 0, (0, 1): 1, (0, 2): 5, (1, 0): 7, (1, 1): 8, (1, 2): 12}
+    with pytest.raises(ValueError, match="not divisible by pipeline_model_parallel_size x virtual pipeline size"):
+        layers_per_virtual_stage(SimpleNamespace(num_layers=7), 2, 1)
+    with pytest.raises(ValueError, match="not divisible by the virtual pipeline size 2"):
+        layers_per_virtual_stage(SimpleNamespace(num_layers=9, num_layers_in_first_pipeline_stage=3), 2, 2)
+    with pytest.raises(ValueError, match="cannot be split equally over the 2 other pipeline stages"):
+        layers_per_virtual_stage(SimpleNamespace(num_layers=9, num_layers_in_first_pipeline_stage=2), 3, 1)
+    with pytest.raises(ValueError, match="vp_stage must be a model chunk index in \\[0, 2\\)"):
+        tb._virtual_stage(None, 2)
+
+
 # Distributed runs ---------------------------------------------------------------------------
 
 
@@ -197,18 +239,21 @@ def forward_step(data_iterator, model):
     return output, loss_func
 
 
-def build_chunks(layers, pp: int, rank: int, v: int, config, recorder: Recorder) -> list[ToyChunk]:
-    per = L // (pp * v)
+def build_chunks(layers, pp: int, rank: int, v: int, config, recorder: Recorder,
+                 counts: list[int] | None = None) -> list[ToyChunk]:
+    """Chunk c holds virtual stage c * pp + rank: ``counts[s]`` layers (default: equal shares)."""
+    counts = counts or [L // (pp * v)] * (pp * v)
     chunks = []
     for c in range(v):
         stage = c * pp + rank
-        chunks.append(ToyChunk(layers[stage * per:(stage + 1) * per], config, c, stage == 0, recorder))
+        lo = sum(counts[:stage])
+        chunks.append(ToyChunk(layers[lo:lo + counts[stage]], config, c, stage == 0, recorder))
     return chunks
 
 
 def _run_layout(layers, pp: int, v: int, m: int, g: int | None, *, forward_only: bool = False,
                 deallocate: bool = False, comm: P2PCommunicator | None = None,
-                pgs: ProcessGroupCollection | None = None) -> None:
+                pgs: ProcessGroupCollection | None = None, counts: list[int] | None = None) -> None:
     pp_group = comm.pp_group if comm is not None else ps.get_pipeline_model_parallel_group()
     rank = pp_group.rank()
     where = f"pp={pp} v={v} m={m} g={g} rank={rank} forward_only={forward_only}"
@@ -230,7 +275,7 @@ def _run_layout(layers, pp: int, v: int, m: int, g: int | None, *, forward_only:
     )
     if comm is not None:
         comm.config = config
-    chunks = build_chunks(layers, pp, rank, v, config, recorder)
+    chunks = build_chunks(layers, pp, rank, v, config, recorder, counts)
     for chunk in chunks:
         chunk.layers[0].weight.register_hook(lambda grad, c=chunk.chunk: sync_flags.append((c, bool(active))))
     batches = make_batches(m)
@@ -255,11 +300,12 @@ def _run_layout(layers, pp: int, v: int, m: int, g: int | None, *, forward_only:
     # Activations held at once: Megatron's warm-up plus one (never more than all of them).
     _, _, warmup, _ = sch.get_pp_rank_microbatches(m, v, group, p2p_communicator=_communicator(pp, rank, v))
     assert recorder.peak == min(warmup + 1, v * m) and recorder.live == 0, (where, recorder.peak)
-    per = L // (pp * v)
+    counts = counts or [L // (pp * v)] * (pp * v)
     for c, chunk in enumerate(chunks):
         stage = c * pp + rank
+        assert len(chunk.layers) == counts[stage], where
         for j, layer in enumerate(chunk.layers):
-            ref_w, ref_b = ref_grads[stage * per + j]
+            ref_w, ref_b = ref_grads[sum(counts[:stage]) + j]
             assert_close(layer.weight.grad, ref_w, **EXACT, msg=where)
             assert_close(layer.bias.grad, ref_b, **EXACT, msg=where)
         # Each chunk's last backward runs outside no_sync (its gradients are reduced once).
@@ -282,6 +328,13 @@ def _interleaved_worker() -> None:
         for v, m, g in cases:
             _run_layout(layers, pp, v, m, g)
         _run_layout(layers, pp, 2, 4, None, forward_only=True)
+        # Uneven splits (Megatron's num_layers_in_first/last_pipeline_stage): the first stage
+        # holds half the layers of the last one.
+        split = SimpleNamespace(num_layers=L, num_layers_in_first_pipeline_stage={2: 8, 4: 4}[pp],
+                                num_layers_in_last_pipeline_stage={2: 16, 4: 8}[pp])
+        counts = layers_per_virtual_stage(split, pp, 2)
+        assert len(set(counts)) > 1 and sum(counts) == L
+        _run_layout(layers, pp, 2, 2 * pp, None, counts=counts)
         _run_layout(layers, pp, 2, 2 * pp, None, deallocate=True)
         ps.destroy_model_parallel()
 

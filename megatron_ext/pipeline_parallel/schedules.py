@@ -388,12 +388,16 @@ def _pg_collection_for_one_stage(pg_collection: ProcessGroupCollection | None) -
 
 def _config_of(model: torch.nn.Module) -> Any:
     try:
-        return get_model_config(model)
+        config = get_model_config(model)
     except AttributeError:
         raise AttributeError(
             f"the model ({type(model).__name__}) has no 'config' attribute: the schedules read "
             "the ModelParallelConfig from model.config"
         ) from None
+    if getattr(config, "defer_embedding_wgrad_compute", False):
+        raise ValueError("config.defer_embedding_wgrad_compute=True is not supported: the output layer "
+                         "computes its weight gradient in its own backward (set it to False)")
+    return config
 
 
 def _common_checks(num_microbatches: int, forward_only: bool, collect_non_loss_data: bool) -> None:

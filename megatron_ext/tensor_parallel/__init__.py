@@ -12,6 +12,7 @@ from megatron_ext.tensor_parallel.layers import (
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
+from megatron_ext.tensor_parallel.linear_cross_entropy import vocab_parallel_linear_cross_entropy
 from megatron_ext.tensor_parallel.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
     copy_to_tensor_model_parallel_region,
@@ -55,6 +56,8 @@ __all__ = [
     "set_tensor_model_parallel_attributes",
     # cross_entropy
     "vocab_parallel_cross_entropy",
+    # linear_cross_entropy
+    "vocab_parallel_linear_cross_entropy",
     # mappings
     "all_gather_last_dim_from_tensor_parallel_region",
     "copy_to_tensor_model_parallel_region",
