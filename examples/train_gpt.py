@@ -102,8 +102,6 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
                 f"--layers {args.layers} is not divisible by --pp x --virtual-pipeline = "
                 f"{args.pp} x {args.virtual_pipeline}"
             )
-        if args.save is not None or args.load is not None:
-            raise ValueError("--virtual-pipeline cannot be combined with --save / --load yet")
     if args.global_batch_size % (args.micro_batch_size * args.dp) != 0:
         raise ValueError(
             f"--global-batch-size {args.global_batch_size} is not divisible by "

@@ -42,7 +42,8 @@ def _save_then_resume_worker(save_dir: str, layouts, dropout: str):
 @pytest.fixture(scope="module")
 def saved_at_tp2_pp2(tmp_path_factory):
     save_dir = str(tmp_path_factory.mktemp("ckpt") / "run")
-    layouts = [(2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2), (2, 2, 1, "--sequence-parallel")]
+    layouts = [(2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2), (2, 2, 1, "--sequence-parallel"),
+               (1, 2, 2, "--virtual-pipeline", "2")]
     results = run_distributed(4, _save_then_resume_worker, save_dir, layouts, "0.0")
     full, resumed = results[0]
     for r in results[1:]:  # every rank reports the same global losses
@@ -80,6 +81,26 @@ def test_same_layout_restores_rng_streams(tmp_path):
     _assert_resumed_equal(full["losses"], *resumed[(2, 2, 1)])
     start, fresh_streams = resumed[(2, 2, 1, "--no-load-rng")]
     assert start == 2 and abs(fresh_streams[0] - full["losses"][2]) > 1e-6
+
+
+def _interleaved_worker(save_dir: str):
+    full = _run((1, 2, 1), "--virtual-pipeline", "2", "--save", save_dir, "--save-interval", "2")
+    ckpt = os.path.join(save_dir, "iter_0000002")
+    resumed = {
+        layout: _run(layout[:3], "--load", ckpt, *layout[3:])
+        for layout in [(1, 2, 1, "--virtual-pipeline", "2"), (1, 2, 1), (2, 1, 1)]
+    }
+    return full["losses"], {k: (v["start_step"], v["losses"]) for k, v in resumed.items()}
+
+
+def test_interleaved_pipeline_checkpoints(saved_at_tp2_pp2, tmp_path):
+    # Saved from chunk lists (2 chunks per stage, global layer names) and loaded at layouts with
+    # and without them.
+    _, full, _ = saved_at_tp2_pp2
+    (losses, resumed), _ = run_distributed(2, _interleaved_worker, str(tmp_path / "run"))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(full["losses"]), rtol=1e-9, atol=0)
+    for start_and_losses in resumed.values():
+        _assert_resumed_equal(full["losses"], *start_and_losses)
 
 
 def _strided_worker(save_dir: str):
