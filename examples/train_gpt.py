@@ -191,6 +191,7 @@ def build_model(args: argparse.Namespace) -> list[GPTModel]:
         finalize_model_grads_func=finalize_model_grads,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline,
     )
+    torch.manual_seed(args.seed)  # the CPU generator: dropout outside tensor-parallel regions on CPU
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     stages = [None] if args.virtual_pipeline is None else range(args.virtual_pipeline)
     return [
