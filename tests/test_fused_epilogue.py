@@ -221,6 +221,8 @@ def _run(model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     positions = torch.arange(SEQ).expand(BATCH, SEQ)
     model.train()
+    # Every run (and every rank) starts the default generator, which hidden dropout draws from, alike.
+    torch.manual_seed(11)
     loss = model(tokens, positions, labels=labels)
     loss.sum().backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
