@@ -105,6 +105,35 @@ def _(grad_loss, vocab_parallel_logits, target, row_max, log_sum_exp, label_smoo
     return torch.empty_like(vocab_parallel_logits, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("megatron_ext::bias_gelu")
+def _(input, bias, approximate_tanh):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::bias_gelu_forward")
+def _(input, bias, approximate_tanh):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::bias_gelu_backward")
+def _(grad_output, input, bias, approximate_tanh):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::bias_dropout_add")
+def _(input, bias, residual, prob, training):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::bias_dropout_add_forward")
+def _(input, bias, residual, prob, seed, offset):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::dropout_backward")
+def _(grad_output, prob, seed, offset):
+    return torch.empty_like(grad_output, memory_format=torch.contiguous_format)
+
 @torch.library.register_fake("megatron_ext::vocab_parallel_linear_cross_entropy")
 def _(hidden, weight, target, label_smoothing, ignore_index, chunk_size, group_name, group_size, group_rank):
     return target.new_empty(target.shape, dtype=_cross_entropy_acc_dtype(hidden))

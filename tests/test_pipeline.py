@@ -74,7 +74,9 @@ class ToyStage(torch.nn.Module):
     def set_is_first_microbatch(self) -> None:
         self.first_microbatch_calls += 1
 
-    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+    def set_input_tensor(self, tensors: list[torch.Tensor | None]) -> None:
+        assert isinstance(tensors, list) and len(tensors) == 1  # Megatron-core hands over a list
+        (tensor,) = tensors
         self.input_tensor = tensor
         self.received.append(tensor)
 

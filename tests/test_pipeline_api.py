@@ -32,21 +32,25 @@ SCHEDULES_API: dict[str, tuple[list[str], list[str]] | None] = {
     "deallocate_output_tensor": (["out", "deallocate_pipeline_outputs"], []),
     "custom_backward": (["output", "grad_output"], []),
     "set_current_microbatch": (["model", "microbatch_id"], []),
-    "forward_step_calc_loss": (["model", "output_tensor", "loss_func", "config", "vp_stage",
-                                "collect_non_loss_data", "num_microbatches", "forward_data_store",
-                                "cp_group_size", "is_last_stage"], []),
-    "forward_step": (["forward_step_func", "data_iterator", "model", "num_microbatches", "input_tensor",
-                      "forward_data_store", "config", "cp_group_size", "collect_non_loss_data",
-                      "checkpoint_activations_microbatch", "is_first_microbatch", "current_microbatch",
-                      "vp_stage", "is_last_stage"], []),
-    "backward_step": (["input_tensor", "output_tensor", "output_tensor_grad", "model_type", "config"], []),
+    "forward_step_calc_loss": (
+        ["model", "output_tensor", "loss_func", "config", "vp_stage", "collect_non_loss_data",
+         "num_microbatches", "forward_data_store", "cp_group_size", "is_last_stage"], []),
+    "forward_step": (
+        ["forward_step_func", "data_iterator", "model", "num_microbatches", "input_tensor",
+         "forward_data_store", "config", "cp_group_size", "collect_non_loss_data",
+         "checkpoint_activations_microbatch", "is_first_microbatch", "current_microbatch", "vp_stage",
+         "is_last_stage"], []),
+    "backward_step": (
+        ["input_tensor", "output_tensor", "output_tensor_grad", "model_type", "config"], []),
     "check_first_val_step": (["first_val_step", "forward_only", "cond"], []),
     "forward_backward_no_pipelining": ([], SCHEDULE_KWARGS),
     "clear_embedding_activation_buffer": (["config", "model", "is_last_stage"], []),
     "finish_embedding_wgrad_compute": (["config", "embedding_module", "is_last_stage", "tp_group"], []),
-    "get_pp_rank_microbatches": (["num_microbatches", "num_model_chunks", "microbatch_group_size_per_vp_stage",
-                                  "forward_only", "overlap_moe_expert_parallel_comm", "p2p_communicator"], []),
-    "get_schedule_table": (["num_microbatches", "num_model_chunks", "microbatch_group_size_per_vp_stage"], []),
+    "get_pp_rank_microbatches": (
+        ["num_microbatches", "num_model_chunks", "microbatch_group_size_per_vp_stage", "forward_only",
+         "overlap_moe_expert_parallel_comm", "p2p_communicator"], []),
+    "get_schedule_table": (
+        ["num_microbatches", "num_model_chunks", "microbatch_group_size_per_vp_stage"], []),
     "forward_backward_pipelining_with_interleaving": ([], SCHEDULE_KWARGS),
     "get_tensor_shapes": ([], ["seq_length", "micro_batch_size", "decoder_seq_length", "config", "tp_group",
                                "cp_group"]),
@@ -60,21 +64,23 @@ P2P_API: dict[str, tuple[list[str], list[str]] | None] = {
     "P2PCommunicator.__init__": (["self", "pp_group", "config"], []),
     "P2PCommunicator._communicate_shapes": (["self", "tensor_send_next", "tensor_send_prev", "recv_prev",
                                              "recv_next"], []),
-    "P2PCommunicator._communicate": (["self"], ["tensor_send_next", "tensor_send_prev", "recv_prev", "recv_next",
-                                                "tensor_shape", "wait_on_reqs"]),
+    "P2PCommunicator._communicate": (
+        ["self"], ["tensor_send_next", "tensor_send_prev", "recv_prev", "recv_next", "tensor_shape",
+                   "wait_on_reqs"]),
     "P2PCommunicator.recv_forward": (["self", "tensor_shapes", "is_first_stage"], []),
     "P2PCommunicator.recv_backward": (["self", "tensor_shapes", "is_last_stage"], []),
     "P2PCommunicator.send_forward": (["self", "output_tensors", "is_last_stage"], []),
     "P2PCommunicator.send_backward": (["self", "input_tensor_grads", "is_first_stage"], []),
-    "P2PCommunicator.send_forward_recv_backward": (["self", "output_tensors", "tensor_shapes", "is_last_stage"], []),
+    "P2PCommunicator.send_forward_recv_backward": (
+        ["self", "output_tensors", "tensor_shapes", "is_last_stage"], []),
     "P2PCommunicator.send_backward_recv_forward": (["self", "input_tensor_grads", "tensor_shapes",
                                                     "is_first_stage"], []),
     "P2PCommunicator.send_forward_recv_forward": (["self", "output_tensor", "recv_prev", "tensor_shape",
                                                    "overlap_p2p_comm"], []),
     "P2PCommunicator.send_backward_recv_backward": (["self", "input_tensor_grad", "recv_next", "tensor_shape",
                                                      "overlap_p2p_comm"], []),
-    "P2PCommunicator.send_forward_backward_recv_forward_backward": (["self", "output_tensor", "input_tensor_grad",
-                                                                    "recv_prev", "recv_next", "tensor_shape"], []),
+    "P2PCommunicator.send_forward_backward_recv_forward_backward": (
+        ["self", "output_tensor", "input_tensor_grad", "recv_prev", "recv_next", "tensor_shape"], []),
 }
 
 PROCESS_GROUP_FIELDS = [

@@ -85,7 +85,8 @@ def _expected_order(m: int, v: int, g: int, pp: int, rank: int, forward_only: bo
     return order + backward[remaining:]
 
 
-@pytest.mark.parametrize("pp, v, m, g", [(2, 2, 4, 2), (4, 2, 8, 4), (4, 3, 4, 4), (2, 3, 5, 3), (4, 2, 9, 5)])
+@pytest.mark.parametrize("pp, v, m, g",
+                         [(2, 2, 4, 2), (4, 2, 8, 4), (4, 3, 4, 4), (2, 3, 5, 3), (4, 2, 9, 5)])
 def test_interleaved_tables_follow_megatron_and_have_the_bubble(pp, v, m, g):
     tables = [sch.interleaved_table(m, v, g, pp, r) for r in range(pp)]
     for r in range(pp):
@@ -143,7 +144,7 @@ def test_layer_offsets_match_megatron_formula():
     counts = layers_per_virtual_stage(config, 3, 2)
     offsets = {(c, r): sum(counts[:c * 3 + r]) for c in range(2) for r in range(3)}
     assert offsets == {(0, 0): 0, (0, 1): 1, (0, 2): 5, (1, 0): 7, (1, 1): 8, (1, 2): 12}
-    with pytest.raises(ValueError, match="not divisible by pipeline_model_parallel_size x virtual pipeline size"):
+    with pytest.raises(ValueError, match="not divisible by pipeline_model_parallel_size x virtual"):
         layers_per_virtual_stage(SimpleNamespace(num_layers=7), 2, 1)
     with pytest.raises(ValueError, match="not divisible by the virtual pipeline size 2"):
         layers_per_virtual_stage(SimpleNamespace(num_layers=9, num_layers_in_first_pipeline_stage=3), 2, 2)
@@ -208,8 +209,9 @@ class ToyChunk(torch.nn.Module):
         self.input_tensor = None
         self.outputs: list[torch.Tensor] = []
 
-    def set_input_tensor(self, tensor) -> None:
-        self.input_tensor = tensor
+    def set_input_tensor(self, tensors) -> None:
+        assert isinstance(tensors, list) and len(tensors) == 1  # Megatron-core hands over a list
+        self.input_tensor = tensors[0]
 
     def forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
         h = x if self.first else self.input_tensor
@@ -253,7 +255,8 @@ def build_chunks(layers, pp: int, rank: int, v: int, config, recorder: Recorder,
 
 def _run_layout(layers, pp: int, v: int, m: int, g: int | None, *, forward_only: bool = False,
                 deallocate: bool = False, comm: P2PCommunicator | None = None,
-                pgs: ProcessGroupCollection | None = None, counts: list[int] | None = None) -> None:
+                pgs: ProcessGroupCollection | None = None, counts: list[int] | None = None,
+                sync_funcs: bool = False) -> None:
     pp_group = comm.pp_group if comm is not None else ps.get_pipeline_model_parallel_group()
     rank = pp_group.rank()
     where = f"pp={pp} v={v} m={m} g={g} rank={rank} forward_only={forward_only}"
@@ -275,6 +278,11 @@ def _run_layout(layers, pp: int, v: int, m: int, g: int | None, *, forward_only:
     )
     if comm is not None:
         comm.config = config
+    events = []
+    if sync_funcs:  # record where in the order of forwards and backwards each call happens
+        config.grad_sync_func = [lambda params, c=c: events.append(("grad", c, len(recorder.order)))
+                                 for c in range(v)]
+        config.param_sync_func = lambda params: events.append(("param", len(recorder.order)))
     chunks = build_chunks(layers, pp, rank, v, config, recorder, counts)
     for chunk in chunks:
         chunk.layers[0].weight.register_hook(lambda grad, c=chunk.chunk: sync_flags.append((c, bool(active))))
@@ -310,7 +318,13 @@ def _run_layout(layers, pp: int, v: int, m: int, g: int | None, *, forward_only:
             assert_close(layer.bias.grad, ref_b, **EXACT, msg=where)
         # Each chunk's last backward runs outside no_sync (its gradients are reduced once).
         flags = [f for cc, f in sync_flags if cc == c]
-        assert flags == [True] * (m - 1) + [False], (where, c, flags)
+        assert flags == [True] * (m - (not sync_funcs)) + [False] * (not sync_funcs), (where, c, flags)
+    if sync_funcs:
+        order = recorder.order
+        assert sorted(e for e in events if e[0] == "grad") == [
+            ("grad", c, order.index(("backward", m - 1, c)) + 1) for c in range(v)], (where, events)
+        assert sorted(e for e in events if e[0] == "param") == sorted(
+            ("param", order.index(("forward", 0, c))) for c in range(v)), (where, events)
     assert len(finalized) == 1 and finalized[0] == chunks, where
     # Megatron-core hands the custom groups on to the finalizer.
     assert finalize_kwargs == [{} if pgs is None else {"pg_collection": pgs}], where
@@ -321,7 +335,8 @@ def _run_layout(layers, pp: int, v: int, m: int, g: int | None, *, forward_only:
 
 def _interleaved_worker() -> None:
     layers = full_layers()
-    for pp, cases in ((2, [(2, 2, None), (2, 4, None), (2, 3, 3), (2, 5, 3), (2, 4, 4), (3, 4, None), (3, 3, 3)]),
+    two = [(2, 2, None), (2, 4, None), (2, 3, 3), (2, 5, 3), (2, 4, 4), (3, 4, None), (3, 3, 3)]
+    for pp, cases in ((2, two),
                       (4, [(2, 4, None), (2, 8, None), (2, 5, 5), (2, 9, 5), (3, 4, None)])):
         ps.initialize_model_parallel(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=2)
         assert get_forward_backward_func() is sch.forward_backward_pipelining_with_interleaving
@@ -336,6 +351,7 @@ def _interleaved_worker() -> None:
         assert len(set(counts)) > 1 and sum(counts) == L
         _run_layout(layers, pp, 2, 2 * pp, None, counts=counts)
         _run_layout(layers, pp, 2, 2 * pp, None, deallocate=True)
+        _run_layout(layers, pp, 3, pp, None, sync_funcs=True)
         ps.destroy_model_parallel()
 
     # Custom process groups: parallel_state has pipelines of 2, the schedule runs all 4 ranks
@@ -347,9 +363,40 @@ def _interleaved_worker() -> None:
     assert comm.virtual_pipeline_model_parallel_size == 2
     pgs = ProcessGroupCollection(tp=ps.get_tensor_model_parallel_group(), cp=ps.get_context_parallel_group(),
                                  embd=None, pos_embd=None, pp=everyone, dp_cp=None)
+    _check_communicator(comm)
     _run_layout(layers, WORLD, 2, 4, None, comm=comm, pgs=pgs)
     _check_errors(layers, comm, pgs)
     ps.destroy_model_parallel()
+
+
+def _check_communicator(comm: P2PCommunicator) -> None:
+    """Megatron-core's methods on a ring of 4: what each rank gets is its neighbour's value."""
+    rank, shape = dist.get_rank(), (S, B, H)
+
+    def value(r: int, tag: float) -> torch.Tensor:
+        return torch.full(shape, 10.0 * r + tag, dtype=torch.float64)
+
+    prev, nxt = (rank - 1) % WORLD, (rank + 1) % WORLD
+    got_prev, got_next = comm.send_forward_backward_recv_forward_backward(value(rank, 1), value(rank, 2),
+                                                                          True, True, shape)
+    assert_close(got_prev.detach(), value(prev, 1), **EXACT)
+    assert_close(got_next, value(nxt, 2), **EXACT)
+    got = comm.send_forward_recv_forward(value(rank, 3), True, shape, overlap_p2p_comm=True)
+    tensor, reqs = got
+    assert set(reqs) == {"send_next", "recv_prev"}
+    for req in reqs.values():
+        req.wait()
+    assert_close(tensor.detach(), value(prev, 3), **EXACT)
+    if rank % 2 == 0:
+        comm.send_forward([value(rank, 4), value(rank, 5)], False)
+        grads = comm.recv_backward([shape, shape], False)
+        assert [g[0, 0, 0].item() for g in grads] == [10.0 * nxt + 6, 10.0 * nxt + 7]
+    else:
+        received = comm.recv_forward([shape, shape], False)
+        assert [t[0, 0, 0].item() for t in received] == [10.0 * prev + 4, 10.0 * prev + 5]
+        comm.send_backward([value(rank, 6), value(rank, 7)], False)
+    # A list of shapes gives a list; the end of the pipeline receives nothing.
+    assert comm.recv_forward(shape, True) is None and comm.recv_backward([shape], True) == [None]
 
 
 def _check_errors(layers, comm, pgs) -> None:
@@ -360,7 +407,8 @@ def _check_errors(layers, comm, pgs) -> None:
                   model=chunks, num_microbatches=4, seq_length=S, micro_batch_size=B)
     func = sch.forward_backward_pipelining_with_interleaving
     with pytest.raises(ValueError, match="microbatch_group_size_per_vp_stage 5 must lie in"):
-        func(**{**kwargs, "model": build_chunks(layers, 2, rank, 2, make_config(microbatch_group_size_per_vp_stage=5), Recorder())})
+        wide = make_config(microbatch_group_size_per_vp_stage=5)
+        func(**{**kwargs, "model": build_chunks(layers, 2, rank, 2, wide, Recorder())})
     with pytest.raises(RuntimeError, match="leaves a last group of 1"):
         func(**{**kwargs, "num_microbatches": 5})
     with pytest.raises(ValueError, match="needs data_iterator as a list"):
@@ -406,3 +454,37 @@ def _mpu_groups_worker() -> None:
 
 def test_use_mpu_process_groups():
     run_distributed(WORLD, _mpu_groups_worker)
+
+
+def _gpt_chunks_worker() -> dict:
+    from megatron_ext.models import GPTModel
+    from megatron_ext.transformer import TransformerConfig
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    config = TransformerConfig(num_layers=6, hidden_size=8, num_attention_heads=2, params_dtype=torch.float64,
+                               use_cpu_initialization=True, virtual_pipeline_model_parallel_size=2)
+    # Megatron's uneven split: the first stage holds 2 layers (1 per chunk), the last 4 (2 per chunk).
+    config.num_layers_in_first_pipeline_stage = 2
+    chunks = [GPTModel(config, vocab_size=16, max_sequence_length=4, init_seed=5, vp_stage=c) for c in range(2)]
+    out = {
+        "layers": [[layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks],
+        "pre": [chunk.pre_process for chunk in chunks],
+        "post": [chunk.post_process for chunk in chunks],
+        "shared": [chunk.shared_embedding_or_output_weight() is not None for chunk in chunks],
+    }
+    # The last stage's copy of the tied embedding equals the first stage's.
+    weight = (chunks[0] if ps.is_pipeline_first_stage() else chunks[-1]).shared_embedding_or_output_weight()
+    copies = [torch.empty_like(weight) for _ in range(2)]
+    dist.all_gather(copies, weight.detach(), group=ps.get_embedding_group())
+    out["tied_equal"] = torch.equal(copies[0], copies[1])
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_gpt_model_chunks_take_megatron_layers():
+    first, last = run_distributed(2, _gpt_chunks_worker)
+    assert first["layers"] == [[1], [4]] and last["layers"] == [[2, 3], [5, 6]]
+    assert first["pre"] == [True, False] and last["pre"] == [False, False]
+    assert first["post"] == [False, False] and last["post"] == [False, True]
+    assert first["shared"] == [True, False] and last["shared"] == [False, True]
+    assert first["tied_equal"] and last["tied_equal"]

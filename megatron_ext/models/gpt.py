@@ -118,7 +118,9 @@ class GPTModel(torch.nn.Module):
             return
         if self.pre_process and self.post_process:
             return  # one stage: the output layer reads the embedding weight itself
-        if parallel_state.get_pipeline_model_parallel_world_size() == 1 or not (self.pre_process or self.post_process):
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return
+        if not (self.pre_process or self.post_process):
             return  # a middle model chunk holds no copy
         if not parallel_state.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=self.vp_stage):
             return

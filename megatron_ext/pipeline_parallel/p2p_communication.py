@@ -356,11 +356,15 @@ def _communicator(config: Any) -> P2PCommunicator:
 
 
 def _first(is_first_stage: bool | None) -> bool:
-    return parallel_state.is_pipeline_first_stage(ignore_virtual=True) if is_first_stage is None else is_first_stage
+    if is_first_stage is None:
+        return parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    return is_first_stage
 
 
 def _last(is_last_stage: bool | None) -> bool:
-    return parallel_state.is_pipeline_last_stage(ignore_virtual=True) if is_last_stage is None else is_last_stage
+    if is_last_stage is None:
+        return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    return is_last_stage
 
 
 def _sent_shape(tensor: torch.Tensor, config: Any) -> Shape | None:

@@ -12,8 +12,9 @@ The contract, as in Megatron-core:
   ``v`` model chunks, chunk ``c`` of pipeline rank ``r`` being virtual stage ``c * pp + r``) with
   a ``config`` attribute (a ``ModelParallelConfig`` or any object with its fields; wrappers
   exposing ``.module`` are looked through). With more than one stage it needs
-  ``set_input_tensor(tensor)``: before each forward the schedule calls it with the activation
-  received from the previous stage (a leaf tensor that requires grad), or with None on the first.
+  ``set_input_tensor(tensors)``: before each forward the schedule calls it with a list holding the
+  activation received from the previous stage (a leaf tensor that requires grad), or ``[None]`` on
+  the first stage, as Megatron-core does.
 - ``forward_step_func(data_iterator, model)`` runs one model chunk's forward on one micro-batch and
   returns ``(output_tensor, loss_func)``. Except on the last stage, ``output_tensor`` is the
   ``[s, b, h]`` activation sent on (``s // tp`` under sequence parallelism, dtype
@@ -31,8 +32,11 @@ The contract, as in Megatron-core:
 
 ``config.no_sync_func`` (a context-manager factory, or one per chunk) is entered for every
 backward but the last of each chunk, so a data-parallel wrapper reduces gradients once.
-``config.grad_scale_func`` scales the loss before its backward; ``config.deallocate_pipeline_outputs``
-frees each sent activation's data, keeping only its autograd graph.
+With ``config.grad_sync_func`` (one callable or one per chunk) every backward runs inside no_sync
+and ``grad_sync_func[c](chunk.parameters())`` is called after chunk c's last backward; with model
+chunks, ``config.param_sync_func[c](chunk.parameters())`` is called before chunk c's first forward
+(neither in forward-only runs). ``config.grad_scale_func`` scales the loss before its backward;
+``config.deallocate_pipeline_outputs`` frees each sent activation's data, keeping only its graph.
 
 How the schedules are built: each is one ordered table per pipeline rank of
 ``(FORWARD | BACKWARD, microbatch, chunk)`` entries (``schedule_table``), run by one runner
@@ -131,7 +135,8 @@ def get_pp_rank_microbatches(
         if vp_size is None:
             num_warmup = pp_size - pp_rank - 1
         else:
-            num_warmup = 2 * (pp_size - pp_rank - 1) + (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
+            num_warmup = 2 * (pp_size - pp_rank - 1)
+            num_warmup += (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
             if overlap_moe_expert_parallel_comm:
                 num_warmup += 1
     else:
@@ -267,7 +272,9 @@ def plan_schedule(tables: Sequence[Sequence[ScheduleEntry]], num_model_chunks: i
                 ran.append((r, entry))
         if not ran:
             waiting = {r: tables[r][position[r]] for r in range(pp_size) if position[r] < len(tables[r])}
-            raise ValueError(f"the schedule tables wait for each other forever; next entries per rank: {waiting}")
+            raise ValueError(
+                f"the schedule tables wait for each other forever; next entries per rank: {waiting}"
+            )
         for r, (kind, mb, chunk) in ran:
             done[(kind, mb, chunk * pp_size + r)] = tick
             position[r] += 1
@@ -526,7 +533,9 @@ def clear_embedding_activation_buffer(config: Any, model: Any, is_last_stage: bo
     return module
 
 
-def finish_embedding_wgrad_compute(config: Any, embedding_module: Any, is_last_stage: bool, tp_group: Any) -> None:
+def finish_embedding_wgrad_compute(
+    config: Any, embedding_module: Any, is_last_stage: bool, tp_group: Any
+) -> None:
     """The deferred embedding weight gradient (``config.defer_embedding_wgrad_compute``) is not
     implemented: the output layer computes its weight gradient in its own backward."""
     if is_last_stage and getattr(config, "defer_embedding_wgrad_compute", False):
@@ -634,7 +643,9 @@ def forward_step(
         except AttributeError:
             set_input_tensor = None  # allowed with one stage only (checked by the schedules)
         if set_input_tensor is not None:
-            set_input_tensor(input_tensor)
+            # As in Megatron-core, the model receives a list (one tensor per input; None on the
+            # first stage): models written for it index input_tensor[0].
+            set_input_tensor(input_tensor if isinstance(input_tensor, list) else [input_tensor])
         if checkpoint_activations_microbatch is None:
             result = forward_step_func(data_iterator, model)
         else:
@@ -756,6 +767,18 @@ def _finalize(
     finalize(*args, **kwargs)
 
 
+def _per_chunk(config: Any, name: str, num_chunks: int) -> list[Callable] | None:
+    """``config.<name>``: None, one callable for every chunk, or a list of one per chunk."""
+    funcs = getattr(config, name, None)
+    if funcs is None:
+        return None
+    if isinstance(funcs, (list, tuple)):
+        if len(funcs) != num_chunks:
+            raise ValueError(f"config.{name} is a list of {len(funcs)} for {num_chunks} model chunks")
+        return list(funcs)
+    return [funcs] * num_chunks
+
+
 # The runner --------------------------------------------------------------------------------
 
 
@@ -773,13 +796,12 @@ def run_schedule(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: bool | None = None,
-    trace: list | None = None,
 ) -> tuple[list, int]:
     """Runs this rank's table (``tables[pp_rank]``) against its neighbours'.
 
     ``tables`` holds the table of every rank of the pipeline group (``p2p_communicator.pp_group``;
     one table and no communicator for a single stage). Returns ``(forward_data_store,
-    total_num_tokens)``. ``trace``, if given, receives each entry as it runs.
+    total_num_tokens)``.
     """
     pp_size = 1 if p2p_communicator is None else p2p_communicator.pp_group.size()
     pp_rank = 0 if p2p_communicator is None else p2p_communicator.pp_group.rank()
@@ -809,17 +831,19 @@ def run_schedule(
     grads: dict[tuple[int, int], torch.Tensor] = {}
     in_flight: dict[tuple[int, int], tuple[Any, Any]] = {}
     sync = _GradSync(config)
+    grad_sync = None if forward_only else _per_chunk(config, "grad_sync_func", num_chunks)
+    param_sync = None if forward_only or num_chunks == 1 else _per_chunk(config, "param_sync_func", num_chunks)
     num_forwards = 0
     sync.disable()
     try:
         for tick, entry in enumerate(mine):
             send_next = send_prev = None
             if entry is not None:
-                if trace is not None:
-                    trace.append(entry)
                 kind, mb, chunk = entry
                 s = stage(chunk)
                 if kind == FORWARD:
+                    if param_sync is not None and first_forward[chunk] == mb:
+                        param_sync[chunk](model_chunks[chunk].parameters())
                     input_tensor = inputs.pop((mb, chunk)) if s > 0 else None
                     checkpoint = None if window is None else (num_forwards % window >= partial)
                     num_forwards += 1
@@ -846,9 +870,15 @@ def run_schedule(
                 else:
                     input_tensor, output_tensor = in_flight.pop((mb, chunk))
                     output_grad = grads.pop((mb, chunk)) if s < num_stages - 1 else None
-                    if last_backward[chunk] == mb:
+                    last = last_backward[chunk] == mb
+                    if last and grad_sync is None:
                         sync.enable()
                     input_grad = backward_step(input_tensor, output_tensor, output_grad, None, config)
+                    if last and grad_sync is not None:
+                        # Megatron-core: a custom grad_sync_func starts the chunk's reduction
+                        # after its last backward, which ran inside no_sync.
+                        sync.enable()
+                        grad_sync[chunk](model_chunks[chunk].parameters())
                     sync.disable()
                     if s > 0:
                         if pp_size == 1:

@@ -53,7 +53,8 @@ def layers_per_virtual_stage(config: TransformerConfig, pp_size: int, vp_size: i
         for r, n in enumerate(per_rank):
             if n % vp_size != 0:
                 raise ValueError(
-                    f"pipeline stage {r} holds {n} layers, not divisible by the virtual pipeline size {vp_size}"
+                    f"pipeline stage {r} holds {n} layers, not divisible by the virtual pipeline "
+                    f"size {vp_size}"
                 )
         return [per_rank[r] // vp_size for _ in range(vp_size) for r in range(pp_size)]
     extra_first = bool(getattr(config, "account_for_embedding_in_pipeline_split", False))
@@ -61,7 +62,8 @@ def layers_per_virtual_stage(config: TransformerConfig, pp_size: int, vp_size: i
     total = num_layers + extra_first + extra_last
     stages = pp_size * vp_size
     if total % stages != 0:
-        what = "num_layers" + (" + 1 (embedding)" if extra_first else "") + (" + 1 (loss)" if extra_last else "")
+        what = "num_layers" + (" + 1 (embedding)" if extra_first else "")
+        what += " + 1 (loss)" if extra_last else ""
         raise ValueError(
             f"{what} = {total} is not divisible by pipeline_model_parallel_size x virtual pipeline size "
             f"= {pp_size} x {vp_size}"
