@@ -44,12 +44,15 @@ InitMethod = Callable[[torch.Tensor], Any]
 # --- tensor-parallel attributes of parameters -------------------------------------------------
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
-    """True if ``param`` is a shard (differs across TP ranks) or this is TP rank 0: the parameters
-    to count once when reducing over the model-parallel group (e.g. for the gradient norm)."""
-    return (hasattr(param, "tensor_model_parallel") and param.tensor_model_parallel) or (
-        parallel_state.get_tensor_model_parallel_rank() == 0
-    )
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> bool:
+    """True if ``param`` is a shard (differs across TP ranks) or this is rank 0 of ``tp_group``
+    (None: the tensor-parallel group): the parameters to count once when reducing over the
+    model-parallel group (e.g. for the gradient norm)."""
+    if hasattr(param, "tensor_model_parallel") and param.tensor_model_parallel:
+        return True
+    if tp_group is not None:
+        return tp_group.rank() == 0
+    return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
 def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
