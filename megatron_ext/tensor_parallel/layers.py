@@ -44,7 +44,9 @@ InitMethod = Callable[[torch.Tensor], Any]
 # --- tensor-parallel attributes of parameters -------------------------------------------------
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> bool:
+def param_is_not_tensor_parallel_duplicate(
+    param: torch.Tensor, tp_group: dist.ProcessGroup | None = None
+) -> bool:
     """True if ``param`` is a shard (differs across TP ranks) or this is rank 0 of ``tp_group``
     (None: the tensor-parallel group): the parameters to count once when reducing over the
     model-parallel group (e.g. for the gradient norm)."""
