@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    p.add_argument("--virtual-pipeline", type=int, default=None,
+                   help="model chunks per pipeline stage: the interleaved 1F1B schedule (needs --pp >= 2)")
     p.add_argument("--recompute", action="store_true", help="recompute each layer's activations in backward")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="shard LayerNorm/dropout activations along the sequence over the tensor-parallel group")
@@ -100,6 +102,16 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
     if args.layers % args.pp != 0:
         raise ValueError(f"--layers {args.layers} is not divisible by --pp {args.pp}")
+    if args.virtual_pipeline is not None:
+        if args.virtual_pipeline < 1 or args.pp < 2:
+            raise ValueError(f"--virtual-pipeline {args.virtual_pipeline} needs a value >= 1 and --pp >= 2")
+        if args.layers % (args.pp * args.virtual_pipeline) != 0:
+            raise ValueError(
+                f"--layers {args.layers} is not divisible by --pp x --virtual-pipeline = "
+                f"{args.pp} x {args.virtual_pipeline}"
+            )
+        if args.save is not None or args.load is not None:
+            raise ValueError("--virtual-pipeline cannot be combined with --save / --load yet")
     if args.global_batch_size % (args.micro_batch_size * args.dp) != 0:
         raise ValueError(
             f"--global-batch-size {args.global_batch_size} is not divisible by "
@@ -180,7 +192,8 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else DTYPES[args.dtype]
 
 
-def build_model(args: argparse.Namespace) -> GPTModel:
+def build_model(args: argparse.Namespace) -> list[GPTModel]:
+    """This rank's model chunks: one GPTModel, or one per virtual pipeline stage."""
     dtype = params_dtype(args)
     config = TransformerConfig(
         tensor_model_parallel_size=args.tp,
@@ -198,9 +211,16 @@ def build_model(args: argparse.Namespace) -> GPTModel:
         recompute_granularity="full" if args.recompute else None,
         sequence_parallel=args.sequence_parallel,
         finalize_model_grads_func=finalize_model_grads,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline,
     )
+    torch.manual_seed(args.seed)  # the CPU generator: dropout outside tensor-parallel regions on CPU
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    return GPTModel(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_len, init_seed=args.seed)
+    stages = [None] if args.virtual_pipeline is None else range(args.virtual_pipeline)
+    return [
+        GPTModel(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_len, init_seed=args.seed,
+                 vp_stage=vp_stage)
+        for vp_stage in stages
+    ]
 
 
 def global_mean_loss(losses: list[dict[str, torch.Tensor]]) -> float:
@@ -223,6 +243,7 @@ def train(args: argparse.Namespace) -> dict:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline,
         distributed_timeout_minutes=args.timeout / 60,
     )
     try:
@@ -235,20 +256,24 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
     # Gradients accumulate in float32 main_grad buffers (16-bit runs) and are averaged over the
     # data-parallel group (reduce-scattered for the distributed optimizer) in buckets that start
     # during the last micro-batch's backward; the earlier micro-batches only accumulate (no_sync).
-    sixteen_bit = args.bf16 or args.fp16
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=sixteen_bit,
+        grad_reduce_in_fp32=args.bf16 or args.fp16,
         overlap_grad_reduce=True,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    model = DistributedDataParallel(
-        build_model(args),
-        data_parallel_group=parallel_state.get_data_parallel_group(),
-        bucket_size_bytes=args.grad_bucket_bytes,
-        ddp_config=ddp_config,
-    )
-    model_config = model.module.config
-    model_config.no_sync_func = model.no_sync
+    chunks = [
+        DistributedDataParallel(
+            chunk,
+            data_parallel_group=parallel_state.get_data_parallel_group(),
+            bucket_size_bytes=args.grad_bucket_bytes,
+            ddp_config=ddp_config,
+        )
+        for chunk in build_model(args)
+    ]
+    # One chunk: a plain model, as before; several: the list the interleaved schedule takes.
+    model = chunks[0] if len(chunks) == 1 else chunks
+    config = chunks[0].module.config
+    config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [c.no_sync for c in chunks]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             lr=args.lr,
@@ -259,14 +284,18 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
             clip_grad=args.clip_grad,
             use_distributed_optimizer=args.use_distributed_optimizer,
         ),
-        [model],
+        chunks,
     )
     if args.fp16:
-        model_config.grad_scale_func = optimizer.scale_loss
+        config.grad_scale_func = optimizer.scale_loss
     start_step = resume(args, model, optimizer)
-    forward_backward = get_forward_backward_func(schedule=args.schedule)
+    if args.virtual_pipeline is not None and args.schedule == "1f1b":
+        forward_backward = get_forward_backward_func()  # interleaved 1F1B
+    else:
+        forward_backward = get_forward_backward_func(schedule=args.schedule)
     num_microbatches = args.global_batch_size // (args.micro_batch_size * args.dp)
-    needs_data = parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
+    # Only the chunk that embeds and the one that computes the loss read the batch.
+    needs_data = [c.module.pre_process or c.module.post_process for c in chunks]
     rank0 = dist.get_rank() == 0
     progress = None
     if rank0 and not args.no_progress:
@@ -276,14 +305,16 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
 
     losses, tokens_per_s, grad_norms, skipped = [], [], [], 0
     tokens_per_step = args.global_batch_size * args.seq_len
-    model.train()
+    for chunk in chunks:
+        chunk.train()
     for step in range(start_step, args.steps):
         start = time.perf_counter()
         microbatches = step_microbatches(corpus, step, args)
         optimizer.zero_grad(set_to_none=True)
+        iterators = [iter(microbatches) if needed else None for needed in needs_data]
         step_losses = forward_backward(
             forward_step_func=forward_step,
-            data_iterator=iter(microbatches) if needs_data else None,
+            data_iterator=iterators[0] if len(chunks) == 1 else iterators,
             model=model,
             num_microbatches=num_microbatches,
             seq_length=args.seq_len,

@@ -28,14 +28,22 @@ from megatron_ext.parallel_state import (
 )
 from megatron_ext.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ext.tensor_parallel.data import broadcast_data
-from megatron_ext.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron_ext.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from megatron_ext.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megatron_ext.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from megatron_ext.tensor_parallel.random import (
+    checkpoint,
+    get_cuda_rng_tracker,
+    model_parallel_cuda_manual_seed,
+)
 from megatron_ext.tensor_parallel.utils import divide, ensure_divisibility, split_tensor_along_last_dim
 
 

@@ -11,7 +11,6 @@ collective) and keeps the ones it belongs to.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from datetime import timedelta
 from typing import Any, Callable
@@ -140,9 +139,7 @@ class RankGenerator:
         for name, size in self.name_to_size.items():
             if name not in tokens:
                 if size != 1:
-                    raise RuntimeError(
-                        f"the size of {name} is {size}, but order {order!r} does not place it"
-                    )
+                    raise RuntimeError(f"the size of {name} is {size}, but order {order!r} does not place it")
                 tokens.append(name)
         self.order = "-".join(tokens)
         self.ordered_size = [self.name_to_size[t] for t in tokens]
@@ -186,7 +183,9 @@ def get_nccl_options(pg_name: str, nccl_comm_cfgs: dict) -> Any:
         if key in cfg:
             setattr(options.config, key, cfg[key])
     if "net_name" in cfg and str(cfg["net_name"]).lower() not in ("ib", "socket"):
-        raise RuntimeError(f"net_name ({cfg['net_name']}) is not supported. Accepted values: 'IB' or 'socket'.")
+        raise RuntimeError(
+            f"net_name ({cfg['net_name']}) is not supported. Accepted values: 'IB' or 'socket'."
+        )
     return options
 
 
@@ -260,7 +259,10 @@ def create_hierarchical_groups(
             for i in range(inner):
                 sub = [ranks[(o * size + s) * inner + i] for s in range(size)]
                 group = create_group(
-                    sub, timeout=timeout, pg_options=pg_options[level], group_desc=f"HIERARCHICAL_{group_desc}_L{level}"
+                    sub,
+                    timeout=timeout,
+                    pg_options=pg_options[level],
+                    group_desc=f"HIERARCHICAL_{group_desc}_L{level}",
                 )
                 group_gloo = _gloo_twin(group, sub, timeout) if create_gloo_process_groups else None
                 if rank in sub:
@@ -346,7 +348,9 @@ def initialize_model_parallel(
         expert_tensor_parallel_size = tensor_model_parallel_size
     _require_positive("expert_tensor_parallel_size", expert_tensor_parallel_size)
     if use_sharp:
-        raise RuntimeError("use_sharp=True is not supported: megatron_ext does not set up NCCL SHARP (CollNet)")
+        raise RuntimeError(
+            "use_sharp=True is not supported: megatron_ext does not set up NCCL SHARP (CollNet)"
+        )
     _check(sharp_enabled_group is None, "sharp_enabled_group is only valid when use_sharp is True")
     if pipeline_model_parallel_comm_backend not in (None, "nccl", "ucc", "gloo"):
         raise RuntimeError(
@@ -371,7 +375,9 @@ def initialize_model_parallel(
                 f"virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size} needs "
                 "pipeline_model_parallel_size > 1, got 1 (the interleaved schedule needs a pipeline)"
             )
-    expert_model_size = expert_tensor_parallel_size * expert_model_parallel_size * pipeline_model_parallel_size
+    expert_model_size = (
+        expert_tensor_parallel_size * expert_model_parallel_size * pipeline_model_parallel_size
+    )
     if world_size % expert_model_size != 0:
         raise RuntimeError(
             f"world size {world_size} is not divisible by expert_tensor_parallel_size "
@@ -379,13 +385,18 @@ def initialize_model_parallel(
             f"x pipeline_model_parallel_size ({pipeline_model_parallel_size}) = {expert_model_size}"
         )
     expert_data_parallel_size = world_size // expert_model_size
-    if hierarchical_context_parallel_sizes and math.prod(hierarchical_context_parallel_sizes) != context_parallel_size:
+    if (
+        hierarchical_context_parallel_sizes
+        and math.prod(hierarchical_context_parallel_sizes) != context_parallel_size
+    ):
         raise RuntimeError(
             f"hierarchical_context_parallel_sizes {hierarchical_context_parallel_sizes} must multiply to "
             f"context_parallel_size ({context_parallel_size})"
         )
-    for what, size in (("data x context", data_parallel_size * context_parallel_size),
-                       ("expert data", expert_data_parallel_size)):
+    for what, size in (
+        ("data x context", data_parallel_size * context_parallel_size),
+        ("expert data", expert_data_parallel_size),
+    ):
         if size % num_distributed_optimizer_instances != 0:
             raise RuntimeError(
                 f"the {what} parallel size ({size}) is not divisible by "
@@ -393,15 +404,26 @@ def initialize_model_parallel(
             )
 
     dense = RankGenerator(
-        tp=tensor_model_parallel_size, ep=1, dp=data_parallel_size, pp=pipeline_model_parallel_size,
-        cp=context_parallel_size, order=order,
+        tp=tensor_model_parallel_size,
+        ep=1,
+        dp=data_parallel_size,
+        pp=pipeline_model_parallel_size,
+        cp=context_parallel_size,
+        order=order,
     )
     expert = RankGenerator(
-        tp=expert_tensor_parallel_size, ep=expert_model_parallel_size, dp=expert_data_parallel_size,
-        pp=pipeline_model_parallel_size, cp=1, order=order,
+        tp=expert_tensor_parallel_size,
+        ep=expert_model_parallel_size,
+        dp=expert_data_parallel_size,
+        pp=pipeline_model_parallel_size,
+        cp=1,
+        order=order,
     )
-    if not (order.endswith("pp") or pipeline_model_parallel_size == 1
-            or expert_data_parallel_size == data_parallel_size):
+    if not (
+        order.endswith("pp")
+        or pipeline_model_parallel_size == 1
+        or expert_data_parallel_size == data_parallel_size
+    ):
         raise RuntimeError(
             f"with order {order!r} (pp not last) the data-parallel sizes of the dense ({data_parallel_size}) "
             f"and expert ({expert_data_parallel_size}) layers must be equal"
@@ -417,7 +439,9 @@ def initialize_model_parallel(
         try:
             import yaml
         except ImportError as e:
-            raise RuntimeError("nccl_communicator_config_path needs the yaml package (pip install pyyaml)") from e
+            raise RuntimeError(
+                "nccl_communicator_config_path needs the yaml package (pip install pyyaml)"
+            ) from e
         with open(nccl_communicator_config_path) as stream:
             nccl_comm_cfgs = yaml.safe_load(stream) or {}
     for pg_name in high_priority_stream_groups or []:
@@ -433,8 +457,13 @@ def initialize_model_parallel(
     def options(name: str) -> Any:
         return get_nccl_options(name, nccl_comm_cfgs)
 
-    def make(kind: str, rank_lists: list[list[int]], pg_name: str | None, gloo: bool = False,
-             backend: str | None = None) -> None:
+    def make(
+        kind: str,
+        rank_lists: list[list[int]],
+        pg_name: str | None,
+        gloo: bool = False,
+        backend: str | None = None,
+    ) -> None:
         """Creates one group per rank list; keeps this rank's under ``kind`` (and its gloo twin)."""
         pg_options = None if pg_name is None else options(pg_name)
         for ranks in rank_lists:
@@ -453,7 +482,10 @@ def initialize_model_parallel(
         if create_all_gather_group:
             make("dp-cp-ag", [ranks], "dp_cp")
         if num_distributed_optimizer_instances > 1:
-            parts = [ranks[i * intra_dp_cp : (i + 1) * intra_dp_cp] for i in range(num_distributed_optimizer_instances)]
+            parts = [
+                ranks[i * intra_dp_cp : (i + 1) * intra_dp_cp]
+                for i in range(num_distributed_optimizer_instances)
+            ]
             make("intra-dp-cp", parts, "intra_dp_cp", gloo=True)
     if num_distributed_optimizer_instances == 1:
         _alias("intra-dp-cp", "dp-cp")
@@ -472,7 +504,11 @@ def initialize_model_parallel(
         make("cp", [ranks], "cp")
         if hierarchical_context_parallel_sizes:
             groups, _ = create_hierarchical_groups(
-                rank, ranks, hierarchical_context_parallel_sizes, pg_options=options("hcp"), timeout=timeout,
+                rank,
+                ranks,
+                hierarchical_context_parallel_sizes,
+                pg_options=options("hcp"),
+                timeout=timeout,
                 group_desc="CONTEXT_PARALLEL_GROUP",
             )
             if rank in ranks:
@@ -503,9 +539,12 @@ def initialize_model_parallel(
         make("edp", [ranks], "ep_dp", gloo=True)
         if num_distributed_optimizer_instances > 1:
             groups, groups_gloo = create_hierarchical_groups(
-                rank, ranks, [intra_edp, num_distributed_optimizer_instances],
+                rank,
+                ranks,
+                [intra_edp, num_distributed_optimizer_instances],
                 create_gloo_process_groups=create_gloo_process_groups,
-                pg_options=[options("intra_ep_dp"), options("inter_ep_dp")], timeout=timeout,
+                pg_options=[options("intra_ep_dp"), options("inter_ep_dp")],
+                timeout=timeout,
                 group_desc="EXPERT_DATA_PARALLEL_GROUP",
             )
             if rank in ranks:
@@ -518,7 +557,9 @@ def initialize_model_parallel(
 
     # A distributed-optimizer instance: intra_edp consecutive expert model-parallel groups.
     model_groups = expert.get_ranks("tp-ep-pp")
-    instances = [sum(model_groups[i : i + intra_edp], []) for i in range(0, len(model_groups), intra_edp)]
+    instances = [
+        [r for g in model_groups[i : i + intra_edp] for r in g] for i in range(0, len(model_groups), intra_edp)
+    ]
     make("intra-dist-opt", instances, "intra_dist_opt_instance")
 
     if virtual_pipeline_model_parallel_size is not None:
@@ -541,7 +582,9 @@ def is_initialized() -> bool:
 
 def is_unitialized() -> bool:
     """Deprecated: ``not is_initialized()``."""
-    warnings.warn("is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "is_unitialized is deprecated, use is_initialized instead", DeprecationWarning, stacklevel=2
+    )
     return not is_initialized()
 
 
@@ -588,7 +631,9 @@ def get_pipeline_model_parallel_group(check_initialized: bool = True) -> dist.Pr
 
 
 def get_data_parallel_group(
-    with_context_parallel: bool = False, partial_data_parallel: bool = False, independent_all_gather: bool = False
+    with_context_parallel: bool = False,
+    partial_data_parallel: bool = False,
+    independent_all_gather: bool = False,
 ) -> dist.ProcessGroup:
     """The data-parallel group; with ``with_context_parallel`` the data x context group (its
     distributed-optimizer-instance part with ``partial_data_parallel``; its separate all-gather
@@ -631,7 +676,9 @@ def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[in
     return _ranks("cp", "context parallel")
 
 
-def get_hierarchical_context_parallel_groups(check_initialized: bool = True) -> list[dist.ProcessGroup] | None:
+def get_hierarchical_context_parallel_groups(
+    check_initialized: bool = True,
+) -> list[dist.ProcessGroup] | None:
     """This rank's context-parallel groups at each level of hierarchical_context_parallel_sizes."""
     return _group("hcp", "hierarchical context parallel", check_initialized)
 
@@ -661,7 +708,9 @@ def get_position_embedding_group(check_initialized: bool = True) -> dist.Process
     return _group("pos_embd", "position embedding", check_initialized)
 
 
-def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False) -> dist.ProcessGroup:
+def get_amax_reduction_group(
+    with_context_parallel: bool = False, tp_only_amax_red: bool = False
+) -> dist.ProcessGroup:
     """The FP8 amax reduction group: tensor x data (x context), or tensor (x context) only."""
     if with_context_parallel:
         return _group("tp-cp" if tp_only_amax_red else "tp-dp-cp", "FP8 amax reduction")
@@ -845,7 +894,9 @@ def get_pipeline_model_parallel_prev_rank() -> int:
     return ranks[(get_pipeline_model_parallel_rank() - 1) % get_pipeline_model_parallel_world_size()]
 
 
-def get_data_parallel_world_size(with_context_parallel: bool = False, partial_data_parallel: bool = False) -> int:
+def get_data_parallel_world_size(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> int:
     """Size of the data-parallel group (0 when torch.distributed is not initialized)."""
     if "dp_size" in _OVERRIDES:
         return _OVERRIDES["dp_size"]
@@ -958,7 +1009,9 @@ def get_expert_tensor_and_model_parallel_rank() -> int:
     return get_expert_tensor_and_model_parallel_group().rank() if _dist_ready() else 0
 
 
-def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
+def get_expert_tensor_model_pipeline_parallel_group(
+    check_initialized: bool = True,
+) -> dist.ProcessGroup | None:
     return _group("etp-ep-pp", "expert tensor-model-pipeline parallel", check_initialized)
 
 
@@ -998,12 +1051,16 @@ def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = Fal
     return get_expert_data_parallel_group(partial_expert_data_parallel=partial_expert_data_parallel).size()
 
 
-def get_intra_distributed_optimizer_instance_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
+def get_intra_distributed_optimizer_instance_group(
+    check_initialized: bool = True,
+) -> dist.ProcessGroup | None:
     """All ranks of one distributed-optimizer instance."""
     return _group("intra-dist-opt", "intra distributed optimizer instance", check_initialized)
 
 
-def get_inter_distributed_optimizer_instance_group(check_initialized: bool = True) -> dist.ProcessGroup | None:
+def get_inter_distributed_optimizer_instance_group(
+    check_initialized: bool = True,
+) -> dist.ProcessGroup | None:
     """The ranks holding the same shard in the different distributed-optimizer instances
     (exists only with num_distributed_optimizer_instances > 1)."""
     return _group("inter-edp", "inter distributed optimizer instance", check_initialized)

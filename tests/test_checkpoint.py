@@ -196,3 +196,44 @@ def test_other_model_or_corrupted_file_is_refused_on_every_rank(saved_at_tp2_pp2
     assert "the checkpoint has parameters the model lacks: ['decoder.layers.2." in errors["layers"]
     assert f"file {data_file} is corrupted" in errors["corrupted"]
     assert "file .metadata is corrupted" in errors["truncated"]
+
+
+def _convert(*argv: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "megatron_ext.dist_checkpointing.convert", *argv],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _serial_then_resume_worker(serial_dir: str, converted: str):
+    serial = _run((1, 1, 1), "--steps", "2", "--save", serial_dir)
+    resumed = _run((1, 1, 1), "--load", converted)
+    return serial["losses"], (resumed["start_step"], resumed["losses"])
+
+
+def test_convert_to_one_file_and_back(saved_at_tp2_pp2, tmp_path):
+    save_dir, full, _ = saved_at_tp2_pp2
+    first, second = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
+    assert "52 parameters, iteration 2" in _convert("to-torch", os.path.join(save_dir, "iter_0000002"), first)
+    _convert("from-torch", first, str(tmp_path / "converted"))
+    _convert("to-torch", str(tmp_path / "converted"), second)
+    a, b = (torch.load(p, weights_only=False) for p in (first, second))
+    assert a["checkpoint"]["iteration"] == 2 and a["optimizer"]["step"] == 2
+    assert sorted(a["rng"]) == ["tp0_pp0_dp0", "tp0_pp1_dp0", "tp1_pp0_dp0", "tp1_pp1_dp0"]
+    assert b["checkpoint"] == a["checkpoint"] and b["rng"] == a["rng"]
+    torch.testing.assert_close((b["model"], b["optimizer"]), (a["model"], a["optimizer"]), rtol=0, atol=0)  # exact
+    # global names and shapes: the tied output weight is the embedding, layers have global indices
+    assert a["model"]["embedding.word_embeddings.weight"].shape == (256, 32)
+    assert a["model"]["decoder.layers.3.self_attention.query_key_value.weight"].shape == (96, 32)
+    assert "output_layer.weight" not in a["model"]
+    # the one-file tensors are the serial model's after the same two steps; the converted
+    # checkpoint resumes the uninterrupted run
+    ((serial_losses, resumed),) = run_distributed(1, _serial_then_resume_worker, str(tmp_path / "serial"),
+                                                  str(tmp_path / "converted"))
+    torch.testing.assert_close(torch.tensor(serial_losses), torch.tensor(full["losses"][:2]), rtol=1e-9, atol=0)
+    _assert_resumed_equal(full["losses"], *resumed)
+    _convert("to-torch", str(tmp_path / "serial"), str(tmp_path / "serial.pt"))
+    serial = torch.load(str(tmp_path / "serial.pt"), weights_only=False)
+    assert sorted(serial["model"]) == sorted(a["model"])
+    for group in ("model", "optimizer"):
+        torch.testing.assert_close(serial[group], a[group], rtol=1e-9, atol=1e-12)

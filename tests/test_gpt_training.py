@@ -84,9 +84,33 @@ def test_recompute_and_dropout(serial_losses):
     assert plain != serial_losses[(1, 1, 1, "float64", "1f1b")]  # dropout did something
 
 
+# --- virtual pipeline (interleaved 1F1B) -----------------------------------------------------------
+
+
+def test_virtual_pipeline_layouts_match_serial(serial_losses):
+    # Model chunks per stage: the interleaved schedule (and GPipe over the chunks) trains to the
+    # serial losses; the tied embedding lives in chunk 0 of the first stage and the last chunk of
+    # the last stage.
+    vp = ["--virtual-pipeline", "2"]
+    results = run_distributed(4, _layouts_worker, [(2, 2, 1), (1, 2, 2)], ["float64"], SCHEDULES, vp)
+    for rank_result in results:
+        assert rank_result == results[0]
+    _compare(serial_losses, results[0])
+    # Four stages of two chunks each (8 layers; 4 micro-batches) and three chunks of two stages.
+    deep = ["--layers", "12"]
+    (reference,) = run_distributed(1, _layouts_worker, [(1, 1, 1)], ["float64"], ["1f1b"], deep)
+    for layouts, chunks in (([(1, 4, 1)], "3"), ([(1, 2, 2)], "3")):
+        results = run_distributed(4, _layouts_worker, layouts, ["float64"], ["1f1b"],
+                                  deep + ["--virtual-pipeline", chunks])
+        _compare(reference, results[0])
+
+
 @pytest.mark.parametrize(
     "argv,world,message",
     [
+        (["--pp", "2", "--layers", "6", "--virtual-pipeline", "2"], 2,
+         "--layers 6 is not divisible by --pp x --virtual-pipeline = 2 x 2"),
+        (["--pp", "1", "--virtual-pipeline", "2"], 1, "--virtual-pipeline 2 needs a value >= 1 and --pp >= 2"),
         (["--tp", "2", "--heads", "3", "--hidden", "48"], 2, "--heads 3 is not divisible by --tp 2"),
         (["--pp", "2", "--layers", "3"], 2, "--layers 3 is not divisible by --pp 2"),
         (["--dp", "2", "--global-batch-size", "6", "--micro-batch-size", "2"], 2,

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from megatron_ext import parallel_state as ps
 from tests.distributed import run_distributed
 
+
 def _gen(tp, cp, ep, dp, pp, order="tp-cp-ep-dp-pp"):
     return ps.RankGenerator(tp=tp, ep=ep, dp=dp, pp=pp, cp=cp, order=order)
 
@@ -52,15 +53,22 @@ def test_masked_orthogonal_rank_groups_documented_example():
 
 
 def test_getters_before_initialization_raise():
-    for getter in (ps.get_tensor_model_parallel_group, ps.get_pipeline_model_parallel_rank,
-                   ps.get_expert_model_parallel_group, ps.get_context_parallel_group,
-                   ps.get_data_parallel_group_gloo, ps.get_global_memory_buffer):
+    for getter in (
+        ps.get_tensor_model_parallel_group,
+        ps.get_pipeline_model_parallel_rank,
+        ps.get_expert_model_parallel_group,
+        ps.get_context_parallel_group,
+        ps.get_data_parallel_group_gloo,
+        ps.get_global_memory_buffer,
+    ):
         with pytest.raises(RuntimeError, match="not initialized"):
             getter()
         # Megatron-core asserts: user code catches AssertionError.
         with pytest.raises(AssertionError):
             getter()
-    assert issubclass(ps.ParallelStateError, RuntimeError) and issubclass(ps.ParallelStateError, AssertionError)
+    assert issubclass(ps.ParallelStateError, RuntimeError) and issubclass(
+        ps.ParallelStateError, AssertionError
+    )
     assert ps.get_tensor_model_parallel_group(check_initialized=False) is None
     assert ps.get_tensor_and_data_parallel_group(False, True) is None
     # Without torch.distributed these sizes are 0, as in Megatron-core.
@@ -79,8 +87,17 @@ def _expected(world: int, tp: int, pp: int, rank: int) -> dict:
     pp_group = [p * tp * dp + dp_rank * tp + tp_rank for p in range(pp)]
     mp_group = sorted(p * tp * dp + dp_rank * tp + t for p in range(pp) for t in range(tp))
     embd = pp_group if pp == 1 else [pp_group[0], pp_group[-1]]
-    return dict(tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank, tp_group=tp_group,
-                dp_group=dp_group, pp_group=pp_group, mp_group=mp_group, embd=embd, dp=dp)
+    return dict(
+        tp_rank=tp_rank,
+        dp_rank=dp_rank,
+        pp_rank=pp_rank,
+        tp_group=tp_group,
+        dp_group=dp_group,
+        pp_group=pp_group,
+        mp_group=mp_group,
+        embd=embd,
+        dp=dp,
+    )
 
 
 def _layouts_worker(layouts):
@@ -117,9 +134,11 @@ def _layouts_worker(layouts):
         assert ps.is_pipeline_last_stage() == (e["pp_rank"] == pp - 1)
         assert ps.is_rank_in_embedding_group() == (rank in e["embd"])
         # The groups really connect the ranks listed: a sum over each gives the rank sum.
-        for group, ranks in ((ps.get_tensor_model_parallel_group(), e["tp_group"]),
-                             (ps.get_data_parallel_group(), e["dp_group"]),
-                             (ps.get_pipeline_model_parallel_group(), e["pp_group"])):
+        for group, ranks in (
+            (ps.get_tensor_model_parallel_group(), e["tp_group"]),
+            (ps.get_data_parallel_group(), e["dp_group"]),
+            (ps.get_pipeline_model_parallel_group(), e["pp_group"]),
+        ):
             t = torch.tensor([float(rank)])
             dist.all_reduce(t, group=group)
             assert t.item() == sum(ranks)
@@ -224,18 +243,26 @@ def _cp_ep_worker():
     rank = dist.get_rank()
     ranks = dist.get_process_group_ranks
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=2, context_parallel_size=2, expert_model_parallel_size=2,
-        expert_tensor_parallel_size=1, create_all_gather_group=True, hierarchical_context_parallel_sizes=[2, 1],
+        tensor_model_parallel_size=2,
+        context_parallel_size=2,
+        expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1,
+        create_all_gather_group=True,
+        hierarchical_context_parallel_sizes=[2, 1],
     )
     e = {k: _mine(v, rank) for k, v in CP_EP_EXPECTED.items()}
     got = {
-        "tp": ps.get_tensor_model_parallel_group(), "cp": ps.get_context_parallel_group(),
-        "dp": ps.get_data_parallel_group(), "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
+        "tp": ps.get_tensor_model_parallel_group(),
+        "cp": ps.get_context_parallel_group(),
+        "dp": ps.get_data_parallel_group(),
+        "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
         "tp_cp": ps.get_tensor_and_context_parallel_group(),
         "tp_dp": ps.get_tensor_and_data_parallel_group(),
         "tp_dp_cp": ps.get_tensor_and_data_parallel_group(True, True),
-        "mp": ps.get_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),
-        "ep": ps.get_expert_model_parallel_group(), "etp": ps.get_expert_tensor_parallel_group(),
+        "mp": ps.get_model_parallel_group(),
+        "pp": ps.get_pipeline_model_parallel_group(),
+        "ep": ps.get_expert_model_parallel_group(),
+        "etp": ps.get_expert_tensor_parallel_group(),
         "etp_ep": ps.get_expert_tensor_and_model_parallel_group(),
         "etp_ep_pp": ps.get_expert_tensor_model_pipeline_parallel_group(),
         "edp": ps.get_expert_data_parallel_group(),
@@ -273,7 +300,8 @@ def _cp_ep_worker():
         assert ps.get_data_modulo_expert_parallel_group() is got["edp"]
     assert ps.get_model_parallel_src_rank() == e["mp"][0]
     assert ps.get_all_ranks() == "_".join(
-        str(x) for x in (e["tp"].index(rank), e["dp"].index(rank), e["cp"].index(rank), 0, e["ep"].index(rank))
+        str(x)
+        for x in (e["tp"].index(rank), e["dp"].index(rank), e["cp"].index(rank), 0, e["ep"].index(rank))
     )
     with pytest.raises(AssertionError, match="inter distributed optimizer instance"):
         ps.get_inter_distributed_optimizer_instance_group()
@@ -310,7 +338,10 @@ def _cp_ep_worker():
     # Order without pp last and omitted size-1 dims: "tp-ep-dp-pp" (cp appended).
     ps.initialize_model_parallel(2, 2, order="tp-ep-dp-pp", expert_model_parallel_size=2)
     assert ranks(ps.get_pipeline_model_parallel_group()) == [rank % 4, rank % 4 + 4]
-    assert ranks(ps.get_expert_model_parallel_group()) == [rank - rank % 4 + rank % 2, rank - rank % 4 + rank % 2 + 2]
+    assert ranks(ps.get_expert_model_parallel_group()) == [
+        rank - rank % 4 + rank % 2,
+        rank - rank % 4 + rank % 2 + 2,
+    ]
     ps.destroy_model_parallel()
     return True
 

@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include "comm/process_group.h"
+#include "ops/weight_grad.h"
 
 namespace megatron_ext {
 namespace {
@@ -151,8 +152,7 @@ struct LinearAsyncFunction : public Function<LinearAsyncFunction> {
       const auto input_2d = total_input.reshape({-1, total_input.size(-1)});
       if (fusion) {
         auto main_grad = ctx->saved_data["main_grad"].toTensor();
-        const auto dtype = main_grad.scalar_type();
-        main_grad.addmm_(grad_output_2d.t().to(dtype), input_2d.to(dtype));
+        accumulate_weight_grad_(main_grad, grad_output_2d, input_2d);
       } else {
         result[1] = grad_output_2d.t().mm(input_2d);
       }

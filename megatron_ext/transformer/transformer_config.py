@@ -42,6 +42,10 @@ class TransformerConfig(ModelParallelConfig):
     apply_residual_connection_post_layernorm: bool = False
     attention_softmax_in_fp32: bool = True
     recompute_granularity: str | None = None  # None or "full"
+    # Not in Megatron-core: GPTModel computes the loss with the fused output layer +
+    # cross-entropy (tensor_parallel.vocab_parallel_linear_cross_entropy), which never holds the
+    # [s, b, vocab / tp] logits; same losses and gradients. Only the loss path (labels given).
+    fused_output_cross_entropy: bool = False
 
     def __post_init__(self) -> None:
         if hasattr(super(), "__post_init__"):
