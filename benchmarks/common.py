@@ -11,6 +11,10 @@ minus the resident size just before the run (``VmRSS``) is what the run added at
 inputs excluded, everything it allocates included (its gradients too). torch's CPU allocator
 returns large blocks to the system when they are freed, so the resident size tracks live
 tensors. The figure is the largest over repetitions and ranks.
+
+CPU time: the process's CPU seconds during the run (``time.process_time``, every thread, gloo's
+included), the slowest rank per repetition, median over repetitions. On a shared machine wall
+times also hold the time other processes ran; CPU seconds do not, so both are reported.
 """
 
 from __future__ import annotations
@@ -53,19 +57,20 @@ def run_interleaved(variants: dict[str, Callable[[], Any]], reps: int) -> dict[s
     """Runs every variant once per repetition (plus one warm-up), in rotating order, each after a
     barrier over the default group. Returns this rank's times (s) and peak extra memory (MiB)."""
     names = list(variants)
-    out = {name: {"times_s": [], "peak_extra_mib": []} for name in names}
+    out = {name: {"times_s": [], "cpu_s": [], "peak_extra_mib": []} for name in names}
     for rep in range(reps + 1):
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
             dist.barrier()
             reset_peak_rss()
             before = memory_kib("VmRSS")
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             variants[name]()
-            elapsed = time.perf_counter() - start
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
             peak = memory_kib("VmHWM")
             if rep > 0:
                 out[name]["times_s"].append(elapsed)
+                out[name]["cpu_s"].append(cpu)
                 out[name]["peak_extra_mib"].append((peak - before) / 1024)
     return out
 
@@ -76,12 +81,15 @@ def summarize(per_rank: list[dict[str, dict[str, list[float]]]]) -> dict[str, di
     summary = {}
     for name in per_rank[0]:
         step = [max(ts) for ts in zip(*(r[name]["times_s"] for r in per_rank))]
+        cpu = [max(ts) for ts in zip(*(r[name]["cpu_s"] for r in per_rank))]
         summary[name] = {
             "min_s": min(step),
             "median_s": statistics.median(step),
             "max_s": max(step),
             "peak_extra_mib": max(max(r[name]["peak_extra_mib"]) for r in per_rank),
+            "cpu_median_s": statistics.median(cpu),
             "step_times_s": step,
+            "step_cpu_s": cpu,
         }
     return summary
 
@@ -92,17 +100,17 @@ def print_table(title: str, summary: dict[str, dict[str, float]], baseline: str 
     memory divided by the baseline's."""
     scale = 1e3 if unit == "ms" else 1.0
     print(title)
-    header = f"{'variant':<24} {'min':>9} {'median':>9} {'max':>9} {'peak extra':>11}"
+    header = f"{'variant':<24} {'min':>9} {'median':>9} {'max':>9} {'cpu median':>11} {'peak extra':>11}"
     if baseline:
-        header += f" {'time ratio':>11} {'memory ratio':>13}"
+        header += f" {'time ratio':>11} {'cpu ratio':>11} {'memory ratio':>13}"
     print(header + f"   ({unit}, MiB per rank; ratios to {baseline})" if baseline else header)
     b = summary.get(baseline) if baseline else None
     for name, s in summary.items():
         line = (f"{name:<24} {s['min_s'] * scale:>9.2f} {s['median_s'] * scale:>9.2f} "
-                f"{s['max_s'] * scale:>9.2f} {s['peak_extra_mib']:>11.1f}")
+                f"{s['max_s'] * scale:>9.2f} {s['cpu_median_s'] * scale:>11.2f} {s['peak_extra_mib']:>11.1f}")
         if b is not None:
             mem = f"{s['peak_extra_mib'] / b['peak_extra_mib']:.3f}" if b["peak_extra_mib"] > 0 else "-"
-            line += f" {s['median_s'] / b['median_s']:>11.2f} {mem:>13}"
+            line += f" {s['median_s'] / b['median_s']:>11.2f} {s['cpu_median_s'] / b['cpu_median_s']:>11.2f} {mem:>13}"
         print(line)
 
 
@@ -118,7 +126,8 @@ def write_json(name: str, payload: dict[str, Any], path: str | None = None) -> s
         "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg(),
         "timing_method": "variants interleaved rep by rep after a barrier, slowest rank per rep, first rep "
-                         "a warm-up; min/median/max over reps",
+                         "a warm-up; min/median/max over reps; cpu = process CPU seconds, slowest rank per "
+                         "rep, median",
         "memory_method": "VmHWM after clear_refs=5 minus VmRSS just before the run; max over reps and ranks",
     }
     with open(path, "w") as f:
@@ -128,12 +137,14 @@ def write_json(name: str, payload: dict[str, Any], path: str | None = None) -> s
 
 
 def megatron_core_version() -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version("megatron-core")
-    except Exception:  # noqa: BLE001  (not installed, or a source tree on the path)
-        return None
+    """The importable megatron-core's version (installed, or a source tree on the path)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            from megatron.core.package_info import __version__
+        except ImportError:
+            return None
+    return __version__
 
 
 def import_megatron_core():

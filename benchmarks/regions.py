@@ -69,6 +69,7 @@ def _worker(reps: int, inner_small: int, inner_medium: int) -> dict:
         timings = run_interleaved(variants, reps)
         for t in timings.values():
             t["times_s"] = [s / inner for s in t["times_s"]]
+            t["cpu_s"] = [s / inner for s in t["cpu_s"]]
         out["x".join(map(str, shape))] = {"inner": inner, "timings": timings}
     return out
 

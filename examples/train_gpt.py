@@ -110,8 +110,6 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
                 f"--layers {args.layers} is not divisible by --pp x --virtual-pipeline = "
                 f"{args.pp} x {args.virtual_pipeline}"
             )
-        if args.save is not None or args.load is not None:
-            raise ValueError("--virtual-pipeline cannot be combined with --save / --load yet")
     if args.global_batch_size % (args.micro_batch_size * args.dp) != 0:
         raise ValueError(
             f"--global-batch-size {args.global_batch_size} is not divisible by "
@@ -379,7 +377,7 @@ def write_outputs(log: dict, args: argparse.Namespace) -> None:
 
         os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(range(1, len(log["losses"]) + 1), log["losses"])
+        ax.plot(range(log["start_step"] + 1, log["start_step"] + len(log["losses"]) + 1), log["losses"])
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats / byte)")
         c = log["config"]
@@ -398,11 +396,13 @@ def main(argv: list[str] | None = None) -> dict:
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     try:
         log = train(args)
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and not log["losses"]:
+            print(f"nothing to do: the checkpoint is at step {log['start_step']} of --steps {args.steps}")
+        elif dist.get_rank() == 0:
             write_outputs(log, args)
             mean_tps = sum(log["tokens_per_s"][1:]) / max(1, len(log["tokens_per_s"]) - 1)
             print(
-                f"loss {log['losses'][0]:.4f} -> {log['losses'][-1]:.4f} over {args.steps} steps, "
+                f"loss {log['losses'][0]:.4f} -> {log['losses'][-1]:.4f} over steps {log['start_step'] + 1}-{args.steps}, "
                 f"{mean_tps:.0f} tokens/s" + (f"; loss curve: {args.plot}" if args.plot else "")
             )
         return log

@@ -42,7 +42,8 @@ def _save_then_resume_worker(save_dir: str, layouts, dropout: str):
 @pytest.fixture(scope="module")
 def saved_at_tp2_pp2(tmp_path_factory):
     save_dir = str(tmp_path_factory.mktemp("ckpt") / "run")
-    layouts = [(2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2)]
+    layouts = [(2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2), (2, 2, 1, "--sequence-parallel"),
+               (1, 2, 2, "--virtual-pipeline", "2")]
     results = run_distributed(4, _save_then_resume_worker, save_dir, layouts, "0.0")
     full, resumed = results[0]
     for r in results[1:]:  # every rank reports the same global losses
@@ -80,6 +81,26 @@ def test_same_layout_restores_rng_streams(tmp_path):
     _assert_resumed_equal(full["losses"], *resumed[(2, 2, 1)])
     start, fresh_streams = resumed[(2, 2, 1, "--no-load-rng")]
     assert start == 2 and abs(fresh_streams[0] - full["losses"][2]) > 1e-6
+
+
+def _interleaved_worker(save_dir: str):
+    full = _run((1, 2, 1), "--virtual-pipeline", "2", "--save", save_dir, "--save-interval", "2")
+    ckpt = os.path.join(save_dir, "iter_0000002")
+    resumed = {
+        layout: _run(layout[:3], "--load", ckpt, *layout[3:])
+        for layout in [(1, 2, 1, "--virtual-pipeline", "2"), (1, 2, 1), (2, 1, 1)]
+    }
+    return full["losses"], {k: (v["start_step"], v["losses"]) for k, v in resumed.items()}
+
+
+def test_interleaved_pipeline_checkpoints(saved_at_tp2_pp2, tmp_path):
+    # Saved from chunk lists (2 chunks per stage, global layer names) and loaded at layouts with
+    # and without them.
+    _, full, _ = saved_at_tp2_pp2
+    (losses, resumed), _ = run_distributed(2, _interleaved_worker, str(tmp_path / "run"))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(full["losses"]), rtol=1e-9, atol=0)
+    for start_and_losses in resumed.values():
+        _assert_resumed_equal(full["losses"], *start_and_losses)
 
 
 def _strided_worker(save_dir: str):
@@ -162,8 +183,23 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint(saved_at_tp2_pp2, tmp_p
     assert incomplete[0] == incomplete[1] and "is incomplete: it has no checkpoint.json" in incomplete[0]
 
 
+def _other_optimizer_worker(ckpt: str):
+    train_gpt = _train_gpt()
+
+    class MomentumOnly(train_gpt.NamedAdam):
+        def param_state_by_name(self):
+            return {n: {"param": e["param"], "momentum_buffer": e["exp_avg"]} for n, e in super().param_state_by_name().items()}
+
+    train_gpt.NamedAdam = MomentumOnly
+    try:
+        train_gpt.train(_args(train_gpt, 1, 2, 1, "--load", ckpt))
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
 def _refusals_worker(ckpt: str, corrupted: str, truncated: str):
     return {
+        "optimizer": _other_optimizer_worker(ckpt),
         "hidden": _load_worker(ckpt, (2, 1, 1), "--hidden", "64"),
         "layers": _load_worker(ckpt, (1, 2, 1), "--layers", "2"),
         "corrupted": _load_worker(corrupted, (2, 1, 1)),
@@ -196,6 +232,9 @@ def test_other_model_or_corrupted_file_is_refused_on_every_rank(saved_at_tp2_pp2
     assert "the checkpoint has parameters the model lacks: ['decoder.layers.2." in errors["layers"]
     assert f"file {data_file} is corrupted" in errors["corrupted"]
     assert "file .metadata is corrupted" in errors["truncated"]
+    assert "the optimizer state of decoder.layers." in errors["optimizer"]
+    assert "holds ['exp_avg', 'exp_avg_sq', 'param'] in the checkpoint, the optimizer has ['momentum_buffer', 'param']" \
+        in errors["optimizer"]
 
 
 def _convert(*argv: str) -> str:
@@ -237,3 +276,27 @@ def test_convert_to_one_file_and_back(saved_at_tp2_pp2, tmp_path):
     assert sorted(serial["model"]) == sorted(a["model"])
     for group in ("model", "optimizer"):
         torch.testing.assert_close(serial[group], a[group], rtol=1e-9, atol=1e-12)
+
+
+def test_global_names_of_interleaved_chunks():
+    # A virtual pipeline gives a rank several chunks holding non-consecutive layers; the global
+    # name comes from each layer's layer_number, the optimizer's name carries the chunk prefix.
+    from megatron_ext.dist_checkpointing import param_specs
+
+    class Layer(torch.nn.Module):
+        def __init__(self, number: int):
+            super().__init__()
+            self.layer_number = number
+            self.linear = torch.nn.Linear(2, 2)
+
+    class Chunk(torch.nn.Module):
+        def __init__(self, numbers):
+            super().__init__()
+            self.decoder = torch.nn.Module()
+            self.decoder.layers = torch.nn.ModuleList(Layer(n) for n in numbers)
+
+    specs = param_specs([Chunk([2, 3]), Chunk([6, 7])])  # stage 1 of pp 2, 2 chunks of 2 layers
+    assert specs["chunk0.decoder.layers.1.linear.weight"].global_name == "decoder.layers.2.linear.weight"
+    assert specs["chunk1.decoder.layers.0.linear.bias"].global_name == "decoder.layers.5.linear.bias"
+    with pytest.raises(RuntimeError, match="map to the same global name 'decoder.layers.1.linear.weight'"):
+        param_specs([Chunk([2]), Chunk([2])])
