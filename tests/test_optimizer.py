@@ -41,7 +41,7 @@ def _build(train_gpt, args, distributed: bool, clip_grad: float = 0.0, bucket_by
     """A DDP-wrapped GPT and its optimizer at the current parallel_state layout."""
     sixteen = args.bf16 or args.fp16
     ddp = DistributedDataParallel(
-        train_gpt.build_model(args),
+        train_gpt.build_model(args)[0],
         bucket_size_bytes=bucket_bytes,
         ddp_config=DistributedDataParallelConfig(
             grad_reduce_in_fp32=sixteen, overlap_grad_reduce=True, use_distributed_optimizer=distributed
