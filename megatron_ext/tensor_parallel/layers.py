@@ -596,10 +596,13 @@ def linear_with_frozen_weight(
         )
     if grad_output_buffer is not None:
         raise parallel_state.ParallelStateError(
-            "grad_output_buffer kwarg is only supported with linear_with_grad_accumulation_and_async_allreduce"
+            "grad_output_buffer kwarg is only supported with "
+            "linear_with_grad_accumulation_and_async_allreduce"
         )
     if wgrad_deferral_limit is not None:
-        raise parallel_state.ParallelStateError("wgrad_deferral_limit is only supported with linear_with_grad_accumulation_and_async_allreduce")
+        raise parallel_state.ParallelStateError(
+            "wgrad_deferral_limit is only supported with linear_with_grad_accumulation_and_async_allreduce"
+        )
     tp_group = resolve_tp_group(tp_group)
     if sequence_parallel:
         input = gather_from_sequence_parallel_region(input, True, tp_group)
