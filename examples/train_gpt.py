@@ -78,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load", default=None,
                    help="checkpoint (or --save directory) to resume from, at any valid layout")
     p.add_argument("--no-load-rng", action="store_true", help="with --load, keep the fresh random states")
+    p.add_argument("--no-load-optim", action="store_true", help="with --load, keep the fresh optimizer state")
     return p.parse_args(argv)
 
 
@@ -351,7 +352,7 @@ def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: Megatron
         if dist.get_rank() == 0:
             print(f"warning: no checkpoint in {args.load!r}; training from scratch", file=sys.stderr)
         return 0
-    marker = load_checkpoint(args.load, model, optimizer, load_rng=not args.no_load_rng)
+    marker = load_checkpoint(args.load, model, None if args.no_load_optim else optimizer, load_rng=not args.no_load_rng)
     data = marker["metadata"].get("data", {})
     if data.get("global_batch_size", args.global_batch_size) != args.global_batch_size:
         raise ValueError(

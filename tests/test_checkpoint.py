@@ -76,11 +76,17 @@ def test_same_layout_restores_rng_streams(tmp_path):
     # With dropout the losses depend on every random stream; they equal the uninterrupted run's
     # only if the tracker's and the CPU generator's states are restored.
     (full, resumed), *_ = run_distributed(
-        4, _save_then_resume_worker, str(tmp_path / "run"), [(2, 2, 1), (2, 2, 1, "--no-load-rng")], "0.1"
+        4, _save_then_resume_worker, str(tmp_path / "run"),
+        [(2, 2, 1), (2, 2, 1, "--no-load-rng"), (2, 2, 1, "--no-load-optim")], "0.1",
     )
     _assert_resumed_equal(full["losses"], *resumed[(2, 2, 1)])
     start, fresh_streams = resumed[(2, 2, 1, "--no-load-rng")]
     assert start == 2 and abs(fresh_streams[0] - full["losses"][2]) > 1e-6
+    # without the optimizer state the first resumed step is the same forward (same weights, same
+    # streams), the second differs (a fresh Adam takes another step)
+    start, fresh_adam = resumed[(2, 2, 1, "--no-load-optim")]
+    assert start == 2 and abs(fresh_adam[0] - full["losses"][2]) < 1e-12 * full["losses"][2]
+    assert abs(fresh_adam[1] - full["losses"][3]) > 1e-6
 
 
 def _interleaved_worker(save_dir: str):
