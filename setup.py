@@ -46,7 +46,7 @@ from torch.utils.cpp_extension import (  # noqa: E402
 
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 # The oldest torch the extension is built and tested against; newer ones are accepted.
-MIN_TORCH = "2.13"
+MIN_TORCH = "2.14"
 
 
 def _flag(name: str) -> bool:
@@ -105,7 +105,8 @@ def _extension():
     cxx_flags = ["-O3", "-std=c++20"]
     werror = _flag("MEGATRON_EXT_WERROR")
     # torch's headers as system headers, so that warnings-as-errors judges this project's code only.
-    system_includes = [f for d in include_paths(device_type="cuda" if cuda else "cpu") for f in ("-isystem", d)]
+    torch_includes = include_paths(device_type="cuda" if cuda else "cpu")
+    system_includes = [flag for d in torch_includes for flag in ("-isystem", d)]
     if werror:
         cxx_flags += system_includes + ["-Wall", "-Werror"]
     if not cuda:

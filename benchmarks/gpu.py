@@ -30,8 +30,14 @@ import megatron_ext  # noqa: E402
 ops = torch.ops.megatron_ext
 
 # Nominal HBM bandwidth in GB/s, for the table only (the share is taken against the measured copy).
-NOMINAL_GBPS = {"H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H200": 4800, "A100-SXM4-80GB": 2039,
-                "A100-SXM4-40GB": 1555, "A100 80GB PCIe": 1935}
+NOMINAL_GBPS = {
+    "H100 80GB HBM3": 3350,
+    "H100 PCIe": 2000,
+    "H200": 4800,
+    "A100-SXM4-80GB": 2039,
+    "A100-SXM4-40GB": 1555,
+    "A100 80GB PCIe": 1935,
+}
 
 
 def time_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
@@ -112,32 +118,54 @@ def run(args: argparse.Namespace) -> dict:
         ours_ms = time_ms(ours)
         mcore_ms = time_ms(mcore) if mcore is not None else None
         gbps = bytes_moved / ours_ms / 1e6
-        rows.append({
-            "kernel": name,
-            "bytes": bytes_moved,
-            "ours_ms": ours_ms,
-            "ours_gbps": gbps,
-            "ours_share_of_copy_bw": gbps / copy_gbps,
-            "mcore_torch_ops_ms": mcore_ms,
-            "speedup": (mcore_ms / ours_ms) if mcore_ms else None,
-        })
+        rows.append(
+            {
+                "kernel": name,
+                "bytes": bytes_moved,
+                "ours_ms": ours_ms,
+                "ours_gbps": gbps,
+                "ours_share_of_copy_bw": gbps / copy_gbps,
+                "mcore_torch_ops_ms": mcore_ms,
+                "speedup": (mcore_ms / ours_ms) if mcore_ms else None,
+            }
+        )
 
     y, bias, g = randn(n, ffn), randn(ffn), randn(n, ffn)
     elems = n * ffn
-    add("bias_gelu fwd (tanh)", 2 * elems * esize, lambda: ops.bias_gelu_forward(y, bias, True),
-        lambda: mcore_bias_gelu(bias, y))
-    add("bias_gelu bwd (tanh)", 3 * elems * esize, lambda: ops.bias_gelu_backward(g, y, bias, True),
-        lambda: mcore_bias_gelu_back(g, bias, y))
-    add("bias_gelu fwd (erf)", 2 * elems * esize, lambda: ops.bias_gelu_forward(y, bias, False),
-        lambda: F.gelu(y + bias))
+    add(
+        "bias_gelu fwd (tanh)",
+        2 * elems * esize,
+        lambda: ops.bias_gelu_forward(y, bias, True),
+        lambda: mcore_bias_gelu(bias, y),
+    )
+    add(
+        "bias_gelu bwd (tanh)",
+        3 * elems * esize,
+        lambda: ops.bias_gelu_backward(g, y, bias, True),
+        lambda: mcore_bias_gelu_back(g, bias, y),
+    )
+    add(
+        "bias_gelu fwd (erf)",
+        2 * elems * esize,
+        lambda: ops.bias_gelu_forward(y, bias, False),
+        lambda: F.gelu(y + bias),
+    )
     del y, g
 
     x, r, hb, gh = randn(n, args.hidden), randn(n, args.hidden), randn(args.hidden), randn(n, args.hidden)
     elems = n * args.hidden
-    add("bias_dropout_add fwd", 3 * elems * esize, lambda: ops.bias_dropout_add(x, hb, r, 0.1, True),
-        lambda: mcore_bias_dropout_add(x, hb, r, 0.1))
-    add("dropout bwd", 2 * elems * esize, lambda: ops.dropout_backward(gh, 0.1, 1, 0),
-        lambda: gh * (torch.rand_like(gh) > 0.1) * (1 / 0.9))
+    add(
+        "bias_dropout_add fwd",
+        3 * elems * esize,
+        lambda: ops.bias_dropout_add(x, hb, r, 0.1, True),
+        lambda: mcore_bias_dropout_add(x, hb, r, 0.1),
+    )
+    add(
+        "dropout bwd",
+        2 * elems * esize,
+        lambda: ops.dropout_backward(gh, 0.1, 1, 0),
+        lambda: gh * (torch.rand_like(gh) > 0.1) * (1 / 0.9),
+    )
     del x, r, gh
 
     logits = randn(n, args.vocab)
@@ -147,13 +175,20 @@ def run(args: argparse.Namespace) -> dict:
     row_max, lse = stats[:, 0].contiguous(), stats[:, 1].log().contiguous()
     elems = n * args.vocab
     _, softmax = mcore_cross_entropy_forward(logits, target)
-    add("cross_entropy row stats (fwd)", elems * esize,
+    add(
+        "cross_entropy row stats (fwd)",
+        elems * esize,
         lambda: ops.vocab_parallel_cross_entropy_row_stats(logits, target, 0, None),
-        lambda: mcore_cross_entropy_forward(logits, target))
-    add("cross_entropy bwd", 2 * elems * esize,
-        lambda: ops.vocab_parallel_cross_entropy_backward(grad_loss, logits, target, row_max, lse, 0.0, None, 0,
-                                                          args.vocab),
-        lambda: mcore_cross_entropy_backward(softmax, target, grad_loss))
+        lambda: mcore_cross_entropy_forward(logits, target),
+    )
+    add(
+        "cross_entropy bwd",
+        2 * elems * esize,
+        lambda: ops.vocab_parallel_cross_entropy_backward(
+            grad_loss, logits, target, row_max, lse, 0.0, None, 0, args.vocab
+        ),
+        lambda: mcore_cross_entropy_backward(softmax, target, grad_loss),
+    )
     del logits, softmax
 
     # The weight-gradient GEMM of gradient_accumulation_fusion as accumulate_weight_grad_ runs it
@@ -163,10 +198,19 @@ def run(args: argparse.Namespace) -> dict:
     flops = 2 * n * args.hidden * ffn
     gemm = []
     if dtype in (torch.bfloat16, torch.float16):
-        fused_ms = time_ms(lambda: torch.addmm(main_grad, go.t(), inp, out_dtype=torch.float32, out=main_grad))
+        fused_ms = time_ms(
+            lambda: torch.addmm(main_grad, go.t(), inp, out_dtype=torch.float32, out=main_grad)
+        )
         copies_ms = time_ms(lambda: main_grad.addmm_(go.t().float(), inp.float()))
-        gemm.append({"kernel": "wgrad into fp32 main_grad", "ours_ms": fused_ms, "ours_tflops": flops / fused_ms / 1e9,
-                     "fp32_copies_ms": copies_ms, "fp32_copies_tflops": flops / copies_ms / 1e9})
+        gemm.append(
+            {
+                "kernel": "wgrad into fp32 main_grad",
+                "ours_ms": fused_ms,
+                "ours_tflops": flops / fused_ms / 1e9,
+                "fp32_copies_ms": copies_ms,
+                "fp32_copies_tflops": flops / copies_ms / 1e9,
+            }
+        )
 
     return {
         "device": props.name,
@@ -187,21 +231,31 @@ def run(args: argparse.Namespace) -> dict:
 
 def print_table(result: dict) -> None:
     nominal = result["nominal_bandwidth_gbps"]
-    print(f"{result['device']}, torch {result['torch']}, {result['dtype']}, tokens {result['tokens']}, "
-          f"hidden {result['hidden']}, vocab {result['vocab']}")
-    print(f"device-to-device copy: {result['copy_bandwidth_gbps']:.0f} GB/s"
-          + (f" (nominal {nominal} GB/s)" if nominal else ""))
-    header = f"{'kernel':32s} {'ours ms':>9s} {'GB/s':>7s} {'% copy':>7s} {'mcore ops ms':>13s} {'speed-up':>9s}"
+    print(
+        f"{result['device']}, torch {result['torch']}, {result['dtype']}, tokens {result['tokens']}, "
+        f"hidden {result['hidden']}, vocab {result['vocab']}"
+    )
+    print(
+        f"device-to-device copy: {result['copy_bandwidth_gbps']:.0f} GB/s"
+        + (f" (nominal {nominal} GB/s)" if nominal else "")
+    )
+    header = (
+        f"{'kernel':32s} {'ours ms':>9s} {'GB/s':>7s} {'% copy':>7s} {'mcore ops ms':>13s} {'speed-up':>9s}"
+    )
     print(header)
     print("-" * len(header))
     for r in result["kernels"]:
         mc = f"{r['mcore_torch_ops_ms']:13.3f}" if r["mcore_torch_ops_ms"] is not None else f"{'-':>13s}"
         sp = f"{r['speedup']:8.2f}x" if r["speedup"] else f"{'-':>9s}"
-        print(f"{r['kernel']:32s} {r['ours_ms']:9.3f} {r['ours_gbps']:7.0f} {100 * r['ours_share_of_copy_bw']:6.1f}% "
-              f"{mc} {sp}")
+        print(
+            f"{r['kernel']:32s} {r['ours_ms']:9.3f} {r['ours_gbps']:7.0f} "
+            f"{100 * r['ours_share_of_copy_bw']:6.1f}% {mc} {sp}"
+        )
     for gm in result["gemm"]:
-        print(f"{gm['kernel']}: {gm['ours_ms']:.3f} ms ({gm['ours_tflops']:.0f} TFLOP/s); with fp32 operand copies "
-              f"{gm['fp32_copies_ms']:.3f} ms ({gm['fp32_copies_tflops']:.0f} TFLOP/s)")
+        print(
+            f"{gm['kernel']}: {gm['ours_ms']:.3f} ms ({gm['ours_tflops']:.0f} TFLOP/s); "
+            f"with fp32 operand copies {gm['fp32_copies_ms']:.3f} ms ({gm['fp32_copies_tflops']:.0f} TFLOP/s)"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:

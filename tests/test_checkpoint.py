@@ -76,11 +76,17 @@ def test_same_layout_restores_rng_streams(tmp_path):
     # With dropout the losses depend on every random stream; they equal the uninterrupted run's
     # only if the tracker's and the CPU generator's states are restored.
     (full, resumed), *_ = run_distributed(
-        4, _save_then_resume_worker, str(tmp_path / "run"), [(2, 2, 1), (2, 2, 1, "--no-load-rng")], "0.1"
+        4, _save_then_resume_worker, str(tmp_path / "run"),
+        [(2, 2, 1), (2, 2, 1, "--no-load-rng"), (2, 2, 1, "--no-load-optim")], "0.1",
     )
     _assert_resumed_equal(full["losses"], *resumed[(2, 2, 1)])
     start, fresh_streams = resumed[(2, 2, 1, "--no-load-rng")]
     assert start == 2 and abs(fresh_streams[0] - full["losses"][2]) > 1e-6
+    # without the optimizer state the first resumed step is the same forward (same weights, same
+    # streams), the second differs (a fresh Adam takes another step)
+    start, fresh_adam = resumed[(2, 2, 1, "--no-load-optim")]
+    assert start == 2 and abs(fresh_adam[0] - full["losses"][2]) < 1e-12 * full["losses"][2]
+    assert abs(fresh_adam[1] - full["losses"][3]) > 1e-6
 
 
 def _interleaved_worker(save_dir: str):
@@ -183,8 +189,23 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint(saved_at_tp2_pp2, tmp_p
     assert incomplete[0] == incomplete[1] and "is incomplete: it has no checkpoint.json" in incomplete[0]
 
 
+def _other_optimizer_worker(ckpt: str):
+    train_gpt = _train_gpt()
+
+    class MomentumOnly(train_gpt.NamedAdam):
+        def param_state_by_name(self):
+            return {n: {"param": e["param"], "momentum_buffer": e["exp_avg"]} for n, e in super().param_state_by_name().items()}
+
+    train_gpt.NamedAdam = MomentumOnly
+    try:
+        train_gpt.train(_args(train_gpt, 1, 2, 1, "--load", ckpt))
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
 def _refusals_worker(ckpt: str, corrupted: str, truncated: str):
     return {
+        "optimizer": _other_optimizer_worker(ckpt),
         "hidden": _load_worker(ckpt, (2, 1, 1), "--hidden", "64"),
         "layers": _load_worker(ckpt, (1, 2, 1), "--layers", "2"),
         "corrupted": _load_worker(corrupted, (2, 1, 1)),
@@ -217,6 +238,9 @@ def test_other_model_or_corrupted_file_is_refused_on_every_rank(saved_at_tp2_pp2
     assert "the checkpoint has parameters the model lacks: ['decoder.layers.2." in errors["layers"]
     assert f"file {data_file} is corrupted" in errors["corrupted"]
     assert "file .metadata is corrupted" in errors["truncated"]
+    assert "the optimizer state of decoder.layers." in errors["optimizer"]
+    assert "holds ['exp_avg', 'exp_avg_sq', 'param'] in the checkpoint, the optimizer has ['momentum_buffer', 'param']" \
+        in errors["optimizer"]
 
 
 def _convert(*argv: str) -> str:

@@ -204,9 +204,15 @@ def _gpt(tp: int, fused: bool, hidden_dropout: float = 0.0, recompute: bool = Fa
     from megatron_ext.transformer import TransformerConfig
 
     config = TransformerConfig(
-        tensor_model_parallel_size=tp, num_layers=2, hidden_size=16, num_attention_heads=4,
-        hidden_dropout=hidden_dropout, attention_dropout=0.0, params_dtype=torch.float64,
-        pipeline_dtype=torch.float64, use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=4,
+        hidden_dropout=hidden_dropout,
+        attention_dropout=0.0,
+        params_dtype=torch.float64,
+        pipeline_dtype=torch.float64,
+        use_cpu_initialization=True,
         recompute_granularity="full" if recompute else None,
     )
     for flag in FLAGS:

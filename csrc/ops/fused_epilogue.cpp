@@ -27,22 +27,26 @@ using torch::autograd::Function;
 using torch::autograd::variable_list;
 
 at::Tensor bias_gelu_forward_op(const at::Tensor& input, const at::Tensor& bias, bool tanh_form) {
-  static const auto op = typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>("bias_gelu_forward");
+  static const auto op =
+      typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, bool)>("bias_gelu_forward");
   return op.call(input, bias, tanh_form);
 }
 
-at::Tensor bias_gelu_backward_op(const at::Tensor& grad, const at::Tensor& input, const at::Tensor& bias,
-                                 bool tanh_form) {
+at::Tensor bias_gelu_backward_op(const at::Tensor& grad, const at::Tensor& input,
+                                 const at::Tensor& bias, bool tanh_form) {
   static const auto op =
-      typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>("bias_gelu_backward");
+      typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>(
+          "bias_gelu_backward");
   return op.call(grad, input, bias, tanh_form);
 }
 
-at::Tensor bias_dropout_add_forward_op(const at::Tensor& input, const std::optional<at::Tensor>& bias,
-                                       const at::Tensor& residual, double prob, int64_t seed, int64_t offset) {
-  static const auto op = typed_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&,
-                                             const at::Tensor&, double, int64_t, int64_t)>(
-      "bias_dropout_add_forward");
+at::Tensor bias_dropout_add_forward_op(const at::Tensor& input,
+                                       const std::optional<at::Tensor>& bias,
+                                       const at::Tensor& residual, double prob, int64_t seed,
+                                       int64_t offset) {
+  static const auto op =
+      typed_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                          double, int64_t, int64_t)>("bias_dropout_add_forward");
   return op.call(input, bias, residual, prob, seed, offset);
 }
 
@@ -68,11 +72,12 @@ std::pair<int64_t, int64_t> draw_dropout_seed(const at::Tensor& like) {
         gen.get<at::CUDAGeneratorImpl>()->philox_engine_inputs((groups + 3) / 4 * 4);
     return {static_cast<int64_t>(seed), static_cast<int64_t>(offset)};
 #else
-    TORCH_CHECK(false, "bias_dropout_add: got a CUDA tensor but megatron_ext was built without CUDA");
+    TORCH_CHECK(false,
+                "bias_dropout_add: got a CUDA tensor but megatron_ext was built without CUDA");
 #endif
   }
-  TORCH_CHECK_VALUE(like.device().is_cpu(), "bias_dropout_add: expected a CPU or CUDA tensor, got one on ",
-                    like.device());
+  TORCH_CHECK_VALUE(like.device().is_cpu(),
+                    "bias_dropout_add: expected a CPU or CUDA tensor, got one on ", like.device());
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
   return {static_cast<int64_t>(gen.get<at::CPUGeneratorImpl>()->random64()), 0};
@@ -91,7 +96,8 @@ struct BiasGeluFunction : public Function<BiasGeluFunction> {
     const auto saved = ctx->get_saved_variables();
     variable_list result(3);
     if (!grads[0].defined()) return result;
-    const auto grad_input = bias_gelu_backward_op(grads[0], saved[0], saved[1], ctx->saved_data["tanh"].toBool());
+    const auto grad_input =
+        bias_gelu_backward_op(grads[0], saved[0], saved[1], ctx->saved_data["tanh"].toBool());
     if (ctx->needs_input_grad(1)) result[1] = sum_to_bias(grad_input);
     result[0] = grad_input;
     return result;
@@ -99,10 +105,12 @@ struct BiasGeluFunction : public Function<BiasGeluFunction> {
 };
 
 struct BiasDropoutAddFunction : public Function<BiasDropoutAddFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const std::optional<at::Tensor>& bias,
-                            const at::Tensor& residual, double prob, bool training) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
+                            const std::optional<at::Tensor>& bias, const at::Tensor& residual,
+                            double prob, bool training) {
     const double p = training ? prob : 0.0;
-    const auto [seed, offset] = p > 0.0 ? draw_dropout_seed(input) : std::pair<int64_t, int64_t>{0, 0};
+    const auto [seed, offset] =
+        p > 0.0 ? draw_dropout_seed(input) : std::pair<int64_t, int64_t>{0, 0};
     ctx->saved_data["prob"] = p;
     ctx->saved_data["seed"] = seed;
     ctx->saved_data["offset"] = offset;
@@ -117,21 +125,25 @@ struct BiasDropoutAddFunction : public Function<BiasDropoutAddFunction> {
     if (!grad.defined()) return result;
     const double p = ctx->saved_data["prob"].toDouble();
     const at::Tensor grad_input =
-        p > 0.0 ? dropout_backward_op(grad, p, ctx->saved_data["seed"].toInt(), ctx->saved_data["offset"].toInt())
+        p > 0.0 ? dropout_backward_op(grad, p, ctx->saved_data["seed"].toInt(),
+                                      ctx->saved_data["offset"].toInt())
                 : grad;
-    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(1)) result[1] = sum_to_bias(grad_input);
+    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(1))
+      result[1] = sum_to_bias(grad_input);
     result[0] = grad_input;
     result[2] = grad;
     return result;
   }
 };
 
-at::Tensor bias_gelu_autograd(const at::Tensor& input, const at::Tensor& bias, bool approximate_tanh) {
+at::Tensor bias_gelu_autograd(const at::Tensor& input, const at::Tensor& bias,
+                              bool approximate_tanh) {
   check_bias_gelu_args("bias_gelu", input, bias);
   return BiasGeluFunction::apply(input, bias, approximate_tanh);
 }
 
-at::Tensor bias_gelu_no_autograd(const at::Tensor& input, const at::Tensor& bias, bool approximate_tanh) {
+at::Tensor bias_gelu_no_autograd(const at::Tensor& input, const at::Tensor& bias,
+                                 bool approximate_tanh) {
   return bias_gelu_forward_op(input, bias, approximate_tanh);
 }
 
@@ -141,11 +153,13 @@ at::Tensor bias_dropout_add_autograd(const at::Tensor& input, const std::optiona
   return BiasDropoutAddFunction::apply(input, bias, residual, prob, training);
 }
 
-at::Tensor bias_dropout_add_no_autograd(const at::Tensor& input, const std::optional<at::Tensor>& bias,
+at::Tensor bias_dropout_add_no_autograd(const at::Tensor& input,
+                                        const std::optional<at::Tensor>& bias,
                                         const at::Tensor& residual, double prob, bool training) {
   check_bias_dropout_add_args("bias_dropout_add", input, bias, residual, prob);
   const double p = training ? prob : 0.0;
-  const auto [seed, offset] = p > 0.0 ? draw_dropout_seed(input) : std::pair<int64_t, int64_t>{0, 0};
+  const auto [seed, offset] =
+      p > 0.0 ? draw_dropout_seed(input) : std::pair<int64_t, int64_t>{0, 0};
   return bias_dropout_add_forward_op(input, bias, residual, p, seed, offset);
 }
 

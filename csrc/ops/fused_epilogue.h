@@ -13,10 +13,11 @@ inline void check_bias_gelu_args(const char* op, const at::Tensor& input, const 
   TORCH_CHECK_VALUE(at::isFloatingType(input.scalar_type()), op,
                     ": input must be a floating tensor, got ", input.scalar_type());
   TORCH_CHECK_VALUE(input.dim() >= 1, op, ": input must have at least one dim, got a scalar");
-  TORCH_CHECK_VALUE(bias.dim() == 1 && bias.size(0) == input.size(-1), op, ": bias must have shape [",
-                    input.size(-1), "] (the input's last dim), got ", bias.sizes());
-  TORCH_CHECK_VALUE(bias.scalar_type() == input.scalar_type(), op, ": bias dtype ", bias.scalar_type(),
-                    " differs from the input dtype ", input.scalar_type());
+  TORCH_CHECK_VALUE(bias.dim() == 1 && bias.size(0) == input.size(-1), op,
+                    ": bias must have shape [", input.size(-1), "] (the input's last dim), got ",
+                    bias.sizes());
+  TORCH_CHECK_VALUE(bias.scalar_type() == input.scalar_type(), op, ": bias dtype ",
+                    bias.scalar_type(), " differs from the input dtype ", input.scalar_type());
   TORCH_CHECK_VALUE(bias.device() == input.device(), op, ": bias is on ", bias.device(),
                     " but the input is on ", input.device());
 }

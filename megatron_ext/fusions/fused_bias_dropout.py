@@ -49,7 +49,9 @@ def bias_dropout_add_fused_inference(
     return _fused(x_with_bias, residual, prob, False)
 
 
-def get_bias_dropout_add(training: bool, fused: bool) -> Callable[[XWithBias, torch.Tensor, float], torch.Tensor]:
+def get_bias_dropout_add(
+    training: bool, fused: bool
+) -> Callable[[XWithBias, torch.Tensor, float], torch.Tensor]:
     """Megatron-core's selector: ``f((x, bias), residual, prob)``."""
     if not fused:
         return bias_dropout_add_unfused(training)

@@ -44,12 +44,17 @@ InitMethod = Callable[[torch.Tensor], Any]
 # --- tensor-parallel attributes of parameters -------------------------------------------------
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
-    """True if ``param`` is a shard (differs across TP ranks) or this is TP rank 0: the parameters
-    to count once when reducing over the model-parallel group (e.g. for the gradient norm)."""
-    return (hasattr(param, "tensor_model_parallel") and param.tensor_model_parallel) or (
-        parallel_state.get_tensor_model_parallel_rank() == 0
-    )
+def param_is_not_tensor_parallel_duplicate(
+    param: torch.Tensor, tp_group: dist.ProcessGroup | None = None
+) -> bool:
+    """True if ``param`` is a shard (differs across TP ranks) or this is rank 0 of ``tp_group``
+    (None: the tensor-parallel group): the parameters to count once when reducing over the
+    model-parallel group (e.g. for the gradient norm)."""
+    if hasattr(param, "tensor_model_parallel") and param.tensor_model_parallel:
+        return True
+    if tp_group is not None:
+        return tp_group.rank() == 0
+    return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
 def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
@@ -591,10 +596,13 @@ def linear_with_frozen_weight(
         )
     if grad_output_buffer is not None:
         raise parallel_state.ParallelStateError(
-            "grad_output_buffer kwarg is only supported with linear_with_grad_accumulation_and_async_allreduce"
+            "grad_output_buffer kwarg is only supported with "
+            "linear_with_grad_accumulation_and_async_allreduce"
         )
     if wgrad_deferral_limit is not None:
-        raise parallel_state.ParallelStateError("wgrad_deferral_limit is only supported with linear_with_grad_accumulation_and_async_allreduce")
+        raise parallel_state.ParallelStateError(
+            "wgrad_deferral_limit is only supported with linear_with_grad_accumulation_and_async_allreduce"
+        )
     tp_group = resolve_tp_group(tp_group)
     if sequence_parallel:
         input = gather_from_sequence_parallel_region(input, True, tp_group)

@@ -136,7 +136,9 @@ def _all_to_all_autograd(
 def _check_split_sizes(what: str, sizes: list[int], world: int) -> list[int]:
     sizes = [int(s) for s in sizes]
     if len(sizes) != world or any(s < 0 for s in sizes):
-        raise ValueError(f"{what} must list {world} non-negative sizes (one per rank of the group), got {sizes}")
+        raise ValueError(
+            f"{what} must list {world} non-negative sizes (one per rank of the group), got {sizes}"
+        )
     return sizes
 
 
@@ -230,7 +232,9 @@ class _ReduceScatterToSequenceParallelRegion:
         group, world, rank = _group_size_rank(group)
         sizes = _check_split_sizes("input_split_sizes", input_split_sizes, world)
         if input_.shape[0] != sum(sizes):
-            raise ValueError(f"input_split_sizes {sizes} sum to {sum(sizes)}, but the input has {input_.shape[0]} rows")
+            raise ValueError(
+                f"input_split_sizes {sizes} sum to {sum(sizes)}, but the input has {input_.shape[0]} rows"
+            )
         if world == 1:
             return input_
         pieces = _all_to_all_autograd(input_, [sizes[rank]] * world, sizes, group)
@@ -269,7 +273,9 @@ class _AllToAll:
         if world == 1:
             return input
         if output_split_sizes is None and input_split_sizes is None and input.shape[0] % world != 0:
-            raise ValueError(f"all_to_all: the first dim ({input.shape[0]}) is not divisible by the group size ({world})")
+            raise ValueError(
+                f"all_to_all: the first dim ({input.shape[0]}) is not divisible by the group size ({world})"
+            )
         if output_split_sizes is not None:
             output_split_sizes = _check_split_sizes("output_split_sizes", output_split_sizes, world)
         if input_split_sizes is not None:
