@@ -4,8 +4,12 @@
 #
 #   ./dev.sh train [ARGS...]   the example training run (torchrun, 4 CPU processes by default)
 #   ./dev.sh test [PYTEST...]  the test suite
-#   ./dev.sh bench NAME        a benchmark from benchmarks/ (NAME without .py)
+#   ./dev.sh bench NAME        a benchmark from benchmarks/ (NAME without .py); installs
+#                              megatron-core 0.16.1 into the environment to compare against
 #   ./dev.sh setup             set-up only
+#   ./dev.sh gpu               on a GPU machine, with the python and torch already there (no venv,
+#                              no downloads): build in place, run the `cuda` tests, then the GPU
+#                              benchmark (benchmarks/gpu.py -> runs/gpu_bench.json)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${MEGATRON_EXT_VENV:-.venv}
@@ -52,10 +56,35 @@ case "$cmd" in
     ;;
   bench)
     setup
+    # The benchmarks compare against megatron-core in the same run; no test needs it.
+    if ! "$PY" -c "from importlib.metadata import version; assert version('megatron-core') == '0.16.1'" 2>/dev/null; then
+      echo "[bench] installing megatron-core==0.16.1 (without its dependencies) for the comparison"
+      "$PY" -m pip install --quiet --no-deps megatron-core==0.16.1
+    fi
     exec "$PY" "benchmarks/${1:?benchmark name}.py" "${@:2}"
     ;;
+  gpu)
+    GPU_PY=${PYTHON:-python3}
+    "$GPU_PY" - <<'PY'
+import sys
+import torch
+if not torch.cuda.is_available():
+    sys.exit(f"./dev.sh gpu: torch {torch.__version__} sees no CUDA GPU")
+try:
+    import pytest  # noqa: F401
+except ImportError:
+    sys.exit("./dev.sh gpu: pytest is not installed for this python")
+print(f"[gpu] torch {torch.__version__} (CUDA {torch.version.cuda}) on {torch.cuda.get_device_name(0)}")
+PY
+    echo "[gpu] building the extension in place against this torch"
+    MAX_JOBS=${MAX_JOBS:-$(nproc)} FORCE_CUDA=1 "$GPU_PY" setup.py --quiet build_ext --inplace
+    echo "[gpu] pytest -m cuda"
+    "$GPU_PY" -m pytest -m cuda -q -p no:cacheprovider tests "$@"
+    echo "[gpu] benchmark"
+    exec "$GPU_PY" benchmarks/gpu.py --json runs/gpu_bench.json
+    ;;
   *)
-    echo "usage: ./dev.sh {train|test|bench NAME|setup} [ARGS...]" >&2
+    echo "usage: ./dev.sh {train|test|bench NAME|setup|gpu} [ARGS...]" >&2
     exit 2
     ;;
 esac

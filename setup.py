@@ -5,6 +5,11 @@ Knobs (environment variables):
   MEGATRON_EXT_FORCE_CPU=1  never compile the CUDA sources
   TORCH_CUDA_ARCH_LIST      target archs; defaults to "8.0;9.0+PTX" when no GPU is visible
   MAX_JOBS                  parallel compile jobs (ninja)
+  MEGATRON_EXT_WERROR=1     warnings are errors (host compiler: -Wall -Werror; nvcc:
+                            -Werror=all-warnings), as CI builds
+
+The extension builds against the torch already installed (``--no-build-isolation``); it needs at
+least MIN_TORCH and records the version it was built with (``megatron_ext.build_info()``).
 """
 
 import glob
@@ -31,9 +36,17 @@ _locate_cuda_home()
 
 import torch  # noqa: E402
 from setuptools import find_packages, setup  # noqa: E402
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+from torch.utils.cpp_extension import (  # noqa: E402
+    CUDA_HOME,
+    BuildExtension,
+    CppExtension,
+    CUDAExtension,
+    include_paths,
+)
 
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
+# The oldest torch the extension is built and tested against; newer ones are accepted.
+MIN_TORCH = "2.14"
 
 
 def _flag(name: str) -> bool:
@@ -90,6 +103,12 @@ def _extension():
         os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
     include_dirs = [os.path.join(here, "csrc"), _write_build_config(cuda)]
     cxx_flags = ["-O3", "-std=c++20"]
+    werror = _flag("MEGATRON_EXT_WERROR")
+    # torch's headers as system headers, so that warnings-as-errors judges this project's code only.
+    torch_includes = include_paths(device_type="cuda" if cuda else "cpu")
+    system_includes = [flag for d in torch_includes for flag in ("-isystem", d)]
+    if werror:
+        cxx_flags += system_includes + ["-Wall", "-Werror"]
     if not cuda:
         return CppExtension(
             "megatron_ext._C",
@@ -98,6 +117,8 @@ def _extension():
             extra_compile_args={"cxx": cxx_flags},
         )
     nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-DMEGATRON_EXT_WITH_CUDA"]
+    if werror:
+        nvcc_flags += system_includes + ["-Werror=all-warnings", "-Xcompiler=-Wall,-Werror"]
     return CUDAExtension(
         "megatron_ext._C",
         cpp_sources + cuda_sources,
@@ -114,5 +135,5 @@ setup(
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
-    install_requires=["torch==2.14.1"],
+    install_requires=[f"torch>={MIN_TORCH}"],
 )

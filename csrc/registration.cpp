@@ -29,6 +29,43 @@ TORCH_LIBRARY(megatron_ext, m) {
       "vocab_parallel_cross_entropy_backward(Tensor grad_loss, Tensor vocab_parallel_logits, "
       "Tensor target, Tensor row_max, Tensor log_sum_exp, float label_smoothing, int? ignore_index, "
       "int vocab_start, int vocab_size) -> Tensor");
+
+  // Fused transformer-layer epilogues (ops/fused_epilogue.cpp, kernels/fused_epilogue*). The
+  // public ops are autograd nodes over the ``_forward`` / ``_backward`` CPU and CUDA kernels.
+  // ``bias_dropout_add`` draws its dropout seed from the device's default generator; the kernels
+  // take the (seed, offset) of the Philox stream explicitly.
+  m.def("bias_gelu(Tensor input, Tensor bias, bool approximate_tanh) -> Tensor");
+  m.def("bias_gelu_forward(Tensor input, Tensor bias, bool approximate_tanh) -> Tensor");
+  m.def(
+      "bias_gelu_backward(Tensor grad_output, Tensor input, Tensor bias, bool approximate_tanh) -> "
+      "Tensor");
+  m.def(
+      "bias_dropout_add(Tensor input, Tensor? bias, Tensor residual, float prob, bool training) -> "
+      "Tensor");
+  m.def(
+      "bias_dropout_add_forward(Tensor input, Tensor? bias, Tensor residual, float prob, int seed, "
+      "int offset) -> Tensor");
+  m.def("dropout_backward(Tensor grad_output, float prob, int seed, int offset) -> Tensor");
+
+  // Output layer + vocabulary-parallel cross-entropy over chunks of tokens, never holding the
+  // [tokens, vocab / tp] logits (ops/linear_cross_entropy.cpp). ``hidden`` [..., h] is replicated
+  // over the group, ``weight`` [vocab / tp, h] is this rank's slice. ``_forward`` returns the loss,
+  // the row max and log-sum-exp and, when asked, the gradients for a unit loss gradient;
+  // ``_backward`` turns those (or zeros, when not ``precomputed``) into the gradients of
+  // ``grad_loss`` in place. Neither of the two communicates outside the cross-entropy's forward.
+  m.def(
+      "vocab_parallel_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, "
+      "float label_smoothing, int? ignore_index, int chunk_size, str group_name, int group_size, "
+      "int group_rank) -> Tensor");
+  m.def(
+      "vocab_parallel_linear_cross_entropy_forward(Tensor hidden, Tensor weight, Tensor target, "
+      "float label_smoothing, int? ignore_index, int chunk_size, bool hidden_grad, bool weight_grad, "
+      "str group_name, int group_size, int group_rank) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "vocab_parallel_linear_cross_entropy_backward(Tensor grad_loss, Tensor hidden, Tensor weight, "
+      "Tensor target, Tensor row_max, Tensor log_sum_exp, Tensor(a!) grad_hidden, "
+      "Tensor(b!) grad_weight, float label_smoothing, int? ignore_index, int chunk_size, "
+      "bool precomputed, int vocab_start, int vocab_size) -> ()");
 }
 
 namespace {

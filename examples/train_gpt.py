@@ -23,13 +23,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state, tensor_parallel
-from megatron_ext.distributed import DistributedDataParallel, finalize_model_grads
+from megatron_ext.dist_checkpointing import find_checkpoint, load_checkpoint, save_checkpoint
+from megatron_ext.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron_ext.distributed.distributed_data_parallel import DEFAULT_BUCKET_SIZE_BYTES
 from megatron_ext.models import GPTModel
+from megatron_ext.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron_ext.pipeline_parallel import get_forward_backward_func
 from megatron_ext.transformer import TransformerConfig
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BYTE_VOCAB = 256
 DEFAULT_CORPUS_BYTES = 4 * 1024 * 1024
 
@@ -52,14 +54,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    p.add_argument("--virtual-pipeline", type=int, default=None,
+                   help="model chunks per pipeline stage: the interleaved 1F1B schedule (needs --pp >= 2)")
     p.add_argument("--recompute", action="store_true", help="recompute each layer's activations in backward")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="shard LayerNorm/dropout activations along the sequence over the tensor-parallel group")
     p.add_argument("--grad-bucket-bytes", type=int, default=DEFAULT_BUCKET_SIZE_BYTES,
                    help="size bound of a data-parallel gradient all-reduce bucket")
+    p.add_argument("--bf16", action="store_true", help="bf16 model parameters, float32 main parameters and gradients")
+    p.add_argument("--fp16", action="store_true",
+                   help="fp16 model parameters, float32 main parameters and gradients, dynamic loss scaling")
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the main parameters and Adam state over the data-parallel group")
+    p.add_argument("--clip-grad", type=float, default=0.0, help="clip gradients to this global norm (0: off)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases/LayerNorms)")
     p.add_argument("--data", default=None, help="a text file (byte-level); default: Python's standard library sources")
     p.add_argument("--log-json", default=None, help="write config, per-step losses and tokens/s here")
     p.add_argument("--plot", default="runs/train_gpt_loss.png", help="PNG loss curve written by rank 0 ('' = none)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may wait before failing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--save", default=None, help="directory to save checkpoints in (also after the last step)")
+    p.add_argument("--save-interval", type=int, default=None, help="save every this many steps")
+    p.add_argument("--load", default=None,
+                   help="checkpoint (or --save directory) to resume from, at any valid layout")
+    p.add_argument("--no-load-rng", action="store_true", help="with --load, keep the fresh random states")
+    p.add_argument("--no-load-optim", action="store_true", help="with --load, keep the fresh optimizer state")
     return p.parse_args(argv)
 
 
@@ -84,6 +103,14 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
     if args.layers % args.pp != 0:
         raise ValueError(f"--layers {args.layers} is not divisible by --pp {args.pp}")
+    if args.virtual_pipeline is not None:
+        if args.virtual_pipeline < 1 or args.pp < 2:
+            raise ValueError(f"--virtual-pipeline {args.virtual_pipeline} needs a value >= 1 and --pp >= 2")
+        if args.layers % (args.pp * args.virtual_pipeline) != 0:
+            raise ValueError(
+                f"--layers {args.layers} is not divisible by --pp x --virtual-pipeline = "
+                f"{args.pp} x {args.virtual_pipeline}"
+            )
     if args.global_batch_size % (args.micro_batch_size * args.dp) != 0:
         raise ValueError(
             f"--global-batch-size {args.global_batch_size} is not divisible by "
@@ -91,8 +118,18 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.vocab_size < BYTE_VOCAB or args.vocab_size % args.tp != 0:
         raise ValueError(f"--vocab-size {args.vocab_size} must be >= {BYTE_VOCAB} and divisible by --tp {args.tp}")
+    if args.bf16 and args.fp16:
+        raise ValueError("--bf16 and --fp16 cannot be combined")
+    if (args.bf16 or args.fp16) and args.dtype != "float32":
+        raise ValueError(f"--{'bf16' if args.bf16 else 'fp16'} sets the parameter dtype; drop --dtype {args.dtype}")
+    if args.clip_grad < 0:
+        raise ValueError(f"--clip-grad must be >= 0, got {args.clip_grad}")
+    if args.sequence_parallel and args.seq_len % args.tp != 0:
+        raise ValueError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp} (needed by --sequence-parallel)")
     if args.data is not None and not os.path.isfile(args.data):
         raise ValueError(f"--data {args.data!r}: no such file")
+    if args.save_interval is not None and (args.save_interval < 1 or args.save is None):
+        raise ValueError(f"--save-interval {args.save_interval} needs --save and must be >= 1")
     if not 0.0 <= args.dropout < 1.0:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
 
@@ -150,8 +187,13 @@ def forward_step(data_iterator, model: DistributedDataParallel):
     return model(tokens, position_ids, labels=labels), loss_func
 
 
-def build_model(args: argparse.Namespace) -> GPTModel:
-    dtype = DTYPES[args.dtype]
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else DTYPES[args.dtype]
+
+
+def build_model(args: argparse.Namespace) -> list[GPTModel]:
+    """This rank's model chunks: one GPTModel, or one per virtual pipeline stage."""
+    dtype = params_dtype(args)
     config = TransformerConfig(
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
@@ -162,12 +204,22 @@ def build_model(args: argparse.Namespace) -> GPTModel:
         attention_dropout=args.dropout,
         params_dtype=dtype,
         pipeline_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
         use_cpu_initialization=True,
         recompute_granularity="full" if args.recompute else None,
+        sequence_parallel=args.sequence_parallel,
         finalize_model_grads_func=finalize_model_grads,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline,
     )
+    torch.manual_seed(args.seed)  # the CPU generator: dropout outside tensor-parallel regions on CPU
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    return GPTModel(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_len, init_seed=args.seed)
+    stages = [None] if args.virtual_pipeline is None else range(args.virtual_pipeline)
+    return [
+        GPTModel(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_len, init_seed=args.seed,
+                 vp_stage=vp_stage)
+        for vp_stage in stages
+    ]
 
 
 def global_mean_loss(losses: list[dict[str, torch.Tensor]]) -> float:
@@ -190,6 +242,7 @@ def train(args: argparse.Namespace) -> dict:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline,
         distributed_timeout_minutes=args.timeout / 60,
     )
     try:
@@ -199,18 +252,49 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
-    # Gradients are averaged over the data-parallel group in buckets that start during the last
-    # micro-batch's backward; the earlier micro-batches only accumulate (no_sync).
-    model = DistributedDataParallel(
-        build_model(args),
-        data_parallel_group=parallel_state.get_data_parallel_group(),
-        bucket_size_bytes=args.grad_bucket_bytes,
+    # Gradients accumulate in float32 main_grad buffers (16-bit runs) and are averaged over the
+    # data-parallel group (reduce-scattered for the distributed optimizer) in buckets that start
+    # during the last micro-batch's backward; the earlier micro-batches only accumulate (no_sync).
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.bf16 or args.fp16,
+        overlap_grad_reduce=True,
+        use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    model.module.config.no_sync_func = model.no_sync
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    forward_backward = get_forward_backward_func(schedule=args.schedule)
+    chunks = [
+        DistributedDataParallel(
+            chunk,
+            data_parallel_group=parallel_state.get_data_parallel_group(),
+            bucket_size_bytes=args.grad_bucket_bytes,
+            ddp_config=ddp_config,
+        )
+        for chunk in build_model(args)
+    ]
+    # One chunk: a plain model, as before; several: the list the interleaved schedule takes.
+    model = chunks[0] if len(chunks) == 1 else chunks
+    config = chunks[0].module.config
+    config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [c.no_sync for c in chunks]
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            bf16=args.bf16,
+            fp16=args.fp16,
+            params_dtype=params_dtype(args),
+            clip_grad=args.clip_grad,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        ),
+        chunks,
+    )
+    if args.fp16:
+        config.grad_scale_func = optimizer.scale_loss
+    start_step = resume(args, model, optimizer)
+    if args.virtual_pipeline is not None and args.schedule == "1f1b":
+        forward_backward = get_forward_backward_func()  # interleaved 1F1B
+    else:
+        forward_backward = get_forward_backward_func(schedule=args.schedule)
     num_microbatches = args.global_batch_size // (args.micro_batch_size * args.dp)
-    needs_data = parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
+    # Only the chunk that embeds and the one that computes the loss read the batch.
+    needs_data = [c.module.pre_process or c.module.post_process for c in chunks]
     rank0 = dist.get_rank() == 0
     progress = None
     if rank0 and not args.no_progress:
@@ -218,33 +302,67 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
 
         progress = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True)
 
-    losses, tokens_per_s = [], []
+    losses, tokens_per_s, grad_norms, skipped = [], [], [], 0
     tokens_per_step = args.global_batch_size * args.seq_len
-    model.train()
-    for step in range(args.steps):
+    for chunk in chunks:
+        chunk.train()
+    for step in range(start_step, args.steps):
         start = time.perf_counter()
         microbatches = step_microbatches(corpus, step, args)
         optimizer.zero_grad(set_to_none=True)
+        iterators = [iter(microbatches) if needed else None for needed in needs_data]
         step_losses = forward_backward(
             forward_step_func=forward_step,
-            data_iterator=iter(microbatches) if needs_data else None,
+            data_iterator=iterators[0] if len(chunks) == 1 else iterators,
             model=model,
             num_microbatches=num_microbatches,
             seq_length=args.seq_len,
             micro_batch_size=args.micro_batch_size,
             forward_only=False,
         )
-        optimizer.step()
+        update_successful, grad_norm, _ = optimizer.step()
+        skipped += not update_successful
+        grad_norms.append(grad_norm)
         losses.append(global_mean_loss(step_losses))
         tokens_per_s.append(tokens_per_step / (time.perf_counter() - start))
         if progress is not None:
             progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s[-1]:.0f}")
             progress.update(1)
+        if args.save and ((args.save_interval and (step + 1) % args.save_interval == 0) or step + 1 == args.steps):
+            save(args, step + 1, model, optimizer)
     if progress is not None:
         progress.close()
     config = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
     config["world_size"] = dist.get_world_size()
-    return {"config": config, "losses": losses, "tokens_per_s": tokens_per_s}
+    return {"config": config, "start_step": start_step, "losses": losses, "tokens_per_s": tokens_per_s,
+            "grad_norms": grad_norms, "skipped_steps": skipped}
+
+
+def save(args: argparse.Namespace, iteration: int, model: torch.nn.Module, optimizer: MegatronOptimizer) -> None:
+    # The data position is the step: step k always reads the same global batch.
+    data = {"consumed_samples": iteration * args.global_batch_size, "global_batch_size": args.global_batch_size}
+    save_checkpoint(args.save, iteration, model, optimizer, metadata={"data": data, "seed": args.seed})
+
+
+def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: MegatronOptimizer) -> int:
+    """Loads --load if given; returns the step to continue from."""
+    if args.load is None:
+        return 0
+    if find_checkpoint(args.load) is None:
+        if dist.get_rank() == 0:
+            print(f"warning: no checkpoint in {args.load!r}; training from scratch", file=sys.stderr)
+        return 0
+    marker = load_checkpoint(args.load, model, None if args.no_load_optim else optimizer, load_rng=not args.no_load_rng)
+    data = marker["metadata"].get("data", {})
+    if data.get("global_batch_size", args.global_batch_size) != args.global_batch_size:
+        raise ValueError(
+            f"the checkpoint was trained with --global-batch-size {data['global_batch_size']}, "
+            f"this run has {args.global_batch_size}"
+        )
+    if dist.get_rank() == 0 and not marker["rng_loaded"] and not args.no_load_rng:
+        print(f"note: {marker['path']} was saved at layout {marker['layout']}; RNG states start afresh",
+              file=sys.stderr)
+    return marker["iteration"]
 
 
 def write_outputs(log: dict, args: argparse.Namespace) -> None:
@@ -260,7 +378,7 @@ def write_outputs(log: dict, args: argparse.Namespace) -> None:
 
         os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(range(1, len(log["losses"]) + 1), log["losses"])
+        ax.plot(range(log["start_step"] + 1, log["start_step"] + len(log["losses"]) + 1), log["losses"])
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats / byte)")
         c = log["config"]
@@ -279,11 +397,13 @@ def main(argv: list[str] | None = None) -> dict:
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     try:
         log = train(args)
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and not log["losses"]:
+            print(f"nothing to do: the checkpoint is at step {log['start_step']} of --steps {args.steps}")
+        elif dist.get_rank() == 0:
             write_outputs(log, args)
             mean_tps = sum(log["tokens_per_s"][1:]) / max(1, len(log["tokens_per_s"]) - 1)
             print(
-                f"loss {log['losses'][0]:.4f} -> {log['losses'][-1]:.4f} over {args.steps} steps, "
+                f"loss {log['losses'][0]:.4f} -> {log['losses'][-1]:.4f} over steps {log['start_step'] + 1}-{args.steps}, "
                 f"{mean_tps:.0f} tokens/s" + (f"; loss curve: {args.plot}" if args.plot else "")
             )
         return log

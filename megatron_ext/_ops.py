@@ -63,3 +63,55 @@ def _(vocab_parallel_logits, target, vocab_start, ignore_index):
 def _(grad_loss, vocab_parallel_logits, target, row_max, log_sum_exp, label_smoothing, ignore_index,
       vocab_start, vocab_size):
     return torch.empty_like(vocab_parallel_logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::bias_gelu")
+def _(input, bias, approximate_tanh):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::bias_gelu_forward")
+def _(input, bias, approximate_tanh):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::bias_gelu_backward")
+def _(grad_output, input, bias, approximate_tanh):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::bias_dropout_add")
+def _(input, bias, residual, prob, training):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::bias_dropout_add_forward")
+def _(input, bias, residual, prob, seed, offset):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_ext::dropout_backward")
+def _(grad_output, prob, seed, offset):
+    return torch.empty_like(grad_output, memory_format=torch.contiguous_format)
+
+@torch.library.register_fake("megatron_ext::vocab_parallel_linear_cross_entropy")
+def _(hidden, weight, target, label_smoothing, ignore_index, chunk_size, group_name, group_size, group_rank):
+    return target.new_empty(target.shape, dtype=_cross_entropy_acc_dtype(hidden))
+
+
+@torch.library.register_fake("megatron_ext::vocab_parallel_linear_cross_entropy_forward")
+def _(hidden, weight, target, label_smoothing, ignore_index, chunk_size, hidden_grad, weight_grad, group_name,
+      group_size, group_rank):
+    acc = _cross_entropy_acc_dtype(hidden)
+    rows = target.numel()
+    loss = target.new_empty(target.shape, dtype=acc)
+    stats = [target.new_empty((rows,), dtype=acc) for _ in range(2)]
+    grad_hidden = hidden.new_empty((rows, hidden.shape[-1]) if hidden_grad else (0,))
+    grad_weight = weight.new_empty(weight.shape if weight_grad else (0,), dtype=acc)
+    return loss, *stats, grad_hidden, grad_weight
+
+
+@torch.library.register_fake("megatron_ext::vocab_parallel_linear_cross_entropy_backward")
+def _(grad_loss, hidden, weight, target, row_max, log_sum_exp, grad_hidden, grad_weight, label_smoothing,
+      ignore_index, chunk_size, precomputed, vocab_start, vocab_size):
+    return None

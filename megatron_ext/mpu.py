@@ -28,14 +28,22 @@ from megatron_ext.parallel_state import (
 )
 from megatron_ext.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ext.tensor_parallel.data import broadcast_data
-from megatron_ext.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron_ext.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from megatron_ext.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megatron_ext.tensor_parallel.random import checkpoint, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from megatron_ext.tensor_parallel.random import (
+    checkpoint,
+    get_cuda_rng_tracker,
+    model_parallel_cuda_manual_seed,
+)
 from megatron_ext.tensor_parallel.utils import divide, ensure_divisibility, split_tensor_along_last_dim
 
 
@@ -63,11 +71,15 @@ def initialize_model_parallel(
                 f"{tensor_model_parallel_size_} disagree; they name the same size"
             )
         tensor_model_parallel_size_ = model_parallel_size_
+    if pipeline_model_parallel_split_rank_ is not None:
+        raise ValueError(
+            f"pipeline_model_parallel_split_rank_={pipeline_model_parallel_split_rank_} (encoder-decoder "
+            "pipelines) is not supported; Megatron-core 0.16 dropped it too"
+        )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size_,
         pipeline_model_parallel_size=pipeline_model_parallel_size_,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size_,
-        pipeline_model_parallel_split_rank=pipeline_model_parallel_split_rank_,
         **kwargs,
     )
 

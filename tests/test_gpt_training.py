@@ -84,9 +84,33 @@ def test_recompute_and_dropout(serial_losses):
     assert plain != serial_losses[(1, 1, 1, "float64", "1f1b")]  # dropout did something
 
 
+# --- virtual pipeline (interleaved 1F1B) -----------------------------------------------------------
+
+
+def test_virtual_pipeline_layouts_match_serial(serial_losses):
+    # Model chunks per stage: the interleaved schedule (and GPipe over the chunks) trains to the
+    # serial losses; the tied embedding lives in chunk 0 of the first stage and the last chunk of
+    # the last stage.
+    vp = ["--virtual-pipeline", "2"]
+    results = run_distributed(4, _layouts_worker, [(2, 2, 1), (1, 2, 2)], ["float64"], SCHEDULES, vp)
+    for rank_result in results:
+        assert rank_result == results[0]
+    _compare(serial_losses, results[0])
+    # Four stages of two chunks each (8 layers; 4 micro-batches) and three chunks of two stages.
+    deep = ["--layers", "12"]
+    (reference,) = run_distributed(1, _layouts_worker, [(1, 1, 1)], ["float64"], ["1f1b"], deep)
+    for layouts, chunks in (([(1, 4, 1)], "3"), ([(1, 2, 2)], "3")):
+        results = run_distributed(4, _layouts_worker, layouts, ["float64"], ["1f1b"],
+                                  deep + ["--virtual-pipeline", chunks])
+        _compare(reference, results[0])
+
+
 @pytest.mark.parametrize(
     "argv,world,message",
     [
+        (["--pp", "2", "--layers", "6", "--virtual-pipeline", "2"], 2,
+         "--layers 6 is not divisible by --pp x --virtual-pipeline = 2 x 2"),
+        (["--pp", "1", "--virtual-pipeline", "2"], 1, "--virtual-pipeline 2 needs a value >= 1 and --pp >= 2"),
         (["--tp", "2", "--heads", "3", "--hidden", "48"], 2, "--heads 3 is not divisible by --tp 2"),
         (["--pp", "2", "--layers", "3"], 2, "--layers 3 is not divisible by --pp 2"),
         (["--dp", "2", "--global-batch-size", "6", "--micro-batch-size", "2"], 2,
@@ -144,3 +168,83 @@ def test_a_dying_rank_makes_the_others_fail_not_hang():
     report = str(failure.value)
     assert "rank 1" in report and "exited with code 17" in report
     assert "rank 0" in report and "Error" in report  # rank 0 raised instead of waiting forever
+
+
+# --- sequence parallelism -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "world,layouts,dtypes",
+    [
+        (2, [(2, 1, 1)], DTYPES),
+        (4, [(2, 2, 1), (2, 1, 2), (4, 1, 1)], DTYPES),
+        (8, [(2, 2, 2)], ["float64"]),
+    ],
+)
+def test_sequence_parallel_layouts_match_serial(serial_losses, world, layouts, dtypes):
+    results = run_distributed(world, _layouts_worker, layouts, dtypes, SCHEDULES, ["--sequence-parallel"])
+    for rank_result in results:
+        assert rank_result == results[0]
+    _compare(serial_losses, results[0])
+
+
+def test_sequence_parallel_recompute_and_dropout():
+    plain, recomputed = (
+        run_distributed(4, _layouts_worker, [(2, 2, 1)], ["float64"], ["1f1b"], ["--sequence-parallel"] + extra)[0][
+            (2, 2, 1, "float64", "1f1b")
+        ]
+        for extra in (["--dropout", "0.1"], ["--dropout", "0.1", "--recompute"])
+    )
+    torch.testing.assert_close(torch.tensor(recomputed), torch.tensor(plain), rtol=1e-12, atol=0)
+
+
+def _sequence_parallel_rng_worker():
+    from megatron_ext import tensor_parallel
+    from megatron_ext.models import GPTModel
+    from megatron_ext.transformer import TransformerConfig
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    config = TransformerConfig(
+        tensor_model_parallel_size=2, num_layers=2, hidden_size=16, num_attention_heads=2, hidden_dropout=0.5,
+        attention_dropout=0.0, params_dtype=torch.float64, use_cpu_initialization=True, sequence_parallel=True,
+    )
+    model = GPTModel(config, vocab_size=64, max_sequence_length=8, post_process=False, init_seed=3)
+    marked = sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False))
+    tokens = torch.arange(16).view(2, 8) % 64
+    positions = torch.arange(8).expand(2, 8)
+
+    # The embedding dropout draws from the model-parallel stream: reproduce it from that state.
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    saved, default_state = tracker.get_states(), torch.get_rng_state()
+    model.train()
+    dropped = model.embedding(tokens, positions)
+    tracker.set_states(saved)
+    torch.set_rng_state(default_state)
+    model.eval()
+    clean = model.embedding(tokens, positions)
+    with tracker.fork():
+        expected = torch.nn.functional.dropout(clean, p=0.5, training=True)
+    torch.testing.assert_close(dropped, expected, rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), default_state)  # the default stream did not move
+
+    # The stage's output (what the pipeline sends) is [s / tp, b, h].
+    hidden = model(tokens, positions)
+    masks = [torch.empty_like(dropped) for _ in range(2)]
+    dist.all_gather(masks, (dropped == 0).double(), group=ps.get_tensor_model_parallel_group())
+    return {"embedding": tuple(clean.shape), "stage": tuple(hidden.shape), "marked": marked,
+            "masks_differ": not torch.equal(masks[0], masks[1])}
+
+
+def test_sequence_parallel_shapes_marks_and_dropout_stream():
+    results = run_distributed(2, _sequence_parallel_rng_worker)
+    for out in results:
+        assert out["embedding"] == (4, 2, 16) and out["stage"] == (4, 2, 16)
+        assert out["masks_differ"]  # each tensor-parallel rank drops its own positions
+        for layer in (0, 1):
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                assert f"decoder.layers.{layer}.{name}.weight" in out["marked"]
+                assert f"decoder.layers.{layer}.{name}.bias" in out["marked"]
+            assert f"decoder.layers.{layer}.self_attention.dense.bias" in out["marked"]
+            assert f"decoder.layers.{layer}.mlp.dense_4h_to_h.bias" in out["marked"]
+        assert not any("query_key_value" in n or "word_embeddings" in n for n in out["marked"])

@@ -308,7 +308,7 @@ def test_model_parallel_config():
     assert config.virtual_pipeline_model_parallel_size is None and config.sequence_parallel is False
     assert config.params_dtype == torch.float32 and config.perform_initialization is True
     assert config.use_cpu_initialization is False and config.gradient_accumulation_fusion is False
-    assert config.async_tensor_model_parallel_allreduce is False and config.pipeline_dtype is None
+    assert config.async_tensor_model_parallel_allreduce is True and config.pipeline_dtype is None  # Megatron-core default
     assert config.hidden_size is None and config.deterministic_mode is False
     assert config.variable_seq_lengths is False and config.batch_p2p_comm is True
     assert config.deallocate_pipeline_outputs is False

@@ -30,6 +30,7 @@
 
 #include "comm/functional.h"
 #include "comm/process_group.h"
+#include "ops/weight_grad.h"
 
 namespace megatron_ext {
 namespace {
@@ -177,8 +178,7 @@ struct LinearAsyncFunction : public Function<LinearAsyncFunction> {
       const auto input_2d = total_input.reshape_symint({-1, total_input.sym_size(-1)});
       if (fusion) {
         auto main_grad = current_main_grad(ctx->saved_data["weight"].toTensor());
-        const auto dtype = main_grad.scalar_type();
-        main_grad.addmm_(grad_output_2d.t().to(dtype), input_2d.to(dtype));
+        accumulate_weight_grad_(main_grad, grad_output_2d, input_2d);
       } else {
         result[1] = grad_output_2d.t().mm(input_2d);
       }

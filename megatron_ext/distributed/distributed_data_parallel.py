@@ -1,10 +1,22 @@
-"""A data-parallel wrapper whose gradient all-reduces overlap the backward pass.
+"""A data-parallel wrapper whose gradient reductions overlap the backward pass.
 
-Parameters are grouped into buckets. A hook on each parameter notes when its gradient for the
-current backward is complete; once every parameter of a bucket is complete, the bucket's
-all-reduce starts asynchronously while autograd goes on computing the gradients of earlier
-layers. ``finish_grad_sync()`` (called by ``finalize_model_grads``) starts what is left, waits,
-and writes the averaged gradients back into ``param.grad``.
+Parameters are grouped into buckets (``partition_into_buckets``, the one bucketer of the package,
+also used by ``finalize_model_grads.allreduce_gradients``). A hook on each parameter notes when
+its gradient for the current backward is complete; once every parameter of a bucket is complete,
+the bucket's collective starts asynchronously while autograd goes on computing the gradients of
+earlier layers. ``finish_grad_sync()`` (called by ``finalize_model_grads``) starts what is left
+and waits.
+
+Two modes:
+
+* without ``ddp_config`` (this package's original API): gradients stay in ``param.grad``; after
+  ``finish_grad_sync()`` they hold the data-parallel average.
+* with a ``DistributedDataParallelConfig`` (Megatron-core's): every parameter gets
+  ``param.main_grad``, a view into a persistent flat bucket buffer (float32 for 16-bit
+  parameters when ``grad_reduce_in_fp32``). Each backward's gradient is added into it and
+  ``param.grad`` is cleared, as Megatron-core does. With ``use_distributed_optimizer`` a
+  bucket is reduce-scattered: data-parallel rank r receives the average of the r-th of ``dp``
+  equal slices of the (padded) bucket, which is the part the distributed optimizer updates.
 """
 
 from __future__ import annotations
@@ -17,21 +29,31 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state
+from megatron_ext.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron_ext.model_parallel_config import ModelParallelConfig
 
 DEFAULT_BUCKET_SIZE_BYTES = 40 * 1024 * 1024
+
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
 @dataclass
 class _Bucket:
-    """Parameters whose gradients travel in one flat all-reduce."""
+    """Parameters whose gradients travel in one flat collective.
+
+    ``offsets[i]`` is where parameter i starts in the flat buffer; ``padded_numel`` is ``numel``
+    rounded up to a multiple of the padding (the data-parallel size for reduce-scatter)."""
 
     index: int
     dtype: torch.dtype
     device: torch.device
     element_size: int
-    params: list[torch.nn.Parameter] = field(default_factory=list)
+    params: list[torch.Tensor] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
     numel: int = 0
+    padded_numel: int = 0
+    grad_data: torch.Tensor | None = None
     # Per-step state: ids of the parameters whose gradient is complete.
     ready: set[int] = field(default_factory=set)
 
@@ -43,44 +65,102 @@ class _Bucket:
         return len(self.ready) == len(self.params)
 
 
+def partition_into_buckets(
+    named: list[tuple[str, torch.Tensor]],
+    bucket_size_bytes: int,
+    grad_dtype: dict[int, torch.dtype] | None = None,
+    pad_to: int = 1,
+) -> list[_Bucket]:
+    """Groups ``named`` tensors into buckets of one (gradient) dtype and device, taken in reverse
+    order (close to the order in which backward produces the gradients), up to
+    ``bucket_size_bytes`` each; a larger tensor gets a bucket of its own, and so does a
+    ``shared_embedding`` parameter (its gradient is also summed over the embedding group, which
+    needs the same slicing on the first and last pipeline stage). ``grad_dtype`` maps ``id(t)`` to
+    the gradient dtype where it differs from ``t.dtype``."""
+    buckets: list[_Bucket] = []
+    open_bucket: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
+
+    def new_bucket(dtype: torch.dtype, device: torch.device) -> _Bucket:
+        bucket = _Bucket(index=len(buckets), dtype=dtype, device=device,
+                         element_size=torch.empty(0, dtype=dtype).element_size())
+        buckets.append(bucket)
+        return bucket
+
+    for name, t in reversed(named):
+        dtype = (grad_dtype or {}).get(id(t), t.dtype)
+        key = (dtype, t.device)
+        alone = getattr(t, "shared_embedding", False)
+        bucket = open_bucket.get(key)
+        size = t.numel() * torch.empty(0, dtype=dtype).element_size()
+        if alone or bucket is None or (bucket.params and bucket.nbytes + size > bucket_size_bytes):
+            bucket = new_bucket(dtype, t.device)
+            open_bucket[key] = bucket
+        bucket.params.append(t)
+        bucket.names.append(name)
+        bucket.offsets.append(bucket.numel)
+        bucket.numel += t.numel()
+        if alone:
+            open_bucket.pop(key)
+    for bucket in buckets:
+        bucket.padded_numel = -(-bucket.numel // pad_to) * pad_to
+    return buckets
+
+
+def _default_data_parallel_group() -> dist.ProcessGroup:
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_data_parallel_group()
+    return dist.group.WORLD
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Averages gradients over a data-parallel group, overlapping the reduction with backward.
+
+    ``DistributedDataParallel(module, data_parallel_group=None, bucket_size_bytes=None,
+    ddp_config=None)``; Megatron-core's order ``DistributedDataParallel(config, ddp_config,
+    module)`` is accepted too (the first argument is then a ``TransformerConfig``).
 
     ``module`` is kept as ``self.module``; ``forward`` calls it. The pipeline schedules and
     ``finalize_model_grads`` look through ``.module`` for ``config``, ``set_input_tensor`` and
     the shared embedding weight.
 
-    Buckets hold parameters of one dtype and device, taken in reverse registration order (close
-    to the order in which backward produces their gradients), up to ``bucket_size_bytes`` each (a
-    larger parameter gets a bucket of its own). A bucket's all-reduce starts as soon as all its
-    gradients are complete and every earlier bucket has started: buckets start strictly in index
-    order, so every rank issues the same collectives in the same order whatever order its hooks
-    fire in.
+    A bucket's collective starts as soon as all its gradients are complete and every earlier
+    bucket has started (with a ``ddp_config``, only when ``overlap_grad_reduce``): buckets start
+    strictly in index order, so every rank issues the same collectives in the same order whatever
+    order its hooks fire in. Bucket size: ``bucket_size_bytes``, else ``ddp_config.bucket_size``
+    elements, else 40 MiB (Megatron's ``max(40e6, 1e6 * dp)`` elements with a ``ddp_config``).
 
     Usage per step: run the backward(s) with all but the last inside ``no_sync()`` (the schedules
     do this through ``config.no_sync_func = ddp.no_sync``), then ``finish_grad_sync()`` (which
-    ``finalize_model_grads`` calls), then the optimizer step. Clear gradients with the optimizer's
-    ``zero_grad()`` (either ``set_to_none`` setting works) or with ``zero_grad_buffer()``.
+    ``finalize_model_grads`` calls), then the optimizer step. Clear gradients with
+    ``zero_grad_buffer()`` (``megatron_ext.optimizer``'s ``zero_grad`` calls it); without a
+    ``ddp_config`` the torch optimizer's ``zero_grad()`` is enough.
 
     After ``finish_grad_sync()`` every trainable parameter has a gradient: a parameter that got
     none on this rank contributes zeros, so all ranks reduce the same buffers and a parameter
-    used only on some ranks gets the correct average.
-
-    The reduction is a SUM followed by a division by the group size (gloo has no AVG), in the
-    same arithmetic as ``allreduce_gradients``. With a group of one rank nothing is registered
-    and ``finish_grad_sync()`` does nothing.
+    used only on some ranks gets the correct average. The reduction is a SUM followed by a
+    division by the group size (gloo has no AVG).
     """
 
     def __init__(
         self,
         module: torch.nn.Module,
         data_parallel_group: dist.ProcessGroup | None = None,
-        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+        bucket_size_bytes: int | None = None,
+        ddp_config: DistributedDataParallelConfig | None = None,
     ) -> None:
         super().__init__()
+        if isinstance(module, ModelParallelConfig):  # Megatron-core's (config, ddp_config, module)
+            module, ddp_config, data_parallel_group = bucket_size_bytes, data_parallel_group, None
+            bucket_size_bytes = None
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if isinstance(bucket_size_bytes, bool) or not isinstance(bucket_size_bytes, int) or bucket_size_bytes < 1:
+        if ddp_config is not None and not isinstance(ddp_config, DistributedDataParallelConfig):
+            raise TypeError(
+                f"ddp_config must be a DistributedDataParallelConfig, got {type(ddp_config).__name__}"
+            )
+        if bucket_size_bytes is not None and (
+            isinstance(bucket_size_bytes, bool) or not isinstance(bucket_size_bytes, int) or bucket_size_bytes < 1
+        ):
             raise ValueError(f"bucket_size_bytes must be an integer >= 1, got {bucket_size_bytes!r}")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -94,43 +174,42 @@ class DistributedDataParallel(torch.nn.Module):
                 "torch.distributed.init_process_group() first"
             )
         if data_parallel_group is None:
-            data_parallel_group = (
-                parallel_state.get_data_parallel_group()
-                if parallel_state.model_parallel_is_initialized()
-                else dist.group.WORLD
-            )
+            data_parallel_group = _default_data_parallel_group()
         self.module = module
+        self.ddp_config = ddp_config
         self.data_parallel_group = data_parallel_group
-        self.bucket_size_bytes = bucket_size_bytes
         self._dp_size = dist.get_world_size(data_parallel_group)
-        self._buckets = self._make_buckets(named, bucket_size_bytes)
+        self._dp_rank = dist.get_rank(data_parallel_group)
+        self._main_grads = ddp_config is not None
+        self._reduce_scatter = self._main_grads and ddp_config.use_distributed_optimizer
+        self._overlap = ddp_config.overlap_grad_reduce if self._main_grads else True
+
+        grad_dtype = {}
+        if self._main_grads and ddp_config.grad_reduce_in_fp32:
+            grad_dtype = {id(p): torch.float32 for _, p in named if p.dtype in _SIXTEEN_BIT}
+        if bucket_size_bytes is None:
+            if ddp_config is None:
+                bucket_size_bytes = DEFAULT_BUCKET_SIZE_BYTES
+            else:
+                elements = ddp_config.bucket_size or max(40_000_000, 1_000_000 * self._dp_size)
+                bucket_size_bytes = elements * max(p.element_size() for _, p in named)
+        self.bucket_size_bytes = bucket_size_bytes
+        self._buckets = partition_into_buckets(
+            named, bucket_size_bytes, grad_dtype, pad_to=self._dp_size if self._reduce_scatter else 1
+        )
         self._bucket_of: dict[int, _Bucket] = {id(p): b for b in self._buckets for p in b.params}
+        if self._main_grads:
+            for bucket in self._buckets:
+                bucket.grad_data = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
+                for p, offset in zip(bucket.params, bucket.offsets):
+                    p.main_grad = bucket.grad_data[offset : offset + p.numel()].view_as(p)
         self._sync_enabled = True
         self._next_launch = 0  # buckets [0, _next_launch) have started this step
         self._works: list[tuple[Any, torch.Tensor]] = []
         self._hook_handles: list[Any] = []
-        if self._dp_size > 1:
+        if self._dp_size > 1 or self._main_grads:
             for _, p in named:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-
-    @staticmethod
-    def _make_buckets(named: list[tuple[str, torch.nn.Parameter]], limit: int) -> list[_Bucket]:
-        buckets: list[_Bucket] = []
-        open_bucket: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
-        for name, p in reversed(named):
-            key = (p.dtype, p.device)
-            bucket = open_bucket.get(key)
-            size = p.numel() * p.element_size()
-            if bucket is None or (bucket.params and bucket.nbytes + size > limit):
-                bucket = _Bucket(
-                    index=len(buckets), dtype=p.dtype, device=p.device, element_size=p.element_size()
-                )
-                buckets.append(bucket)
-                open_bucket[key] = bucket
-            bucket.params.append(p)
-            bucket.names.append(name)
-            bucket.numel += p.numel()
-        return buckets
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -143,16 +222,22 @@ class DistributedDataParallel(torch.nn.Module):
         return tuple(tuple(b.names) for b in self._buckets)
 
     @property
+    def grad_buckets(self) -> tuple[_Bucket, ...]:
+        """The buckets themselves (parameters, offsets, flat ``grad_data``): what the
+        distributed optimizer shards."""
+        return tuple(self._buckets)
+
+    @property
     def launched_buckets(self) -> int:
-        """How many buckets' all-reduces have started since the last ``finish_grad_sync()``."""
+        """How many buckets' collectives have started since the last ``finish_grad_sync()``."""
         return self._next_launch
 
     # Gradient synchronisation ---------------------------------------------------------------
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backwards inside this context only accumulate into ``param.grad``; nothing is reduced
-        until a backward outside it (or ``finish_grad_sync()``)."""
+        """Backwards inside this context only accumulate gradients; nothing is reduced until a
+        backward outside it (or ``finish_grad_sync()``)."""
         previous, self._sync_enabled = self._sync_enabled, False
         try:
             yield
@@ -170,61 +255,98 @@ class DistributedDataParallel(torch.nn.Module):
                 "of a step, run earlier backwards inside no_sync(), and do not use a parameter "
                 "both inside and outside an activation-checkpointed region"
             )
+        if self._main_grads and param.grad is not None:
+            param.main_grad.add_(param.grad)
+            param.grad = None
         if not self._sync_enabled:
             return
         bucket.ready.add(id(param))
-        self._launch_ready_buckets()
+        if self._overlap:
+            self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].is_ready():
             self._launch(self._buckets[self._next_launch])
 
     def _launch(self, bucket: _Bucket) -> None:
-        # A flat copy: the reduction runs while autograd keeps writing other gradients.
-        flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
-        offset = 0
-        for p in bucket.params:
-            chunk = flat[offset : offset + p.numel()]
-            if p.grad is None:
-                chunk.zero_()  # every rank must reduce the same buffers
-            else:
-                chunk.copy_(p.grad.reshape(-1))
-            offset += p.numel()
-        work = dist.all_reduce(flat, group=self.data_parallel_group, async_op=True)
-        self._works.append((work, flat))
         self._next_launch += 1
+        if self._dp_size == 1:
+            return
+        if self._main_grads:
+            flat = bucket.grad_data
+            if self.ddp_config.check_for_nan_in_grad and not bool(torch.isfinite(flat).all()):
+                raise RuntimeError(
+                    f"DistributedDataParallel: a gradient in bucket {bucket.index} ({bucket.names[:3]}...) "
+                    "is NaN or infinite before its reduction (check_for_nan_in_grad)"
+                )
+        else:
+            # A flat copy: the reduction runs while autograd keeps writing other gradients.
+            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            for p, offset in zip(bucket.params, bucket.offsets):
+                chunk = flat[offset : offset + p.numel()]
+                if p.grad is None:
+                    chunk.zero_()  # every rank must reduce the same buffers
+                else:
+                    chunk.copy_(p.grad.reshape(-1))
+        if self._reduce_scatter:
+            shard = self._shard(bucket)
+            work = dist.reduce_scatter_single(shard, flat, group=self.data_parallel_group, async_op=True)
+            self._works.append((work, shard))
+        else:
+            work = dist.all_reduce(flat, group=self.data_parallel_group, async_op=True)
+            self._works.append((work, flat))
 
-    def finish_grad_sync(self) -> None:
-        """Starts the buckets not yet started (in index order), waits for every all-reduce,
-        and writes the averages into ``param.grad``. Resets the per-step state."""
+    def _shard(self, bucket: _Bucket) -> torch.Tensor:
+        size = bucket.padded_numel // self._dp_size
+        return bucket.grad_data[self._dp_rank * size : (self._dp_rank + 1) * size]
+
+    def shard_range(self, bucket: _Bucket) -> tuple[int, int]:
+        """The ``[start, end)`` of ``bucket``'s flat buffer this data-parallel rank owns under
+        the distributed optimizer (the whole bucket otherwise)."""
+        if not self._reduce_scatter:
+            return 0, bucket.numel
+        size = bucket.padded_numel // self._dp_size
+        return self._dp_rank * size, (self._dp_rank + 1) * size
+
+    def start_grad_sync(self) -> None:
+        """Starts every bucket's collective not yet started (Megatron-core's name)."""
+        while self._next_launch < len(self._buckets):
+            self._launch(self._buckets[self._next_launch])
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Starts the buckets not yet started (in index order), waits for every collective and
+        divides by the data-parallel size; without a ``ddp_config`` writes the averages into
+        ``param.grad``. Resets the per-step state."""
+        if force_all_reduce:
+            raise NotImplementedError("finish_grad_sync(force_all_reduce=True) is not supported")
         if self._dp_size == 1:
             self._reset()
             return
         try:
-            while self._next_launch < len(self._buckets):
-                self._launch(self._buckets[self._next_launch])
+            self.start_grad_sync()
             for bucket, (work, flat) in zip(self._buckets, self._works):
                 work.wait()
                 flat.div_(self._dp_size)
-                offset = 0
-                for p in bucket.params:
+                if self._main_grads:
+                    continue
+                for p, offset in zip(bucket.params, bucket.offsets):
                     value = flat[offset : offset + p.numel()].view_as(p)
                     if p.grad is None:
                         p.grad = value.clone()
                     else:
                         p.grad.copy_(value)
-                    offset += p.numel()
         finally:
             self._reset()
 
     def zero_grad_buffer(self) -> None:
-        """Sets every gradient to None and forgets the step's state (waiting first for any
-        all-reduce in flight, so none is abandoned half-way). Equivalent to the optimizer's
-        ``zero_grad()`` after a completed ``finish_grad_sync()``."""
+        """Clears every gradient (``param.grad`` to None, ``main_grad`` buffers to zero) and
+        forgets the step's state, waiting first for any collective in flight."""
         for work, _ in self._works:
             work.wait()
         self._reset()
         for bucket in self._buckets:
+            if bucket.grad_data is not None:
+                bucket.grad_data.zero_()
             for p in bucket.params:
                 p.grad = None
 
@@ -235,4 +357,5 @@ class DistributedDataParallel(torch.nn.Module):
         self._next_launch = 0
 
     def extra_repr(self) -> str:
-        return f"data_parallel_size={self._dp_size}, buckets={len(self._buckets)}"
+        mode = "reduce-scatter" if self._reduce_scatter else "all-reduce"
+        return f"data_parallel_size={self._dp_size}, buckets={len(self._buckets)}, {mode}"

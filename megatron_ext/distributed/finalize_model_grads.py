@@ -8,10 +8,22 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state
-from megatron_ext.distributed.distributed_data_parallel import DistributedDataParallel
+from megatron_ext.distributed.distributed_data_parallel import (
+    DEFAULT_BUCKET_SIZE_BYTES,
+    DistributedDataParallel,
+    partition_into_buckets,
+)
 from megatron_ext.pipeline_parallel.schedules import get_attr_wrapped_model
 
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+# The one default bucket size of the package (DistributedDataParallel's).
+DEFAULT_BUCKET_BYTES = DEFAULT_BUCKET_SIZE_BYTES
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor | None:
+    """Where ``param``'s gradient lives: ``main_grad`` under a DistributedDataParallel with a
+    ``ddp_config`` (Megatron-core's convention), else ``param.grad``."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
 
 
 def allreduce_gradients(
@@ -22,38 +34,22 @@ def allreduce_gradients(
 ) -> None:
     """Sums (or averages) the gradients of ``params`` over ``group``, one all-reduce per bucket.
 
-    Gradients are packed into flat buffers of at most ``bucket_bytes`` per dtype, reduced with
-    SUM (gloo has no AVG) and divided by the group size, then copied back.
+    The buckets are ``partition_into_buckets``' (DistributedDataParallel's): flat buffers of at
+    most ``bucket_bytes`` per dtype, reduced with SUM (gloo has no AVG), divided by the group size
+    when ``average``, and copied back. Parameters without a gradient are skipped (every rank
+    must pass the same set).
     """
-    world = dist.get_world_size(group)
-    if world == 1:
+    if dist.get_world_size(group) == 1:
         return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for g in grads:
-            if bucket and size + g.numel() * g.element_size() > bucket_bytes:
-                _allreduce_bucket(bucket, group, world if average else 1)
-                bucket, size = [], 0
-            bucket.append(g)
-            size += g.numel() * g.element_size()
-        if bucket:
-            _allreduce_bucket(bucket, group, world if average else 1)
-
-
-def _allreduce_bucket(bucket: list[torch.Tensor], group: dist.ProcessGroup, divisor: int) -> None:
-    flat = torch.cat([g.reshape(-1) for g in bucket])
-    dist.all_reduce(flat, group=group)
-    if divisor != 1:
-        flat.div_(divisor)
-    offset = 0
-    for g in bucket:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    grads = [(str(i), g) for i, g in enumerate(_grad(p) for p in params) if g is not None]
+    divisor = dist.get_world_size(group) if average else 1
+    for bucket in partition_into_buckets(grads, bucket_bytes):
+        flat = torch.cat([g.reshape(-1) for g in bucket.params])
+        dist.all_reduce(flat, group=group)
+        if divisor != 1:
+            flat.div_(divisor)
+        for g, offset in zip(bucket.params, bucket.offsets):
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
 
 
 def allreduce_embedding_grads(model_chunks: list[torch.nn.Module]) -> None:
@@ -75,9 +71,32 @@ def allreduce_embedding_grads(model_chunks: list[torch.nn.Module]) -> None:
     weight = shared_weight()
     if weight is None or not getattr(weight, "shared_embedding", False):
         return
-    grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+    grad = _grad(weight)
+    if grad is None:
+        grad = weight.grad = torch.zeros_like(weight)
     dist.all_reduce(grad, group=parallel_state.get_embedding_group())
-    weight.grad = grad
+
+
+def allreduce_layernorm_grads(model_chunks: list[torch.nn.Module]) -> None:
+    """Sums over the tensor-parallel group the gradients of the parameters marked
+    ``sequence_parallel`` (LayerNorms and row-parallel biases): under sequence parallelism each
+    rank computed them from its own part of the sequence (Megatron-core's
+    ``_allreduce_layernorm_grads``)."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    params = []
+    for chunk in model_chunks:
+        try:
+            config = get_attr_wrapped_model(chunk, "config")
+        except AttributeError:  # a plain module: no sequence parallelism
+            continue
+        if not getattr(config, "sequence_parallel", False):
+            continue
+        params.extend(
+            p for p in chunk.parameters() if p.requires_grad and getattr(p, "sequence_parallel", False)
+        )
+    if params:
+        allreduce_gradients(params, parallel_state.get_tensor_model_parallel_group(), average=False)
 
 
 def _find_ddp(model: torch.nn.Module) -> DistributedDataParallel | None:
@@ -91,8 +110,9 @@ def _find_ddp(model: torch.nn.Module) -> DistributedDataParallel | None:
 
 
 def finalize_model_grads(model_chunks: list[torch.nn.Module], num_tokens: torch.Tensor | None = None) -> None:
-    """Averages gradients over the data-parallel group and sums the tied embedding's over the
-    embedding group: what must happen after every backward and before every optimizer step.
+    """Averages gradients over the data-parallel group, sums the sequence-parallel LayerNorm and
+    bias gradients over the tensor-parallel group and the tied embedding's over the embedding
+    group: what must happen after every backward and before every optimizer step.
 
     A chunk that is (or wraps) a ``DistributedDataParallel`` has started its reductions during
     the backward: its ``finish_grad_sync()`` completes them. The gradients of other chunks are
@@ -107,4 +127,5 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module], num_tokens: torch.
             params.extend(p for p in chunk.parameters() if p.requires_grad)
     if params:
         allreduce_gradients(params, parallel_state.get_data_parallel_group())
+    allreduce_layernorm_grads(model_chunks)
     allreduce_embedding_grads(model_chunks)

@@ -11,7 +11,12 @@ from megatron_ext.transformer.utils import initialization_seed
 
 
 class GPTEmbedding(torch.nn.Module):
-    """Vocab-parallel word embedding + learned position embedding + dropout -> ``[s, b, h]``."""
+    """Vocab-parallel word embedding + learned position embedding + dropout -> ``[s, b, h]``.
+
+    Under sequence parallelism the output is this rank's ``[s / tp, b, h]`` slice of the
+    sequence (scattered along dim 0), and its dropout draws from the model-parallel RNG stream:
+    each rank drops different positions of different tokens, as in Megatron-core.
+    """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int):
         super().__init__()
@@ -33,16 +38,25 @@ class GPTEmbedding(torch.nn.Module):
             )
         embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
         embeddings = embeddings.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+        if self.config.sequence_parallel:
+            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return torch.nn.functional.dropout(embeddings, p=self.config.hidden_dropout, training=self.training)
         return torch.nn.functional.dropout(embeddings, p=self.config.hidden_dropout, training=self.training)
 
 
 class GPTModel(torch.nn.Module):
-    """Decoder-only language model; one instance per pipeline stage.
+    """Decoder-only language model; one instance per pipeline stage, or with a virtual pipeline
+    one per model chunk (``vp_stage``: chunk c of pipeline rank r holds virtual stage ``c * pp + r``
+    and its layers, ``transformer_block.get_transformer_layer_offset``; only chunk 0 of the first
+    stage embeds, only the last chunk of the last stage computes the loss).
 
     The first stage (``pre_process``) embeds tokens; the last (``post_process``) applies the final
     LayerNorm and computes vocab-parallel logits with the word-embedding matrix, never gathering
     them: with ``labels`` the forward returns the per-token loss ``[b, s]`` from
-    ``vocab_parallel_cross_entropy``, without them the logits ``[b, s, vocab / tp]``. When the
+    ``vocab_parallel_cross_entropy`` (or, with ``config.fused_output_cross_entropy``, from
+    ``vocab_parallel_linear_cross_entropy``, which never holds the logits), without them the logits
+    ``[b, s, vocab / tp]``. When the
     first and last stages differ, the last stage holds its own copy of the word embedding, made
     equal to the first stage's at construction and kept equal by summing their gradients over the
     embedding group (``megatron_ext.distributed.finalize_model_grads``).
@@ -64,21 +78,26 @@ class GPTModel(torch.nn.Module):
         share_embeddings_and_output_weights: bool = True,
         parallel_output: bool = True,
         init_seed: int | None = None,
+        vp_stage: int | None = None,
     ):
         super().__init__()
-        if config.sequence_parallel:
-            raise ValueError("GPTModel does not support sequence_parallel=True yet")
         self.config = config
         self.vocab_size = vocab_size
-        self.pre_process = parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process
-        self.post_process = parallel_state.is_pipeline_last_stage() if post_process is None else post_process
+        self.vp_stage = vp_stage
+        if pre_process is None:
+            pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        if post_process is None:
+            post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         seed = torch.initial_seed() if init_seed is None else init_seed
 
         if self.pre_process:
             with initialization_seed(seed, 0):
                 self.embedding = GPTEmbedding(config, vocab_size, max_sequence_length)
-        self.decoder = ParallelTransformer(config, self.pre_process, self.post_process, init_seed=seed)
+        self.decoder = ParallelTransformer(
+            config, self.pre_process, self.post_process, init_seed=seed, vp_stage=vp_stage
+        )
         if self.post_process:
             tied_here = self.pre_process and share_embeddings_and_output_weights
             with initialization_seed(seed, config.num_layers + 1):
@@ -99,11 +118,17 @@ class GPTModel(torch.nn.Module):
             return
         if self.pre_process and self.post_process:
             return  # one stage: the output layer reads the embedding weight itself
-        if parallel_state.get_pipeline_model_parallel_world_size() == 1 or not parallel_state.is_rank_in_embedding_group():
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return
+        if not (self.pre_process or self.post_process):
+            return  # a middle model chunk holds no copy
+        if not parallel_state.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=self.vp_stage):
             return
         weight = self.shared_embedding_or_output_weight()
         weight.shared_embedding = True
         if self.post_process:
+            # The copy: counted once in the gradient norm (Megatron's ``shared`` attribute).
+            weight.shared = True
             weight.data.zero_()
         dist.all_reduce(weight.data, group=parallel_state.get_embedding_group())
 
@@ -137,6 +162,21 @@ class GPTModel(torch.nn.Module):
         if labels is None:
             logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, vocab (/ tp if parallel_output)]
             return logits.transpose(0, 1).contiguous()
+        if self.config.fused_output_cross_entropy:
+            group = self.output_layer.tp_group
+            if self.config.sequence_parallel:
+                # The fused op all-reduces the hidden states' gradient itself, so the gather's
+                # backward only takes this rank's slice of it.
+                hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                    hidden, tensor_parallel_output_grad=False, group=group
+                )
+            loss = tensor_parallel.vocab_parallel_linear_cross_entropy(
+                hidden,
+                self.output_layer.weight if weight is None else weight,
+                labels.transpose(0, 1),
+                tp_group=group,
+            )
+            return loss.transpose(0, 1).contiguous()  # [b, s]
         # The loss reads vocab-parallel logits whatever parallel_output says.
         logits, _ = self.output_layer(hidden, weight=weight, runtime_gather_output=False)
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1))

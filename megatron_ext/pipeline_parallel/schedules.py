@@ -1,4 +1,4 @@
-"""Forward-backward schedules over micro-batches: no pipelining, GPipe and 1F1B.
+"""Forward-backward schedules over micro-batches: no pipelining, GPipe, 1F1B and interleaved 1F1B.
 
 Every schedule is called with Megatron-core's keywords::
 
@@ -8,15 +8,17 @@ Every schedule is called with Megatron-core's keywords::
 
 The contract, as in Megatron-core:
 
-- ``model`` is a ``torch.nn.Module`` (or a list holding one) with a ``config`` attribute (a
-  ``ModelParallelConfig`` or any object with its fields; wrappers exposing ``.module`` are looked
-  through). With more than one pipeline stage it needs ``set_input_tensor(tensor)``: before each
-  forward the schedule calls it with the activation received from the previous stage (a leaf
-  tensor that requires grad), or with None on the first stage.
-- ``forward_step_func(data_iterator, model)`` runs this stage's forward on one micro-batch and
-  returns ``(output_tensor, loss_func)``. On stages other than the last, ``output_tensor`` is the
-  ``[s, b, h]`` activation sent to the next stage (``s // tp`` under sequence parallelism, dtype
-  ``config.pipeline_dtype``).
+- ``model`` is a ``torch.nn.Module`` (or a list holding one; with a virtual pipeline a list of
+  ``v`` model chunks, chunk ``c`` of pipeline rank ``r`` being virtual stage ``c * pp + r``) with
+  a ``config`` attribute (a ``ModelParallelConfig`` or any object with its fields; wrappers
+  exposing ``.module`` are looked through). With more than one stage it needs
+  ``set_input_tensor(tensors)``: before each forward the schedule calls it with a list holding the
+  activation received from the previous stage (a leaf tensor that requires grad), or ``[None]`` on
+  the first stage, as Megatron-core does.
+- ``forward_step_func(data_iterator, model)`` runs one model chunk's forward on one micro-batch and
+  returns ``(output_tensor, loss_func)``. Except on the last stage, ``output_tensor`` is the
+  ``[s, b, h]`` activation sent on (``s // tp`` under sequence parallelism, dtype
+  ``config.pipeline_dtype``). The interleaved schedule takes one data iterator per chunk.
 - On the last stage the schedule calls ``loss_func(output_tensor)``, which returns
   ``(loss, reduced)`` or ``(loss, num_tokens, reduced)``. The schedule divides ``loss`` by
   ``num_microbatches`` (and, for the 3-tuple, first by ``num_tokens`` unless
@@ -25,52 +27,283 @@ The contract, as in Megatron-core:
   ``loss_func(output_tensor, non_loss_data=True)`` instead.
 - The schedule returns the collected values, one per micro-batch, on the last stage and ``[]``
   on the others. Parameter gradients accumulate over the micro-batches into ``.grad``; then
-  ``config.finalize_model_grads_func([model])`` runs if set (with the total number of tokens as a
-  second argument under ``calculate_per_token_loss``).
+  ``config.finalize_model_grads_func(model_chunks)`` runs if set (with the total number of tokens
+  as a second argument under ``calculate_per_token_loss``).
 
-``config.no_sync_func`` (a context-manager factory) is entered for every backward but the last, so
-a data-parallel wrapper reduces gradients once. ``config.grad_scale_func`` scales the loss before
-its backward; ``config.deallocate_pipeline_outputs`` frees each sent activation's data, keeping
-only its autograd graph.
+``config.no_sync_func`` (a context-manager factory, or one per chunk) is entered for every
+backward but the last of each chunk, so a data-parallel wrapper reduces gradients once.
+With ``config.grad_sync_func`` (one callable or one per chunk) every backward runs inside no_sync
+and ``grad_sync_func[c](chunk.parameters())`` is called after chunk c's last backward; with model
+chunks, ``config.param_sync_func[c](chunk.parameters())`` is called before chunk c's first forward
+(neither in forward-only runs). ``config.grad_scale_func`` scales the loss before its backward;
+``config.deallocate_pipeline_outputs`` frees each sent activation's data, keeping only its graph.
+
+How the schedules are built: each is one ordered table per pipeline rank of
+``(FORWARD | BACKWARD, microbatch, chunk)`` entries (``schedule_table``), run by one runner
+(``run_schedule``). The runner places every rank's entries on a common clock, each entry at the
+first tick where its inputs exist (an activation or gradient made on another rank at an earlier
+tick), and exchanges what each tick produced with one batched send/receive between neighbours.
+Every rank computes every rank's table, so each knows what its neighbours send at each tick:
+sends and receives always pair up, with no deadlock, on gloo and NCCL. A new schedule is a new
+table.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 
 from megatron_ext import parallel_state
 from megatron_ext.pipeline_parallel import p2p_communication as p2p
+from megatron_ext.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron_ext.process_groups_config import ProcessGroupCollection
 
-ForwardStepFunc = Callable[[Any, torch.nn.Module], tuple[torch.Tensor, Callable[..., tuple]]]
+ForwardStepFunc = Callable[..., tuple[torch.Tensor, Callable[..., tuple]]]
+Shape = Union[list[int], torch.Size]
 
-SCHEDULES = ("1f1b", "gpipe", "no_pipelining")
+FORWARD, BACKWARD = "forward", "backward"
+ScheduleEntry = tuple[str, int, int]  # (FORWARD | BACKWARD, microbatch, model chunk)
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "no_pipelining")
 
 
-def get_forward_backward_func(schedule: str | None = None) -> Callable[..., list]:
-    """The schedule to run for the current parallel layout.
+def get_forward_backward_func(
+    pp_size: int | None = None, vp_size: int | None = None, *, schedule: str | None = None
+) -> Callable[..., list]:
+    """The schedule to run, as Megatron-core chooses it.
 
-    Without ``schedule``: ``forward_backward_no_pipelining`` with one pipeline stage, else
-    ``forward_backward_pipelining_without_interleaving`` (1F1B). ``schedule`` picks one by name:
-    ``"1f1b"``, ``"gpipe"`` (``forward_backward_pipelining_gpipe``) or ``"no_pipelining"`` (one
-    stage only). The interleaved schedule of a virtual pipeline is not implemented.
+    With neither ``pp_size`` nor ``vp_size`` both come from parallel_state; otherwise the given
+    values are used as they are (None meaning no virtual pipeline). One stage:
+    ``forward_backward_no_pipelining``; several: ``forward_backward_pipelining_with_interleaving``
+    with a virtual pipeline size, else ``forward_backward_pipelining_without_interleaving`` (1F1B).
+
+    ``schedule`` (keyword, not in Megatron-core) picks one by name: ``"1f1b"``, ``"gpipe"``
+    (``forward_backward_pipelining_gpipe``), ``"interleaved"`` or ``"no_pipelining"``.
     """
-    _require_initialized()
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES} or None, got {schedule!r}")
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp_size is None and vp_size is None:
+        _require_initialized()
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     if schedule == "no_pipelining" or (schedule is None and pp_size == 1):
         if pp_size != 1:
             raise ValueError(
                 f"schedule 'no_pipelining' needs pipeline_model_parallel_size 1, got {pp_size}"
             )
         return forward_backward_no_pipelining
-    _require_no_virtual_pipeline()
     if schedule == "gpipe":
         return forward_backward_pipelining_gpipe
+    if schedule == "interleaved" or (schedule is None and vp_size is not None):
+        return forward_backward_pipelining_with_interleaving
     return forward_backward_pipelining_without_interleaving
+
+
+# Schedule tables ---------------------------------------------------------------------------
+
+
+def get_pp_rank_microbatches(
+    num_microbatches: int,
+    num_model_chunks: int,
+    microbatch_group_size_per_vp_stage: int | None,
+    forward_only: bool = False,
+    overlap_moe_expert_parallel_comm: bool = False,
+    p2p_communicator: P2PCommunicator | None = None,
+) -> tuple[int, bool, int, int]:
+    """Megatron-core's warm-up arithmetic for this pipeline rank.
+
+    Returns ``(total, all_in_warmup, num_warmup, num_remaining)`` over the ``total =
+    num_microbatches * num_model_chunks`` forwards of this rank: 1F1B warms up with
+    ``pp - rank - 1`` forwards, the interleaved schedule with ``2 (pp - rank - 1) + (v - 1) g``
+    (``g = microbatch_group_size_per_vp_stage``; one more with ``overlap_moe_expert_parallel_comm``),
+    forward-only runs everything as warm-up, one stage none; never more than ``total``.
+    """
+    if p2p_communicator is not None:
+        pp_size = p2p_communicator.pp_group.size()
+        pp_rank = p2p_communicator.pp_group.rank()
+        vp_size = p2p_communicator.virtual_pipeline_model_parallel_size
+    else:
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    total = num_microbatches * num_model_chunks
+    if forward_only:
+        num_warmup = total
+    elif pp_size > 1:
+        if vp_size is None:
+            num_warmup = pp_size - pp_rank - 1
+        else:
+            num_warmup = 2 * (pp_size - pp_rank - 1)
+            num_warmup += (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
+            if overlap_moe_expert_parallel_comm:
+                num_warmup += 1
+    else:
+        num_warmup = 0
+    all_in_warmup = num_warmup >= total
+    if all_in_warmup:
+        num_warmup = total
+    return total, all_in_warmup, num_warmup, total - num_warmup
+
+
+def get_schedule_table(
+    num_microbatches: int, num_model_chunks: int, microbatch_group_size_per_vp_stage: int
+) -> list[tuple[int, int]]:
+    """The forward order of the interleaved schedule, as Megatron-core builds it: a list of
+    ``(microbatch, chunk)``. Micro-batches go in groups of ``microbatch_group_size_per_vp_stage``
+    (the last group takes the rest); each group runs through chunk 0, then chunk 1, ...
+
+    For 5 micro-batches, 2 chunks and groups of 3:
+    ``[(0,0), (1,0), (2,0), (0,1), (1,1), (2,1), (3,0), (4,0), (3,1), (4,1)]``.
+    """
+    _require_positive_int("microbatch_group_size_per_vp_stage", microbatch_group_size_per_vp_stage)
+    table = []
+    for first in range(0, num_microbatches, microbatch_group_size_per_vp_stage):
+        last = first + microbatch_group_size_per_vp_stage
+        if last >= num_microbatches:
+            last = num_microbatches
+        table.extend((mb, chunk) for chunk in range(num_model_chunks) for mb in range(first, last))
+    return table
+
+
+def schedule_table(
+    forward_order: Sequence[tuple[int, int]],
+    num_warmup: int,
+    forward_only: bool = False,
+    num_model_chunks: int = 1,
+) -> list[ScheduleEntry]:
+    """One rank's ordered table: ``num_warmup`` forwards, then one forward and one backward in
+    turn, then the remaining backwards.
+
+    Forwards follow ``forward_order`` (``(microbatch, chunk)`` pairs); backwards follow it too with
+    the chunks reversed (the backward of a micro-batch goes through the chunks last to first).
+    Forward-only tables hold the forwards alone.
+    """
+    forwards = [(FORWARD, mb, chunk) for mb, chunk in forward_order]
+    if forward_only:
+        return forwards
+    backwards = [(BACKWARD, mb, num_model_chunks - 1 - chunk) for mb, chunk in forward_order]
+    num_warmup = min(num_warmup, len(forwards))
+    table = forwards[:num_warmup]
+    for i in range(len(forwards) - num_warmup):
+        table += [forwards[num_warmup + i], backwards[i]]
+    return table + backwards[len(forwards) - num_warmup:]
+
+
+def no_pipelining_table(num_microbatches: int, forward_only: bool = False) -> list[ScheduleEntry]:
+    """One stage: the forward and backward of each micro-batch in turn."""
+    return schedule_table([(mb, 0) for mb in range(num_microbatches)], 0, forward_only)
+
+
+def gpipe_table(
+    num_microbatches: int, forward_only: bool = False, num_model_chunks: int = 1,
+    microbatch_group_size_per_vp_stage: int | None = None,
+) -> list[ScheduleEntry]:
+    """GPipe: every forward, then every backward (the same on every rank)."""
+    group = microbatch_group_size_per_vp_stage or num_microbatches
+    order = get_schedule_table(num_microbatches, num_model_chunks, group)
+    return schedule_table(order, len(order), forward_only, num_model_chunks)
+
+
+def one_f_one_b_table(
+    num_microbatches: int, pp_size: int, pp_rank: int, forward_only: bool = False
+) -> list[ScheduleEntry]:
+    """1F1B (PipeDream-Flush): stage r warms up with ``min(pp - r - 1, m)`` forwards."""
+    order = [(mb, 0) for mb in range(num_microbatches)]
+    return schedule_table(order, min(pp_size - pp_rank - 1, num_microbatches), forward_only)
+
+
+def interleaved_table(
+    num_microbatches: int,
+    num_model_chunks: int,
+    microbatch_group_size_per_vp_stage: int,
+    pp_size: int,
+    pp_rank: int,
+    forward_only: bool = False,
+) -> list[ScheduleEntry]:
+    """Interleaved 1F1B: forwards in ``get_schedule_table`` order, Megatron-core's warm-up count
+    ``2 (pp - r - 1) + (v - 1) g`` on rank r."""
+    order = get_schedule_table(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage)
+    num_warmup = 2 * (pp_size - pp_rank - 1) + (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
+    return schedule_table(order, num_warmup, forward_only, num_model_chunks)
+
+
+def plan_schedule(tables: Sequence[Sequence[ScheduleEntry]], num_model_chunks: int = 1) -> list[list]:
+    """Places every rank's table on a common clock.
+
+    ``tables[r]`` is pipeline rank r's table; chunk c of rank r is virtual stage ``c * pp + r``.
+    A forward needs the previous virtual stage's forward of its micro-batch; a backward needs its
+    own forward and the next virtual stage's backward. Each rank runs its entries in order, one
+    per tick, each at the first tick after its inputs were made elsewhere. Returns, per rank,
+    the entry (or None: idle) at every tick; all ranks have the same number of ticks. Raises
+    ValueError if a table lacks or repeats an entry, or orders them so that ranks wait for each
+    other forever.
+    """
+    pp_size = len(tables)
+    num_stages = pp_size * num_model_chunks
+    _check_tables(tables, num_model_chunks)
+    done: dict[tuple[str, int, int], int] = {}
+
+    def finished(kind: str, mb: int, stage: int, tick: int) -> bool:
+        t = done.get((kind, mb, stage))
+        return t is not None and t < tick
+
+    position = [0] * pp_size
+    plan: list[list] = [[] for _ in range(pp_size)]
+    tick = 0
+    while any(position[r] < len(tables[r]) for r in range(pp_size)):
+        ran = []
+        for r in range(pp_size):
+            entry = tables[r][position[r]] if position[r] < len(tables[r]) else None
+            if entry is not None:
+                kind, mb, chunk = entry
+                stage = chunk * pp_size + r
+                if kind == FORWARD:
+                    ready = stage == 0 or finished(FORWARD, mb, stage - 1, tick)
+                else:
+                    ready = finished(FORWARD, mb, stage, tick) and (
+                        stage == num_stages - 1 or finished(BACKWARD, mb, stage + 1, tick)
+                    )
+                if not ready:
+                    entry = None
+            plan[r].append(entry)
+            if entry is not None:
+                ran.append((r, entry))
+        if not ran:
+            waiting = {r: tables[r][position[r]] for r in range(pp_size) if position[r] < len(tables[r])}
+            raise ValueError(
+                f"the schedule tables wait for each other forever; next entries per rank: {waiting}"
+            )
+        for r, (kind, mb, chunk) in ran:
+            done[(kind, mb, chunk * pp_size + r)] = tick
+            position[r] += 1
+        tick += 1
+    return plan
+
+
+def _check_tables(tables: Sequence[Sequence[ScheduleEntry]], num_model_chunks: int) -> None:
+    forwards = {}
+    for r, table in enumerate(tables):
+        seen: dict[ScheduleEntry, int] = {}
+        for entry in table:
+            if (
+                not isinstance(entry, tuple) or len(entry) != 3 or entry[0] not in (FORWARD, BACKWARD)
+                or not 0 <= entry[2] < num_model_chunks
+            ):
+                raise ValueError(
+                    f"rank {r}: schedule entry {entry!r} is not (FORWARD | BACKWARD, microbatch, "
+                    f"chunk < {num_model_chunks})"
+                )
+            if entry in seen:
+                raise ValueError(f"rank {r}: schedule entry {entry!r} appears twice")
+            seen[entry] = 1
+        forwards[r] = {(mb, c) for kind, mb, c in table if kind == FORWARD}
+        backwards = {(mb, c) for kind, mb, c in table if kind == BACKWARD}
+        if backwards and backwards != forwards[r]:
+            raise ValueError(f"rank {r}: the backward entries do not match the forward entries")
+    if len({frozenset(f) for f in forwards.values()}) > 1:
+        raise ValueError("the ranks' tables run different (microbatch, chunk) forwards")
 
 
 # Set-up shared by the schedules ------------------------------------------------------------
@@ -81,15 +314,6 @@ def _require_initialized() -> None:
         raise RuntimeError(
             "the pipeline schedules need the model-parallel groups: call "
             "megatron_ext.parallel_state.initialize_model_parallel() first"
-        )
-
-
-def _require_no_virtual_pipeline() -> None:
-    vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    if vp is not None:
-        raise NotImplementedError(
-            f"virtual_pipeline_model_parallel_size={vp}: the interleaved 1F1B schedule is not "
-            "implemented; initialize_model_parallel without a virtual pipeline"
         )
 
 
@@ -115,40 +339,61 @@ def _require_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-def _unwrap_single(name: str, value: Any) -> Any:
+def _as_chunks(name: str, value: Any, many: bool, need_list: bool = False) -> list:
     if isinstance(value, list):
-        if len(value) != 1:
-            raise NotImplementedError(
-                f"{name} is a list of {len(value)} model chunks: only one chunk per stage is "
-                "supported (the interleaved schedule is not implemented)"
+        if not many and len(value) != 1:
+            raise ValueError(
+                f"{name} is a list of {len(value)} model chunks: this schedule runs one chunk per "
+                "stage; use forward_backward_pipelining_with_interleaving"
             )
-        return value[0]
-    return value
+        if not value:
+            raise ValueError(f"{name} is an empty list")
+        return value
+    if need_list:
+        raise ValueError(f"the interleaved schedule needs {name} as a list, one per model chunk")
+    return [value]
 
 
-def _prepare(
-    *,
-    model: torch.nn.Module | list[torch.nn.Module],
-    data_iterator: Iterator | list[Iterator] | None,
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    forward_only: bool,
-    collect_non_loss_data: bool,
-    pipelined: bool,
-) -> tuple[torch.nn.Module, Iterator | None, Any, tuple[int, int, int] | None]:
-    """Checks the arguments and returns (model, data_iterator, config, tensor_shape).
+def _groups(
+    p2p_communicator: P2PCommunicator | None, pg_collection: ProcessGroupCollection | None, config: Any
+) -> tuple[P2PCommunicator, ProcessGroupCollection]:
+    """Megatron-core's rule: neither (use parallel_state's groups) or both."""
+    if p2p_communicator is None and pg_collection is None:
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        return P2PCommunicator(pp_group, config), ProcessGroupCollection(
+            tp=parallel_state.get_tensor_model_parallel_group(),
+            cp=parallel_state.get_context_parallel_group(),
+            embd=parallel_state.get_embedding_group(check_initialized=False),
+            pos_embd=parallel_state.get_position_embedding_group(check_initialized=False),
+            pp=pp_group,
+            dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        )
+    if p2p_communicator is None or pg_collection is None:
+        raise ValueError(
+            "Invalid combination of p2p_communicator, pg_collection: provide none (the groups of "
+            "parallel_state) or both"
+        )
+    for name in ("tp", "cp", "embd", "pos_embd", "pp", "dp_cp"):
+        if not hasattr(pg_collection, name):
+            raise ValueError(f"pg_collection must have a {name!r} process group (None if unused)")
+    return p2p_communicator, pg_collection
 
-    Every check uses only what all ranks agree on, so bad input raises on every rank before any
-    of them communicates.
-    """
-    _require_initialized()
-    _require_positive_int("num_microbatches", num_microbatches)
-    model = _unwrap_single("model", model)
-    data_iterator = _unwrap_single("data_iterator", data_iterator)
-    if collect_non_loss_data and not forward_only:
-        raise ValueError("collect_non_loss_data=True needs forward_only=True: there is no loss to "
-                         "run the backward from")
+
+def _pg_collection_for_one_stage(pg_collection: ProcessGroupCollection | None) -> ProcessGroupCollection:
+    if pg_collection is None:
+        return ProcessGroupCollection(
+            tp=parallel_state.get_tensor_model_parallel_group(),
+            cp=parallel_state.get_context_parallel_group(),
+            pp=parallel_state.get_pipeline_model_parallel_group(),
+            dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        )
+    for name in ("tp", "cp", "pp", "dp_cp"):
+        if not hasattr(pg_collection, name):
+            raise ValueError(f"pg_collection must have a {name!r} process group (None if unused)")
+    return pg_collection
+
+
+def _config_of(model: torch.nn.Module) -> Any:
     try:
         config = get_model_config(model)
     except AttributeError:
@@ -156,38 +401,60 @@ def _prepare(
             f"the model ({type(model).__name__}) has no 'config' attribute: the schedules read "
             "the ModelParallelConfig from model.config"
         ) from None
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    if not pipelined:
-        if pp_size != 1:
-            raise ValueError(
-                "forward_backward_no_pipelining needs pipeline_model_parallel_size 1, got "
-                f"{pp_size}: use get_forward_backward_func()"
-            )
-        return model, data_iterator, config, None
-    _require_no_virtual_pipeline()
-    if pp_size > 1:
-        try:
-            get_attr_wrapped_model(model, "set_input_tensor")
-        except AttributeError:
-            raise AttributeError(
-                f"the model ({type(model).__name__}) has no set_input_tensor(tensor): with "
-                f"pipeline_model_parallel_size {pp_size} the schedule hands each stage its input "
-                "activation through it"
-            ) from None
+    if getattr(config, "defer_embedding_wgrad_compute", False):
+        raise ValueError("config.defer_embedding_wgrad_compute=True is not supported: the output layer "
+                         "computes its weight gradient in its own backward (set it to False)")
+    return config
+
+
+def _common_checks(num_microbatches: int, forward_only: bool, collect_non_loss_data: bool) -> None:
+    _require_positive_int("num_microbatches", num_microbatches)
+    if collect_non_loss_data and not forward_only:
+        raise ValueError("collect_non_loss_data=True needs forward_only=True: there is no loss to "
+                         "run the backward from")
+
+
+def _group_size(group: Any) -> int:
+    return 1 if group is None else group.size()
+
+
+def get_tensor_shapes(
+    *,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: int | None,
+    config: Any,
+    tp_group: Any,
+    cp_group: Any,
+) -> list[tuple[int, int, int]]:
+    """The shape of the activations sent between stages: ``[(s / cp (/ tp under sequence
+    parallelism), b, hidden)]`` with ``s = decoder_seq_length`` if given, else ``seq_length``."""
+    seq = decoder_seq_length if decoder_seq_length is not None else seq_length
+    seq //= _group_size(cp_group)
+    if getattr(config, "sequence_parallel", False):
+        seq //= _group_size(tp_group)
+    return [(seq, micro_batch_size, config.hidden_size)]
+
+
+def _tensor_shape(
+    seq_length: int, micro_batch_size: int, config: Any, pgs: ProcessGroupCollection
+) -> tuple[int, int, int]:
+    """Checks the shape arguments on every rank alike (before anyone communicates)."""
     _require_positive_int("seq_length", seq_length)
     _require_positive_int("micro_batch_size", micro_batch_size)
-    hidden_size = getattr(config, "hidden_size", None)
-    if pp_size > 1:
-        _require_positive_int("config.hidden_size", hidden_size)
-    if getattr(config, "sequence_parallel", False):
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        if seq_length % tp_size != 0:
-            raise ValueError(
-                f"seq_length {seq_length} is not divisible by the tensor-parallel size {tp_size} "
-                "(needed under sequence_parallel)"
-            )
-        seq_length //= tp_size
-    return model, data_iterator, config, (seq_length, micro_batch_size, hidden_size)
+    _require_positive_int("config.hidden_size", getattr(config, "hidden_size", None))
+    cp_size, tp_size = _group_size(pgs.cp), _group_size(pgs.tp)
+    if seq_length % cp_size != 0:
+        raise ValueError(f"seq_length {seq_length} is not divisible by the context-parallel size {cp_size}")
+    if getattr(config, "sequence_parallel", False) and (seq_length // cp_size) % tp_size != 0:
+        raise ValueError(
+            f"seq_length {seq_length}" + (f" / context-parallel size {cp_size}" if cp_size > 1 else "")
+            + f" is not divisible by the tensor-parallel size {tp_size} (needed under sequence_parallel)"
+        )
+    return get_tensor_shapes(
+        seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=None,
+        config=config, tp_group=pgs.tp, cp_group=pgs.cp,
+    )[0]
 
 
 @contextlib.contextmanager
@@ -204,10 +471,21 @@ def _timed(config: Any, name: str, log_level: int):
 
 
 class _GradSync:
-    """Holds ``config.no_sync_func()`` open until the last backward of the batch."""
+    """Holds ``config.no_sync_func()`` (one factory, or one per chunk) open between backwards
+    that must not reduce gradients yet."""
 
     def __init__(self, config: Any) -> None:
-        self._factory = getattr(config, "no_sync_func", None)
+        factory = getattr(config, "no_sync_func", None)
+        if isinstance(factory, (list, tuple)):
+            factories = list(factory)
+
+            def factory() -> contextlib.ExitStack:
+                stack = contextlib.ExitStack()
+                for f in factories:
+                    stack.enter_context(f())
+                return stack
+
+        self._factory = factory
         self._context = None
 
     def disable(self) -> None:
@@ -221,14 +499,108 @@ class _GradSync:
             context.__exit__(None, None, None)
 
 
-def _is_first_microbatch(first_val_step: bool | None, forward_only: bool, first: bool) -> bool:
-    # During validation the caller says whether this is the first step (weights changed since).
+def check_first_val_step(first_val_step: bool | None, forward_only: bool, cond: bool) -> bool:
+    """During validation the caller says whether this is the first step (weights changed since)."""
     if first_val_step is not None and forward_only:
-        return first_val_step and first
-    return first
+        return first_val_step and cond
+    return cond
+
+
+def set_current_microbatch(model: torch.nn.Module, microbatch_id: int) -> None:
+    """Tells the model's transformer layers (``model.decoder.layers``) which micro-batch runs."""
+    try:
+        decoder = get_attr_wrapped_model(model, "decoder")
+    except AttributeError:
+        return
+    for layer in getattr(decoder, "layers", []):
+        layer.current_microbatch = microbatch_id
+
+
+def clear_embedding_activation_buffer(config: Any, model: Any, is_last_stage: bool) -> Any:
+    """Megatron-core's deferred embedding weight-gradient buffer: empties it on the last stage
+    under ``config.defer_embedding_wgrad_compute`` and returns the module holding it (else None)."""
+    if not (is_last_stage and getattr(config, "defer_embedding_wgrad_compute", False)):
+        return None
+    module = model[-1] if isinstance(model, list) else model
+    while not hasattr(module, "embedding_activation_buffer") and hasattr(module, "module"):
+        module = module.module
+    if not hasattr(module, "embedding_activation_buffer"):
+        raise ValueError(
+            "config.defer_embedding_wgrad_compute is set but the last model chunk has no "
+            "embedding_activation_buffer"
+        )
+    module.embedding_activation_buffer.clear()
+    return module
+
+
+def finish_embedding_wgrad_compute(
+    config: Any, embedding_module: Any, is_last_stage: bool, tp_group: Any
+) -> None:
+    """The deferred embedding weight gradient (``config.defer_embedding_wgrad_compute``) is not
+    implemented: the output layer computes its weight gradient in its own backward."""
+    if is_last_stage and getattr(config, "defer_embedding_wgrad_compute", False):
+        raise NotImplementedError(
+            "config.defer_embedding_wgrad_compute=True is not implemented; leave it False"
+        )
 
 
 # One forward and one backward --------------------------------------------------------------
+
+
+def forward_step_calc_loss(
+    model: torch.nn.Module,
+    output_tensor: Any,
+    loss_func: Callable[..., tuple] | None,
+    config: Any,
+    vp_stage: int | None,
+    collect_non_loss_data: bool,
+    num_microbatches: int,
+    forward_data_store: list,
+    cp_group_size: int | None = None,
+    is_last_stage: bool | None = None,
+) -> tuple[Any, torch.Tensor]:
+    """On the last stage, turns the model's output into the loss to run the backward from (see the
+    module docstring) and stores the reduced values; elsewhere returns the output unchanged.
+    Returns ``(output_or_loss, num_tokens)``."""
+    if cp_group_size is None and is_last_stage is None:
+        cp_group_size = parallel_state.get_context_parallel_world_size()
+        if vp_stage is None:
+            is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        else:
+            vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+            is_last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and (
+                vp_size is None or vp_stage == vp_size - 1
+            )
+    elif cp_group_size is None or is_last_stage is None:
+        raise ValueError("cp_group_size and is_last_stage must be given together")
+    num_tokens = torch.tensor(0, dtype=torch.int)
+    if not is_last_stage:
+        return output_tensor, num_tokens
+    if loss_func is None:
+        forward_data_store.append(output_tensor)
+        return output_tensor, num_tokens
+    if collect_non_loss_data:
+        forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
+        return output_tensor, num_tokens
+    outputs = loss_func(output_tensor)
+    if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
+        raise TypeError(
+            "loss_func must return (loss, reduced) or (loss, num_tokens, reduced), got "
+            f"{type(outputs).__name__}"
+            + (f" of length {len(outputs)}" if isinstance(outputs, (tuple, list)) else "")
+        )
+    if len(outputs) == 3:
+        loss, num_tokens, reduced = outputs
+        if not getattr(config, "calculate_per_token_loss", False):
+            # A micro-batch whose tokens are all masked out contributes zero, not NaN.
+            loss = loss / torch.clamp(torch.as_tensor(num_tokens), min=1) / num_microbatches
+    else:
+        loss, reduced = outputs
+        if cp_group_size != 1:
+            loss = loss * cp_group_size
+        loss = loss / num_microbatches
+    forward_data_store.append(reduced)
+    return loss, torch.as_tensor(num_tokens).detach().to("cpu", torch.int)
 
 
 def forward_step(
@@ -236,17 +608,22 @@ def forward_step(
     data_iterator: Iterator | None,
     model: torch.nn.Module,
     num_microbatches: int,
-    input_tensor: torch.Tensor | None,
+    input_tensor: torch.Tensor | list | None,
     forward_data_store: list,
     config: Any,
+    cp_group_size: int | None = None,
     collect_non_loss_data: bool = False,
     checkpoint_activations_microbatch: bool | None = None,
     is_first_microbatch: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs one micro-batch through this stage.
+    current_microbatch: int | None = None,
+    vp_stage: int | None = None,
+    is_last_stage: bool | None = True,
+) -> tuple[Any, torch.Tensor]:
+    """Runs one micro-batch through one model chunk (Megatron-core's signature).
 
     ``checkpoint_activations_microbatch``, when given, is passed on as a third argument of
-    ``forward_step_func``.
+    ``forward_step_func``. ``is_last_stage``: whether this chunk is the pipeline's last virtual
+    stage (with ``cp_group_size`` None and ``is_last_stage`` None both come from parallel_state).
 
     Returns ``(output_tensor, num_tokens)``: the activation to send on, or on the last stage the
     loss scaled for accumulation over micro-batches (whose reduced values are appended to
@@ -258,12 +635,17 @@ def forward_step(
                 get_attr_wrapped_model(model, "set_is_first_microbatch")()
             except AttributeError:
                 pass
+        if current_microbatch is not None:
+            set_current_microbatch(model, current_microbatch)
+        unwrap = not isinstance(input_tensor, list)
         try:
             set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
         except AttributeError:
-            set_input_tensor = None  # allowed with one stage only (checked in _prepare)
+            set_input_tensor = None  # allowed with one stage only (checked by the schedules)
         if set_input_tensor is not None:
-            set_input_tensor(input_tensor)
+            # As in Megatron-core, the model receives a list (one tensor per input; None on the
+            # first stage): models written for it index input_tensor[0].
+            set_input_tensor(input_tensor if isinstance(input_tensor, list) else [input_tensor])
         if checkpoint_activations_microbatch is None:
             result = forward_step_func(data_iterator, model)
         else:
@@ -274,31 +656,14 @@ def forward_step(
                 f"{type(result).__name__}"
             )
         output_tensor, loss_func = result
-        num_tokens = torch.tensor(0, dtype=torch.int)
-        if not parallel_state.is_pipeline_last_stage():
-            return output_tensor, num_tokens
-        if collect_non_loss_data:
-            forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
-            return output_tensor, num_tokens
-        outputs = loss_func(output_tensor)
-        if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
-            raise TypeError(
-                "loss_func must return (loss, reduced) or (loss, num_tokens, reduced), got "
-                f"{type(outputs).__name__}"
-                + (f" of length {len(outputs)}" if isinstance(outputs, (tuple, list)) else "")
-            )
-        if len(outputs) == 3:
-            loss, num_tokens, reduced = outputs
-            if not getattr(config, "calculate_per_token_loss", False):
-                loss = loss / num_tokens / num_microbatches
-        else:
-            loss, reduced = outputs
-            loss = loss / num_microbatches
-        forward_data_store.append(reduced)
-        return loss, torch.as_tensor(num_tokens).detach().to("cpu", torch.int)
+        output_tensor, num_tokens = forward_step_calc_loss(
+            model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data,
+            num_microbatches, forward_data_store, cp_group_size, is_last_stage,
+        )
+    return (output_tensor, num_tokens) if unwrap else ([output_tensor], num_tokens)
 
 
-def _check_output(output_tensor: Any, shape: tuple[int, int, int], config: Any) -> None:
+def _check_output(output_tensor: Any, shape: Sequence[int], config: Any, where: str) -> None:
     """The next stage allocates its receive buffer from ``shape``, so the sent activation must
     have exactly that shape (unless shapes travel with the data)."""
     if not isinstance(output_tensor, torch.Tensor):
@@ -310,18 +675,18 @@ def _check_output(output_tensor: Any, shape: tuple[int, int, int], config: Any) 
         return
     if tuple(output_tensor.shape) != tuple(shape):
         raise ValueError(
-            f"the output of pipeline stage {parallel_state.get_pipeline_model_parallel_rank()} "
-            f"has shape {tuple(output_tensor.shape)} but the next stage expects {tuple(shape)} "
-            "[seq_length (/ tp under sequence_parallel), micro_batch_size, config.hidden_size]"
+            f"the output of {where} has shape {tuple(output_tensor.shape)} but the next stage "
+            f"expects {tuple(shape)} [seq_length (/ tp under sequence_parallel), "
+            "micro_batch_size, config.hidden_size]"
         )
 
 
-def deallocate_output_tensor(out: torch.Tensor, deallocate_pipeline_outputs: bool = False) -> None:
+def deallocate_output_tensor(out: torch.Tensor | None, deallocate_pipeline_outputs: bool = False) -> None:
     """Frees a sent activation's data; its graph (grad_fn) stays for the backward.
 
     A view shares its base's storage, so swapping its data would free nothing: views are kept.
     """
-    if deallocate_pipeline_outputs and out._base is None:
+    if out is not None and deallocate_pipeline_outputs and out._base is None:
         out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
 
 
@@ -346,43 +711,205 @@ def _deallocates(config: Any) -> bool:
 
 
 def backward_step(
-    input_tensor: torch.Tensor | None,
-    output_tensor: torch.Tensor,
-    output_tensor_grad: torch.Tensor | None,
+    input_tensor: torch.Tensor | list | None,
+    output_tensor: torch.Tensor | list,
+    output_tensor_grad: torch.Tensor | list | None,
     model_type: Any,
     config: Any,
-) -> torch.Tensor | None:
-    """Runs this stage's backward for one micro-batch; returns the gradient of its input tensor
+) -> torch.Tensor | list | None:
+    """Runs one chunk's backward for one micro-batch; returns the gradient of its input tensor
     (None on the first stage). ``model_type`` is accepted for Megatron-core's signature; only
     decoder-only pipelines exist here, so it is not used."""
     with _timed(config, "backward-compute", 2):
-        if input_tensor is not None:
-            input_tensor.retain_grad()
+        unwrap = not isinstance(input_tensor, list)
+        inputs = [input_tensor] if unwrap else input_tensor
+        for x in inputs:
+            if x is not None:
+                x.retain_grad()
+        output = output_tensor[0] if isinstance(output_tensor, list) else output_tensor
+        grad = output_tensor_grad[0] if isinstance(output_tensor_grad, list) else output_tensor_grad
         grad_scale_func = getattr(config, "grad_scale_func", None)
-        if output_tensor_grad is None and grad_scale_func is not None:
-            output_tensor = grad_scale_func(output_tensor)
-        if _deallocates(config):
-            custom_backward(output_tensor, output_tensor_grad)
-        else:
-            torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
-        if input_tensor is None:
-            return None
-        if input_tensor.grad is None:
-            raise RuntimeError(
-                "this stage's output does not depend on the activation received from the "
-                "previous stage: the model must compute from the tensor given to set_input_tensor"
-            )
-        return input_tensor.grad
+        if grad is None and grad_scale_func is not None:
+            output = grad_scale_func(output)
+        if output.requires_grad:
+            if _deallocates(config):
+                custom_backward(output, grad)
+            else:
+                torch.autograd.backward(output, grad_tensors=grad)
+        grads = []
+        for x in inputs:
+            if x is not None and x.grad is None and output.requires_grad:
+                raise RuntimeError(
+                    "this stage's output does not depend on the activation received from the "
+                    "previous stage: the model must compute from the tensor given to set_input_tensor"
+                )
+            grads.append(None if x is None else x.grad)
+        return grads[0] if unwrap else grads
 
 
-def _finalize(model: torch.nn.Module, config: Any, forward_only: bool, total_tokens: int) -> None:
+def _finalize(
+    chunks: list[torch.nn.Module], config: Any, forward_only: bool, total_tokens: int,
+    pg_collection: ProcessGroupCollection | None, force_all_reduce: bool | None,
+) -> None:
     finalize = getattr(config, "finalize_model_grads_func", None)
     if finalize is None or forward_only:
         return
+    args: list = [chunks]
     if getattr(config, "calculate_per_token_loss", False):
-        finalize([model], torch.tensor(total_tokens, dtype=torch.int))
-    else:
-        finalize([model])
+        args.append(torch.tensor(total_tokens, dtype=torch.int))
+    # Megatron-core passes these two keywords; finalizers written for the older signature take
+    # neither, so they are passed only when the caller set them.
+    kwargs: dict[str, Any] = {}
+    if pg_collection is not None:
+        kwargs["pg_collection"] = pg_collection
+    if force_all_reduce:
+        kwargs["force_all_reduce"] = True
+    finalize(*args, **kwargs)
+
+
+def _per_chunk(config: Any, name: str, num_chunks: int) -> list[Callable] | None:
+    """``config.<name>``: None, one callable for every chunk, or a list of one per chunk."""
+    funcs = getattr(config, name, None)
+    if funcs is None:
+        return None
+    if isinstance(funcs, (list, tuple)):
+        if len(funcs) != num_chunks:
+            raise ValueError(f"config.{name} is a list of {len(funcs)} for {num_chunks} model chunks")
+        return list(funcs)
+    return [funcs] * num_chunks
+
+
+# The runner --------------------------------------------------------------------------------
+
+
+def run_schedule(
+    tables: Sequence[Sequence[ScheduleEntry]],
+    *,
+    forward_step_func: ForwardStepFunc,
+    data_iterators: list,
+    model_chunks: list[torch.nn.Module],
+    num_microbatches: int,
+    config: Any,
+    tensor_shape: Sequence[int] | None,
+    p2p_communicator: P2PCommunicator | None,
+    cp_group_size: int,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+) -> tuple[list, int]:
+    """Runs this rank's table (``tables[pp_rank]``) against its neighbours'.
+
+    ``tables`` holds the table of every rank of the pipeline group (``p2p_communicator.pp_group``;
+    one table and no communicator for a single stage). Returns ``(forward_data_store,
+    total_num_tokens)``.
+    """
+    pp_size = 1 if p2p_communicator is None else p2p_communicator.pp_group.size()
+    pp_rank = 0 if p2p_communicator is None else p2p_communicator.pp_group.rank()
+    if len(tables) != pp_size:
+        raise ValueError(f"got {len(tables)} schedule tables for a pipeline of {pp_size} stages")
+    num_chunks = len(model_chunks)
+    num_stages = pp_size * num_chunks
+    plan = plan_schedule(tables, num_chunks)
+    mine, prev_plan, next_plan = plan[pp_rank], plan[(pp_rank - 1) % pp_size], plan[(pp_rank + 1) % pp_size]
+
+    def stage(chunk: int, rank: int = pp_rank) -> int:
+        return chunk * pp_size + rank
+
+    forwards = [(mb, c) for kind, mb, c in tables[pp_rank] if kind == FORWARD]
+    first_forward = {c: mb for mb, c in reversed(forwards)}
+    last_backward = {c: mb for kind, mb, c in tables[pp_rank] if kind == BACKWARD}
+    # Megatron-core's partial activation checkpointing window: the warm-up plus one.
+    partial = getattr(config, "num_microbatches_with_partial_activation_checkpoints", None)
+    window = None
+    if partial is not None:
+        num_warmup = next((i for i, e in enumerate(tables[pp_rank]) if e[0] == BACKWARD), len(forwards))
+        window = num_warmup + 1
+
+    store: list = []
+    total_tokens = 0
+    inputs: dict[tuple[int, int], torch.Tensor | None] = {}
+    grads: dict[tuple[int, int], torch.Tensor] = {}
+    in_flight: dict[tuple[int, int], tuple[Any, Any]] = {}
+    sync = _GradSync(config)
+    grad_sync = None if forward_only else _per_chunk(config, "grad_sync_func", num_chunks)
+    param_sync = None if forward_only or num_chunks == 1 else _per_chunk(config, "param_sync_func", num_chunks)
+    num_forwards = 0
+    sync.disable()
+    try:
+        for tick, entry in enumerate(mine):
+            send_next = send_prev = None
+            if entry is not None:
+                kind, mb, chunk = entry
+                s = stage(chunk)
+                if kind == FORWARD:
+                    if param_sync is not None and first_forward[chunk] == mb:
+                        param_sync[chunk](model_chunks[chunk].parameters())
+                    input_tensor = inputs.pop((mb, chunk)) if s > 0 else None
+                    checkpoint = None if window is None else (num_forwards % window >= partial)
+                    num_forwards += 1
+                    output_tensor, num_tokens = forward_step(
+                        forward_step_func, data_iterators[chunk], model_chunks[chunk],
+                        num_microbatches, input_tensor, store, config, cp_group_size,
+                        collect_non_loss_data, checkpoint,
+                        is_first_microbatch=check_first_val_step(
+                            first_val_step, forward_only, first_forward[chunk] == mb
+                        ),
+                        current_microbatch=mb, vp_stage=chunk if num_chunks > 1 else None,
+                        is_last_stage=s == num_stages - 1,
+                    )
+                    total_tokens += int(num_tokens)
+                    if s < num_stages - 1:
+                        _check_output(output_tensor, tensor_shape, config,
+                                      f"pipeline rank {pp_rank} chunk {chunk}")
+                        if pp_size == 1:  # the next chunk is on this rank
+                            inputs[(mb, chunk + 1)] = output_tensor.detach().requires_grad_()
+                        else:
+                            send_next = output_tensor
+                    if not forward_only:
+                        in_flight[(mb, chunk)] = (input_tensor, output_tensor)
+                else:
+                    input_tensor, output_tensor = in_flight.pop((mb, chunk))
+                    output_grad = grads.pop((mb, chunk)) if s < num_stages - 1 else None
+                    last = last_backward[chunk] == mb
+                    if last and grad_sync is None:
+                        sync.enable()
+                    input_grad = backward_step(input_tensor, output_tensor, output_grad, None, config)
+                    if last and grad_sync is not None:
+                        # Megatron-core: a custom grad_sync_func starts the chunk's reduction
+                        # after its last backward, which ran inside no_sync.
+                        sync.enable()
+                        grad_sync[chunk](model_chunks[chunk].parameters())
+                    sync.disable()
+                    if s > 0:
+                        if pp_size == 1:
+                            grads[(mb, chunk - 1)] = input_grad
+                        else:
+                            send_prev = input_grad
+            # What the neighbours send this tick (every rank knows every rank's plan).
+            from_prev = prev_plan[tick] if pp_size > 1 else None
+            from_next = next_plan[tick] if pp_size > 1 else None
+            recv_prev = (
+                from_prev is not None and from_prev[0] == FORWARD
+                and stage(from_prev[2], (pp_rank - 1) % pp_size) < num_stages - 1
+            )
+            recv_next = (
+                from_next is not None and from_next[0] == BACKWARD
+                and stage(from_next[2], (pp_rank + 1) % pp_size) > 0
+            )
+            if send_next is not None or send_prev is not None or recv_prev or recv_next:
+                activation, grad = p2p_communicator.send_forward_backward_recv_forward_backward(
+                    send_next, send_prev, recv_prev, recv_next, tensor_shape
+                )
+                if recv_prev:
+                    # Rank p - 1's chunk c feeds rank 0's chunk c + 1.
+                    inputs[(from_prev[1], from_prev[2] + (pp_rank == 0))] = activation
+                if recv_next:
+                    grads[(from_next[1], from_next[2] - (pp_rank == pp_size - 1))] = grad
+            if send_next is not None and not forward_only:
+                deallocate_output_tensor(send_next, _deallocates(config))
+    finally:
+        sync.enable()
+    return store, total_tokens
 
 
 # The schedules -----------------------------------------------------------------------------
@@ -400,62 +927,129 @@ def forward_backward_no_pipelining(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn: Callable | None = None,
+    p2p_communicator: P2PCommunicator | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
+    force_all_reduce: bool | None = False,
 ) -> list:
     """One pipeline stage: forward then backward of each micro-batch in turn, accumulating
-    gradients. ``seq_length`` and ``micro_batch_size`` are accepted for a uniform signature and
-    not used."""
-    model, data_iterator, config, _ = _prepare(
-        model=model, data_iterator=data_iterator, num_microbatches=num_microbatches,
-        seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only,
-        collect_non_loss_data=collect_non_loss_data, pipelined=False,
-    )
-    store: list = []
-    total_tokens = 0
-    sync = _GradSync(config)
+    gradients. ``seq_length``, ``micro_batch_size`` and ``p2p_communicator`` are accepted for a
+    uniform signature and not used."""
+    _require_initialized()
+    _common_checks(num_microbatches, forward_only, collect_non_loss_data)
+    chunks = _as_chunks("model", model, many=False)
+    iterators = _as_chunks("data_iterator", data_iterator, many=False)
+    if adjust_tensor_shapes_fn is not None:
+        raise ValueError("adjust_tensor_shapes_fn is not supported by forward_backward_no_pipelining")
+    config = _config_of(chunks[0])
+    pgs = _pg_collection_for_one_stage(pg_collection)
+    pp_size = _group_size(pgs.pp)
+    if pp_size != 1:
+        raise ValueError(
+            "forward_backward_no_pipelining needs pipeline_model_parallel_size 1, got "
+            f"{pp_size}: use get_forward_backward_func()"
+        )
     with _timed(config, "forward-backward", 1):
-        sync.disable()
-        try:
-            for i in range(num_microbatches):
-                if i == num_microbatches - 1:
-                    sync.enable()
-                output_tensor, num_tokens = forward_step(
-                    forward_step_func, data_iterator, model, num_microbatches, None, store, config,
-                    collect_non_loss_data,
-                    is_first_microbatch=_is_first_microbatch(first_val_step, forward_only, i == 0),
-                )
-                total_tokens += int(num_tokens)
-                if not forward_only:
-                    backward_step(None, output_tensor, None, None, config)
-        finally:
-            sync.enable()
-        _finalize(model, config, forward_only, total_tokens)
+        store, total_tokens = run_schedule(
+            [no_pipelining_table(num_microbatches, forward_only)],
+            forward_step_func=forward_step_func, data_iterators=iterators, model_chunks=chunks,
+            num_microbatches=num_microbatches, config=config, tensor_shape=None,
+            p2p_communicator=None, cp_group_size=_group_size(pgs.cp), forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+        )
+        _finalize(chunks, config, forward_only, total_tokens, pg_collection, force_all_reduce)
     return store
 
 
-def forward_backward_pipelining_gpipe(
+def _pipelined(
+    kind: str,
     *,
     forward_step_func: ForwardStepFunc,
-    data_iterator: Iterator | list[Iterator] | None,
-    model: torch.nn.Module | list[torch.nn.Module],
+    data_iterator: Any,
+    model: Any,
     num_microbatches: int,
     seq_length: int,
     micro_batch_size: int,
-    decoder_seq_length: int | None = None,
-    forward_only: bool = False,
-    collect_non_loss_data: bool = False,
-    first_val_step: bool | None = None,
+    forward_only: bool,
+    collect_non_loss_data: bool,
+    first_val_step: bool | None,
+    adjust_tensor_shapes_fn: Callable | None,
+    p2p_communicator: P2PCommunicator | None,
+    pg_collection: ProcessGroupCollection | None,
+    force_all_reduce: bool | None,
 ) -> list:
-    """GPipe: the forwards of all micro-batches, then all their backwards in the same order.
+    """The checks and set-up shared by the pipelined schedules, then the runner on ``kind``'s
+    tables. Every check uses only what all ranks agree on, so bad input raises on every rank
+    before any of them communicates."""
+    _require_initialized()
+    _common_checks(num_microbatches, forward_only, collect_non_loss_data)
+    interleaved = kind == "interleaved"
+    chunks = _as_chunks("model", model, many=interleaved or kind == "gpipe", need_list=interleaved)
+    if isinstance(data_iterator, list) or interleaved:
+        iterators = _as_chunks("data_iterator", data_iterator, many=True, need_list=interleaved)
+        if interleaved and len(iterators) != len(chunks):
+            raise ValueError(
+                f"the interleaved schedule needs one data iterator per model chunk: got "
+                f"{len(iterators)} for {len(chunks)} chunks"
+            )
+        iterators = iterators * len(chunks) if len(iterators) == 1 else iterators
+    else:
+        iterators = [data_iterator] * len(chunks)
+    if len(iterators) != len(chunks):
+        raise ValueError(f"got {len(iterators)} data iterators for {len(chunks)} model chunks")
+    if adjust_tensor_shapes_fn is not None:
+        raise ValueError("adjust_tensor_shapes_fn is not supported: every stage sends [s, b, h]")
+    config = _config_of(chunks[0])
+    if getattr(config, "overlap_p2p_comm", False):
+        raise ValueError("config.overlap_p2p_comm=True is not supported: the schedules wait for "
+                         "each exchange (set it to False)")
+    communicator, pgs = _groups(p2p_communicator, pg_collection, config)
+    pp_size = communicator.pp_group.size()
+    num_chunks = len(chunks)
+    if pp_size > 1 or num_chunks > 1:
+        for chunk in chunks:
+            try:
+                get_attr_wrapped_model(chunk, "set_input_tensor")
+            except AttributeError:
+                raise AttributeError(
+                    f"the model ({type(chunk).__name__}) has no set_input_tensor(tensor): with "
+                    f"pipeline_model_parallel_size {pp_size} the schedule hands each stage its "
+                    "input activation through it"
+                ) from None
+    shape = _tensor_shape(seq_length, micro_batch_size, config, pgs)
 
-    Every stage holds the activations of all ``num_microbatches`` at the peak; 1F1B computes the
-    same gradients with at most ``pipeline_model_parallel_size`` in flight.
-    """
-    return _pipelined(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, all_forwards_first=True,
-    )
+    if kind == "interleaved":
+        group = getattr(config, "microbatch_group_size_per_vp_stage", None) or pp_size
+        if group > num_microbatches or group < pp_size:
+            raise ValueError(
+                f"microbatch_group_size_per_vp_stage {group} must lie in [pipeline size "
+                f"{pp_size}, num_microbatches {num_microbatches}]"
+            )
+        remainder = num_microbatches % group
+        if 0 < remainder < pp_size:
+            raise RuntimeError(
+                f"num_microbatches {num_microbatches} leaves a last group of {remainder} "
+                f"micro-batches (groups of microbatch_group_size_per_vp_stage {group}): it must be "
+                f"0 or at least the pipeline size {pp_size}, else the pipeline stalls"
+            )
+        tables = [interleaved_table(num_microbatches, num_chunks, group, pp_size, r, forward_only)
+                  for r in range(pp_size)]
+    elif kind == "gpipe":
+        group = getattr(config, "microbatch_group_size_per_vp_stage", None)
+        tables = [gpipe_table(num_microbatches, forward_only, num_chunks, group)] * pp_size
+    else:
+        tables = [one_f_one_b_table(num_microbatches, pp_size, r, forward_only) for r in range(pp_size)]
+
+    with _timed(config, "forward-backward", 1):
+        store, total_tokens = run_schedule(
+            tables, forward_step_func=forward_step_func, data_iterators=iterators,
+            model_chunks=chunks, num_microbatches=num_microbatches, config=config,
+            tensor_shape=shape, p2p_communicator=communicator,
+            cp_group_size=_group_size(pgs.cp), forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+        )
+        _finalize(chunks, config, forward_only, total_tokens, pg_collection, force_all_reduce)
+    return store
 
 
 def forward_backward_pipelining_without_interleaving(
@@ -470,21 +1064,28 @@ def forward_backward_pipelining_without_interleaving(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn: Callable | None = None,
+    p2p_communicator: P2PCommunicator | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
+    force_all_reduce: bool | None = False,
 ) -> list:
     """1F1B (PipeDream-Flush): stage r runs ``min(pp - r - 1, m)`` warm-up forwards, then
     alternates one forward and one backward, then drains the remaining backwards.
 
-    A stage holds at most ``min(pp - r, m)`` micro-batches' activations at any time.
+    A stage holds at most ``min(pp - r, m)`` micro-batches' activations at any time. Custom
+    process groups: pass both ``p2p_communicator`` and ``pg_collection`` (or neither).
     """
     return _pipelined(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        "1f1b", forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
         forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, all_forwards_first=False,
+        first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+        p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+        force_all_reduce=force_all_reduce,
     )
 
 
-def _pipelined(
+def forward_backward_pipelining_gpipe(
     *,
     forward_step_func: ForwardStepFunc,
     data_iterator: Iterator | list[Iterator] | None,
@@ -492,92 +1093,64 @@ def _pipelined(
     num_microbatches: int,
     seq_length: int,
     micro_batch_size: int,
-    forward_only: bool,
-    collect_non_loss_data: bool,
-    first_val_step: bool | None,
-    all_forwards_first: bool,
+    decoder_seq_length: int | None = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn: Callable | None = None,
+    p2p_communicator: P2PCommunicator | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
+    force_all_reduce: bool | None = False,
 ) -> list:
-    """Warm-up forwards, steady one-forward-one-backward, cool-down backwards.
+    """GPipe: the forwards of all micro-batches, then all their backwards in the same order.
 
-    GPipe is the case with every micro-batch in the warm-up (no steady phase); 1F1B warms up
-    with ``min(pp - r - 1, m)`` on stage r.
+    Every stage holds the activations of all ``num_microbatches`` at the peak; 1F1B computes the
+    same gradients with at most ``pipeline_model_parallel_size`` in flight. ``model`` may be a
+    list of chunks (a virtual pipeline), run in the interleaved schedule's forward order.
     """
-    model, data_iterator, config, shape = _prepare(
-        model=model, data_iterator=data_iterator, num_microbatches=num_microbatches,
-        seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only,
-        collect_non_loss_data=collect_non_loss_data, pipelined=True,
+    return _pipelined(
+        "gpipe", forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+        p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+        force_all_reduce=force_all_reduce,
     )
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    last_stage = parallel_state.is_pipeline_last_stage()
-    num_warmup = num_microbatches if all_forwards_first else min(pp_size - pp_rank - 1, num_microbatches)
-    num_steady = num_microbatches - num_warmup
 
-    store: list = []
-    total_tokens = 0
-    in_flight: list[tuple[torch.Tensor | None, torch.Tensor]] = []
-    sync = _GradSync(config)
 
-    def run_forward(i: int, input_tensor: torch.Tensor | None) -> torch.Tensor:
-        nonlocal total_tokens
-        output_tensor, num_tokens = forward_step(
-            forward_step_func, data_iterator, model, num_microbatches, input_tensor, store, config,
-            collect_non_loss_data,
-            is_first_microbatch=_is_first_microbatch(first_val_step, forward_only, i == 0),
-        )
-        total_tokens += int(num_tokens)
-        if not last_stage:
-            _check_output(output_tensor, shape, config)
-        return output_tensor
+def forward_backward_pipelining_with_interleaving(
+    *,
+    forward_step_func: ForwardStepFunc,
+    data_iterator: list[Iterator],
+    model: list[torch.nn.Module],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: int | None = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn: Callable | None = None,
+    p2p_communicator: P2PCommunicator | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
+    force_all_reduce: bool | None = False,
+) -> list:
+    """Interleaved 1F1B over a virtual pipeline: ``model`` is this rank's list of ``v`` chunks
+    (chunk c is virtual stage ``c * pp + rank``) and ``data_iterator`` one iterator per chunk.
 
-    with _timed(config, "forward-backward", 1):
-        sync.disable()
-        try:
-            for i in range(num_warmup):
-                input_tensor = p2p.recv_forward(shape, config)
-                output_tensor = run_forward(i, input_tensor)
-                p2p.send_forward(output_tensor, config)
-                if not forward_only:
-                    in_flight.append((input_tensor, output_tensor))
-                    if not last_stage:
-                        deallocate_output_tensor(output_tensor, _deallocates(config))
-
-            input_tensor = p2p.recv_forward(shape, config) if num_steady > 0 else None
-            for i in range(num_steady):
-                last_iteration = i == num_steady - 1
-                output_tensor = run_forward(num_warmup + i, input_tensor)
-                if forward_only:
-                    p2p.send_forward(output_tensor, config)
-                    if not last_iteration:
-                        input_tensor = p2p.recv_forward(shape, config)
-                    continue
-                output_tensor_grad = p2p.send_forward_recv_backward(output_tensor, shape, config)
-                in_flight.append((input_tensor, output_tensor))
-                if not last_stage:
-                    deallocate_output_tensor(output_tensor, _deallocates(config))
-                input_tensor, output_tensor = in_flight.pop(0)
-                if num_warmup == 0 and last_iteration:
-                    sync.enable()
-                input_tensor_grad = backward_step(
-                    input_tensor, output_tensor, output_tensor_grad, None, config
-                )
-                if last_iteration:
-                    input_tensor = None
-                    p2p.send_backward(input_tensor_grad, config)
-                else:
-                    input_tensor = p2p.send_backward_recv_forward(input_tensor_grad, shape, config)
-
-            if not forward_only:
-                for i in range(num_warmup):
-                    if i == num_warmup - 1:
-                        sync.enable()
-                    input_tensor, output_tensor = in_flight.pop(0)
-                    output_tensor_grad = p2p.recv_backward(shape, config)
-                    input_tensor_grad = backward_step(
-                        input_tensor, output_tensor, output_tensor_grad, None, config
-                    )
-                    p2p.send_backward(input_tensor_grad, config)
-        finally:
-            sync.enable()
-        _finalize(model, config, forward_only, total_tokens)
-    return store
+    Forwards go in ``get_schedule_table`` order (groups of
+    ``config.microbatch_group_size_per_vp_stage`` micro-batches, default ``pp``, through chunk 0,
+    then chunk 1, ...), backwards in the same order through the chunks last to first; rank r
+    warms up with ``2 (pp - r - 1) + (v - 1) g`` forwards. The pipeline bubble is
+    ``(pp - 1) / (v m)`` of the ideal time instead of 1F1B's ``(pp - 1) / m``. As in Megatron-core,
+    ``g`` must lie in ``[pp, m]`` (ValueError) and ``m mod g`` be 0 or at least ``pp``
+    (RuntimeError).
+    """
+    return _pipelined(
+        "interleaved", forward_step_func=forward_step_func, data_iterator=data_iterator,
+        model=model, num_microbatches=num_microbatches, seq_length=seq_length,
+        micro_batch_size=micro_batch_size, forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
+        pg_collection=pg_collection, force_all_reduce=force_all_reduce,
+    )

@@ -2,18 +2,27 @@
 
 from megatron_ext.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_ext.tensor_parallel.data import broadcast_data
+from megatron_ext.tensor_parallel.inference_layers import (
+    InferenceLayerNormColumnParallelLinear,
+    InferenceRowParallelLinear,
+)
 from megatron_ext.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_tensor_model_parallel_attributes,
+    linear_with_frozen_weight,
     linear_with_grad_accumulation_and_async_allreduce,
     param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
+from megatron_ext.tensor_parallel.linear_cross_entropy import vocab_parallel_linear_cross_entropy
 from megatron_ext.tensor_parallel.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
+    all_to_all,
+    all_to_all_hp2sp,
+    all_to_all_sp2hp,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -25,11 +34,14 @@ from megatron_ext.tensor_parallel.mappings import (
 )
 from megatron_ext.tensor_parallel.random import (
     CheckpointFunction,
+    CheckpointWithoutOutput,
     CudaRNGStatesTracker,
     checkpoint,
+    convert_cuda_rng_state,
     get_cuda_rng_tracker,
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
+    is_graph_safe_cuda_rng_tracker,
     model_parallel_cuda_manual_seed,
 )
 from megatron_ext.tensor_parallel.utils import (
@@ -44,19 +56,28 @@ from megatron_ext.tensor_parallel.utils import (
 __all__ = [
     # data
     "broadcast_data",
+    # inference_layers
+    "InferenceLayerNormColumnParallelLinear",
+    "InferenceRowParallelLinear",
     # layers
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "copy_tensor_model_parallel_attributes",
+    "linear_with_frozen_weight",
     "linear_with_grad_accumulation_and_async_allreduce",
     "param_is_not_tensor_parallel_duplicate",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_tensor_model_parallel_attributes",
     # cross_entropy
     "vocab_parallel_cross_entropy",
+    # linear_cross_entropy
+    "vocab_parallel_linear_cross_entropy",
     # mappings
     "all_gather_last_dim_from_tensor_parallel_region",
+    "all_to_all",
+    "all_to_all_hp2sp",
+    "all_to_all_sp2hp",
     "copy_to_tensor_model_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
@@ -67,11 +88,14 @@ __all__ = [
     "scatter_to_tensor_model_parallel_region",
     # random
     "CheckpointFunction",
+    "CheckpointWithoutOutput",
     "CudaRNGStatesTracker",
     "checkpoint",
+    "convert_cuda_rng_state",
     "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",
+    "is_graph_safe_cuda_rng_tracker",
     "model_parallel_cuda_manual_seed",
     # utils
     "VocabUtility",

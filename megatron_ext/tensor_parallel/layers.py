@@ -43,12 +43,17 @@ InitMethod = Callable[[torch.Tensor], Any]
 # --- tensor-parallel attributes of parameters -------------------------------------------------
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
-    """True if ``param`` is a shard (differs across TP ranks) or this is TP rank 0: the parameters
-    to count once when reducing over the model-parallel group (e.g. for the gradient norm)."""
-    return (hasattr(param, "tensor_model_parallel") and param.tensor_model_parallel) or (
-        parallel_state.get_tensor_model_parallel_rank() == 0
-    )
+def param_is_not_tensor_parallel_duplicate(
+    param: torch.Tensor, tp_group: dist.ProcessGroup | None = None
+) -> bool:
+    """True if ``param`` is a shard (differs across TP ranks) or this is rank 0 of ``tp_group``
+    (None: the tensor-parallel group): the parameters to count once when reducing over the
+    model-parallel group (e.g. for the gradient norm)."""
+    if hasattr(param, "tensor_model_parallel") and param.tensor_model_parallel:
+        return True
+    if tp_group is not None:
+        return tp_group.rank() == 0
+    return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
 def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
@@ -571,3 +576,48 @@ class RowParallelLinear(torch.nn.Module):
             return output_, self.bias
         output = output_ + self.bias if self.bias is not None else output_
         return output, None
+
+
+def linear_with_frozen_weight(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    tp_group: dist.ProcessGroup | None,
+    grad_output_buffer: list[torch.Tensor] | None = None,
+    wgrad_deferral_limit: None = None,
+    async_grad_allreduce: bool | None = None,
+) -> torch.Tensor:
+    """``input @ weight.T + bias`` for a weight that is not trained: backward computes the input
+    gradient only (and keeps no input activation for a weight gradient).
+
+    Under ``sequence_parallel`` the input is all-gathered along dim 0 first (its gradient
+    reduce-scattered); with ``allreduce_dgrad`` the input gradient is all-reduced over ``tp_group``
+    (None: the tensor-parallel group). ``gradient_accumulation_fusion`` is accepted and unused, as in
+    Megatron-core.
+    """
+    # Imported here, not at the top, to keep this function's imports with it.
+    from megatron_ext.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    if async_grad_allreduce is not None:
+        warnings.warn(
+            "async_grad_allreduce is deprecated, not in use anymore; use allreduce_dgrad", DeprecationWarning,
+            stacklevel=2,
+        )
+    if grad_output_buffer is not None:
+        raise parallel_state.ParallelStateError(
+            "grad_output_buffer kwarg is only supported with "
+            "linear_with_grad_accumulation_and_async_allreduce"
+        )
+    if wgrad_deferral_limit is not None:
+        raise parallel_state.ParallelStateError(
+            "wgrad_deferral_limit is only supported with linear_with_grad_accumulation_and_async_allreduce"
+        )
+    tp_group = resolve_tp_group(tp_group)
+    if sequence_parallel:
+        input = gather_from_sequence_parallel_region(input, True, tp_group)
+    if allreduce_dgrad:
+        input = copy_to_tensor_model_parallel_region(input, tp_group)
+    return torch.nn.functional.linear(input, weight.detach(), bias)

@@ -194,3 +194,220 @@ def reduce_scatter_last_dim_to_tensor_parallel_region(input_: torch.Tensor, grou
 
 
 _register_fake("reduce_scatter_last_dim_to_tensor_parallel_region", "reduce_scatter", -1)
+
+
+# Megatron-core's region classes ------------------------------------------------------------
+#
+# Code written against Megatron-core calls ``_CopyToModelParallelRegion.apply(input_, group)`` and
+# the like. Here the autograd nodes are C++ (the functions above), so these classes are not
+# torch.autograd.Function subclasses: their static ``apply`` takes Megatron-core's arguments in its
+# order and calls the C++ op. Uneven first-dim splits (``output_split_sizes`` /
+# ``input_split_sizes``, used by expert routing) run as one all-to-all of torch's functional
+# collectives, whose autograd is C++ as well.
+
+from megatron_ext.parallel_state import ParallelStateError  # kept with the classes below
+
+
+def _group_size_rank(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
+    group = resolve_tp_group(group)
+    return group, group.size(), group.rank()
+
+
+def _all_to_all_autograd(
+    input_: torch.Tensor,
+    output_split_sizes: list[int] | None,
+    input_split_sizes: list[int] | None,
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    from torch.distributed import _functional_collectives as fc
+
+    out = fc.all_to_all_single_autograd(input_.contiguous(), output_split_sizes, input_split_sizes, group)
+    return fc.wait_tensor(out)
+
+
+def _check_split_sizes(what: str, sizes: list[int], world: int) -> list[int]:
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != world or any(s < 0 for s in sizes):
+        raise ValueError(
+            f"{what} must list {world} non-negative sizes (one per rank of the group), got {sizes}"
+        )
+    return sizes
+
+
+class _CopyToModelParallelRegion:
+    """Forward: identity. Backward: all-reduce."""
+
+    @staticmethod
+    def apply(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        return copy_to_tensor_model_parallel_region(input_, group)
+
+
+class _ReduceFromModelParallelRegion:
+    """Forward: all-reduce. Backward: identity."""
+
+    @staticmethod
+    def apply(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        return reduce_from_tensor_model_parallel_region(input_, group)
+
+
+class _ScatterToModelParallelRegion:
+    """Forward: this rank's chunk of the last dim. Backward: all-gather along the last dim."""
+
+    @staticmethod
+    def apply(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        return scatter_to_tensor_model_parallel_region(input_, group)
+
+
+class _GatherFromModelParallelRegion:
+    """Forward: all-gather along the last dim. Backward: this rank's chunk of the last dim."""
+
+    @staticmethod
+    def apply(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        return gather_from_tensor_model_parallel_region(input_, group)
+
+
+class _ScatterToSequenceParallelRegion:
+    """Forward: this rank's chunk of the first dim. Backward: all-gather along the first dim."""
+
+    @staticmethod
+    def apply(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        return scatter_to_sequence_parallel_region(input_, group)
+
+
+class _GatherFromSequenceParallelRegion:
+    """Forward: all-gather along the first dim (rank r contributing ``output_split_sizes[r]`` rows
+    when given). Backward: reduce-scatter along the first dim, or this rank's chunk when
+    ``tensor_parallel_output_grad`` is False. ``use_global_buffer`` is an allocation hint of
+    Megatron-core's and changes nothing here."""
+
+    @staticmethod
+    def apply(
+        input_: torch.Tensor,
+        group: dist.ProcessGroup | None = None,
+        tensor_parallel_output_grad: bool = True,
+        output_split_sizes: list[int] | None = None,
+        use_global_buffer: bool = False,
+    ) -> torch.Tensor:
+        if output_split_sizes is None:
+            return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad, group)
+        if not tensor_parallel_output_grad:
+            raise ParallelStateError(
+                "output_split_sizes needs tensor_parallel_output_grad=True (as in Megatron-core)"
+            )
+        group, world, rank = _group_size_rank(group)
+        sizes = _check_split_sizes("output_split_sizes", output_split_sizes, world)
+        if input_.shape[0] != sizes[rank]:
+            raise ValueError(
+                f"output_split_sizes[{rank}] = {sizes[rank]} but this rank's input has {input_.shape[0]} rows"
+            )
+        if world == 1:
+            return input_
+        # Every rank sends its whole input to every rank; the backward of the repeat sums the
+        # returned gradient pieces, which is the reduce-scatter.
+        repeated = input_.repeat(world, *([1] * (input_.dim() - 1)))
+        return _all_to_all_autograd(repeated, sizes, [input_.shape[0]] * world, group)
+
+
+class _ReduceScatterToSequenceParallelRegion:
+    """Forward: reduce-scatter along the first dim (rank r receiving ``input_split_sizes[r]`` rows
+    when given). Backward: all-gather along the first dim."""
+
+    @staticmethod
+    def apply(
+        input_: torch.Tensor,
+        group: dist.ProcessGroup | None = None,
+        input_split_sizes: list[int] | None = None,
+        use_global_buffer: bool = False,
+    ) -> torch.Tensor:
+        if input_split_sizes is None:
+            return reduce_scatter_to_sequence_parallel_region(input_, group)
+        group, world, rank = _group_size_rank(group)
+        sizes = _check_split_sizes("input_split_sizes", input_split_sizes, world)
+        if input_.shape[0] != sum(sizes):
+            raise ValueError(
+                f"input_split_sizes {sizes} sum to {sum(sizes)}, but the input has {input_.shape[0]} rows"
+            )
+        if world == 1:
+            return input_
+        pieces = _all_to_all_autograd(input_, [sizes[rank]] * world, sizes, group)
+        return pieces.view(world, sizes[rank], *input_.shape[1:]).sum(dim=0)
+
+
+class _AllGatherFromTensorParallelRegion:
+    """Forward: all-gather along the last dim. Backward: reduce-scatter along the last dim."""
+
+    @staticmethod
+    def apply(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        return all_gather_last_dim_from_tensor_parallel_region(input_, group)
+
+
+class _ReduceScatterToTensorParallelRegion:
+    """Forward: reduce-scatter along the last dim. Backward: all-gather along the last dim."""
+
+    @staticmethod
+    def apply(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        return reduce_scatter_last_dim_to_tensor_parallel_region(input_, group)
+
+
+class _AllToAll:
+    """All-to-all along the first dim (equal chunks, or ``input_split_sizes`` rows to each rank
+    and ``output_split_sizes`` rows from each). Backward: the reverse all-to-all."""
+
+    @staticmethod
+    def apply(
+        group: dist.ProcessGroup,
+        input: torch.Tensor,
+        output_split_sizes: list[int] | None,
+        input_split_sizes: list[int] | None,
+    ) -> torch.Tensor:
+        _check_tensor(input, "all_to_all")
+        world = group.size()
+        if world == 1:
+            return input
+        if output_split_sizes is None and input_split_sizes is None and input.shape[0] % world != 0:
+            raise ValueError(
+                f"all_to_all: the first dim ({input.shape[0]}) is not divisible by the group size ({world})"
+            )
+        if output_split_sizes is not None:
+            output_split_sizes = _check_split_sizes("output_split_sizes", output_split_sizes, world)
+        if input_split_sizes is not None:
+            input_split_sizes = _check_split_sizes("input_split_sizes", input_split_sizes, world)
+            if sum(input_split_sizes) != input.shape[0]:
+                raise ValueError(
+                    f"input_split_sizes {input_split_sizes} sum to {sum(input_split_sizes)}, "
+                    f"but the input has {input.shape[0]} rows"
+                )
+        return _all_to_all_autograd(input, output_split_sizes, input_split_sizes, group)
+
+
+def all_to_all(
+    group: dist.ProcessGroup,
+    input_: torch.Tensor,
+    output_split_sizes_: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+) -> torch.Tensor:
+    """All-to-all along the first dim over ``group`` (required, as in Megatron-core)."""
+    if group is None:
+        raise ParallelStateError("all_to_all: group should not be None")
+    return _AllToAll.apply(group, input_, output_split_sizes_, input_split_sizes)
+
+
+def all_to_all_sp2hp(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``[tokens/tp, H]`` split along the sequence -> ``[tokens, H/tp]`` split along the hidden dim."""
+    group = resolve_tp_group(group)
+    world = group.size()
+    input_ = input_.reshape(-1, input_.shape[-1])
+    if input_.shape[-1] % world != 0:
+        raise ValueError(f"all_to_all_sp2hp: the hidden size {input_.shape[-1]} is not divisible by {world}")
+    chunks = torch.split(input_, input_.shape[-1] // world, dim=1)
+    return all_to_all(group, torch.cat(chunks, dim=0))
+
+
+def all_to_all_hp2sp(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``[tokens, H/tp]`` split along the hidden dim -> ``[tokens/tp, H]`` split along the sequence."""
+    group = resolve_tp_group(group)
+    world = group.size()
+    input_ = input_.reshape(-1, input_.shape[-1])
+    exchanged = all_to_all(group, input_)
+    exchanged = exchanged.reshape(-1, exchanged.shape[-1])
+    return torch.cat(torch.split(exchanged, exchanged.shape[0] // world, dim=0), dim=-1)

@@ -19,7 +19,10 @@ class ParallelAttention(torch.nn.Module):
     (``[head][q | k | v][kv_channels]``), so each rank's contiguous slice holds whole heads and
     attends with them alone. The output projection is row-parallel and sums the heads' partial
     outputs. Attention dropout runs inside the RNG tracker's fork, since each rank drops
-    different heads. Returns ``(output, output_bias)`` with the bias not yet added.
+    different heads (under sequence parallelism the whole block already runs inside it).
+    Under sequence parallelism the input and output are ``[s / tp, b, h]``: the QKV projection
+    all-gathers the sequence, the output projection reduce-scatters it. Returns
+    ``(output, output_bias)`` with the bias not yet added.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int = 1):
@@ -53,8 +56,8 @@ class ParallelAttention(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``attention_mask`` (optional, boolean, True = masked out) is broadcast to
         ``[b, heads, s, s]`` and combined with the causal mask."""
-        s, b, _ = hidden_states.shape
         qkv, _ = self.query_key_value(hidden_states)
+        s, b, _ = qkv.shape  # the full sequence, also under sequence parallelism
         qkv = qkv.view(s, b, self.num_heads_per_partition, 3 * self.head_dim)
         query, key, value = (t.permute(1, 2, 0, 3) for t in qkv.split(self.head_dim, dim=-1))  # [b, n, s, d]
 
@@ -67,8 +70,13 @@ class ParallelAttention(torch.nn.Module):
             probs = torch.softmax(scores.float(), dim=-1).to(scores.dtype)
         else:
             probs = torch.softmax(scores, dim=-1)
-        with get_cuda_rng_tracker().fork():
+        if self.config.sequence_parallel:
+            # Already on the model-parallel stream (ParallelTransformer.forward); forking it again
+            # would replay the stream's saved state.
             probs = torch.nn.functional.dropout(probs, p=self.config.attention_dropout, training=self.training)
+        else:
+            with get_cuda_rng_tracker().fork():
+                probs = torch.nn.functional.dropout(probs, p=self.config.attention_dropout, training=self.training)
 
         context = torch.matmul(probs, value)  # [b, n, s, d]
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_partition * self.head_dim)

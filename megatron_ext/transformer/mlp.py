@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from megatron_ext.fusions.fused_bias_gelu import bias_gelu
 from megatron_ext.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_ext.transformer.transformer_config import TransformerConfig
 
@@ -14,6 +17,11 @@ class ParallelMLP(torch.nn.Module):
     Forward needs one all-reduce (after B), backward one (of the input gradient of A). Returns
     ``(output, output_bias)`` with the bias of B not yet added, as Megatron-core does, so the caller
     can fuse it into bias-dropout-add.
+
+    With ``config.bias_activation_fusion`` the bias add and the GeLU run as one kernel (forward and
+    backward). It computes the GeLU the unfused path does (exact erf form unless
+    ``config.activation_func`` is ``partial(F.gelu, approximate="tanh")``), so the flag does not
+    change the numbers; Megatron-core's fused path always takes the tanh form.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -38,9 +46,34 @@ class ParallelMLP(torch.nn.Module):
             skip_bias_add=True,
         )
 
+        self.gelu_approximate = _gelu_approximate(getattr(config, "activation_func", None))
+        self.bias_activation_fusion = bool(getattr(config, "bias_activation_fusion", False))
+        if self.bias_activation_fusion and self.gelu_approximate is None:
+            raise ValueError(
+                f"bias_activation_fusion supports the GeLU activation only, got activation_func="
+                f"{config.activation_func!r}"
+            )
+
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         intermediate, bias = self.dense_h_to_4h(hidden_states)
-        if bias is not None:
-            intermediate = intermediate + bias
-        intermediate = torch.nn.functional.gelu(intermediate)
+        if self.bias_activation_fusion and bias is not None:
+            intermediate = bias_gelu(intermediate, bias, self.gelu_approximate)
+        else:
+            if bias is not None:
+                intermediate = intermediate + bias
+            if self.gelu_approximate is None:
+                intermediate = self.config.activation_func(intermediate)
+            else:
+                intermediate = torch.nn.functional.gelu(intermediate, approximate=self.gelu_approximate)
         return self.dense_4h_to_h(intermediate)
+
+
+def _gelu_approximate(activation_func) -> str | None:
+    """The ``approximate`` argument of a GeLU activation (None for the default), or None when the
+    activation is not a GeLU."""
+    if activation_func is None or activation_func is torch.nn.functional.gelu:
+        return "none"
+    if isinstance(activation_func, functools.partial) and activation_func.func is torch.nn.functional.gelu:
+        if not activation_func.args and set(activation_func.keywords) <= {"approximate"}:
+            return activation_func.keywords.get("approximate", "none")
+    return None

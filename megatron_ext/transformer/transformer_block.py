@@ -2,21 +2,121 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megatron_ext import parallel_state, tensor_parallel
 from megatron_ext.transformer.transformer_config import TransformerConfig
 from megatron_ext.transformer.transformer_layer import ParallelTransformerLayer
-from megatron_ext.transformer.utils import initialization_seed
+from megatron_ext.transformer.utils import initialization_seed, layer_norm
+
+
+def _pipeline_sizes(config: TransformerConfig) -> tuple[int, int]:
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vp = getattr(config, "virtual_pipeline_model_parallel_size", None)
+    if vp is None:
+        vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    return pp, vp or 1
+
+
+def layers_per_virtual_stage(config: TransformerConfig, pp_size: int, vp_size: int = 1) -> list[int]:
+    """How many transformer layers each virtual stage holds, in pipeline order: virtual stage
+    ``c * pp_size + r`` is model chunk ``c`` of pipeline rank ``r`` (Megatron-core's interleaved
+    assignment).
+
+    Megatron-core's splits: ``num_layers_in_first_pipeline_stage`` / ``..._last_...`` fix the
+    first / last rank's layers and the other ranks share the rest equally; else
+    ``account_for_embedding_in_pipeline_split`` / ``account_for_loss_in_pipeline_split`` count the
+    embedding / loss as one layer of the first / last virtual stage; else every virtual stage holds
+    ``num_layers / (pp * vp)``. A rank's layers are split equally over its chunks. A split that does
+    not come out even raises ValueError.
+    """
+    num_layers = config.num_layers
+    first = getattr(config, "num_layers_in_first_pipeline_stage", None)
+    last = getattr(config, "num_layers_in_last_pipeline_stage", None)
+    if pp_size > 1 and (first is not None or last is not None):
+        middle_ranks = pp_size - (first is not None) - (last is not None)
+        middle_layers = num_layers - (first or 0) - (last or 0)
+        if middle_layers < 0 or (middle_ranks == 0 and middle_layers != 0) or (
+            middle_ranks > 0 and middle_layers % middle_ranks != 0
+        ):
+            raise ValueError(
+                f"num_layers {num_layers} minus num_layers_in_first/last_pipeline_stage ({first}, {last}) "
+                f"cannot be split equally over the {middle_ranks} other pipeline stages"
+            )
+        per_rank = [middle_layers // middle_ranks if middle_ranks else 0] * pp_size
+        if first is not None:
+            per_rank[0] = first
+        if last is not None:
+            per_rank[-1] = last
+        for r, n in enumerate(per_rank):
+            if n % vp_size != 0:
+                raise ValueError(
+                    f"pipeline stage {r} holds {n} layers, not divisible by the virtual pipeline "
+                    f"size {vp_size}"
+                )
+        return [per_rank[r] // vp_size for _ in range(vp_size) for r in range(pp_size)]
+    extra_first = bool(getattr(config, "account_for_embedding_in_pipeline_split", False))
+    extra_last = bool(getattr(config, "account_for_loss_in_pipeline_split", False))
+    total = num_layers + extra_first + extra_last
+    stages = pp_size * vp_size
+    if total % stages != 0:
+        what = "num_layers" + (" + 1 (embedding)" if extra_first else "")
+        what += " + 1 (loss)" if extra_last else ""
+        raise ValueError(
+            f"{what} = {total} is not divisible by pipeline_model_parallel_size x virtual pipeline size "
+            f"= {pp_size} x {vp_size}"
+        )
+    counts = [total // stages] * stages
+    counts[0] -= extra_first
+    counts[-1] -= extra_last
+    return counts
+
+
+def get_num_layers_to_build(
+    config: TransformerConfig, vp_stage: int | None = None, pp_rank: int | None = None
+) -> int:
+    """The number of transformer layers of model chunk ``vp_stage`` of pipeline rank ``pp_rank``
+    (default: this rank)."""
+    pp, vp = _pipeline_sizes(config)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
+    return layers_per_virtual_stage(config, pp, vp)[_virtual_stage(vp_stage, vp) * pp + pp_rank]
+
+
+def get_transformer_layer_offset(
+    config: TransformerConfig, vp_stage: int | None = None, pp_rank: int | None = None
+) -> int:
+    """The global index of the first transformer layer of model chunk ``vp_stage`` of pipeline
+    rank ``pp_rank`` (default: this rank)."""
+    pp, vp = _pipeline_sizes(config)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
+    return sum(layers_per_virtual_stage(config, pp, vp)[: _virtual_stage(vp_stage, vp) * pp + pp_rank])
+
+
+def _virtual_stage(vp_stage: int | None, vp_size: int) -> int:
+    if vp_size == 1:
+        return 0
+    if vp_stage is None or not 0 <= vp_stage < vp_size:
+        raise ValueError(
+            f"vp_stage must be a model chunk index in [0, {vp_size}) with a virtual pipeline of "
+            f"size {vp_size}, got {vp_stage!r}"
+        )
+    return vp_stage
 
 
 class ParallelTransformer(torch.nn.Module):
-    """This pipeline stage's ``num_layers / pp`` layers, and the final LayerNorm on the last stage.
+    """This pipeline stage's layers (``num_layers / pp``, or model chunk ``vp_stage``'s share as
+    ``get_num_layers_to_build`` says), and the final LayerNorm on the last stage.
 
     On stages other than the first, the input comes from ``set_input_tensor`` (the activation
     received from the previous stage), as in Megatron-core. With
     ``config.recompute_granularity == "full"`` each layer's activations are recomputed in the
     backward pass through ``tensor_parallel.checkpoint``, which replays the forward's RNG states.
+
+    Under ``config.sequence_parallel`` the hidden states are ``[s / tp, b, h]`` and the whole
+    stack runs on the model-parallel RNG stream (Megatron-core's TransformerBlock): dropout on
+    sequence-sharded activations must differ across tensor-parallel ranks.
 
     ``init_seed``: when given, layer ``i`` (global index) is built from the CPU generator seeded
     with ``init_seed + i + 1`` so that its weights do not depend on the pipeline layout.
@@ -28,28 +128,22 @@ class ParallelTransformer(torch.nn.Module):
         pre_process: bool = True,
         post_process: bool = True,
         init_seed: int | None = None,
+        vp_stage: int | None = None,
     ):
         super().__init__()
         self.config = config
         self.pre_process = pre_process
         self.post_process = post_process
+        self.vp_stage = vp_stage
         self.input_tensor: torch.Tensor | None = None
-        pp = parallel_state.get_pipeline_model_parallel_world_size()
-        if config.num_layers % pp != 0:
-            raise ValueError(
-                f"num_layers ({config.num_layers}) must be divisible by pipeline_model_parallel_size ({pp})"
-            )
-        per_stage = config.num_layers // pp
-        offset = parallel_state.get_pipeline_model_parallel_rank() * per_stage
+        offset = get_transformer_layer_offset(config, vp_stage)
         layers = []
-        for i in range(offset, offset + per_stage):
+        for i in range(offset, offset + get_num_layers_to_build(config, vp_stage)):
             with initialization_seed(init_seed, i + 1):
                 layers.append(ParallelTransformerLayer(config, layer_number=i + 1))
         self.layers = torch.nn.ModuleList(layers)
         if post_process:
-            self.final_layernorm = torch.nn.LayerNorm(
-                config.hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype
-            )
+            self.final_layernorm = layer_norm(config, config.hidden_size)
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         self.input_tensor = input_tensor
@@ -59,6 +153,13 @@ class ParallelTransformer(torch.nn.Module):
             hidden_states = self.input_tensor
         if hidden_states is None:
             raise RuntimeError("ParallelTransformer: no input (on a later pipeline stage call set_input_tensor first)")
+        rng_context = (
+            tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext()
+        )
+        with rng_context:
+            return self._run_layers(hidden_states, attention_mask)
+
+    def _run_layers(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         recompute = self.config.recompute_granularity == "full" and self.training
         for layer in self.layers:
             if recompute:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ext.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron_ext.transformer.attention import ParallelAttention
 from megatron_ext.transformer.mlp import ParallelMLP
 from megatron_ext.transformer.transformer_config import TransformerConfig
-from megatron_ext.transformer.utils import bias_dropout_add
+from megatron_ext.transformer.utils import layer_norm
 
 
 class ParallelTransformerLayer(torch.nn.Module):
@@ -15,29 +16,35 @@ class ParallelTransformerLayer(torch.nn.Module):
 
     LayerNorm parameters are replicated on every tensor-parallel rank; without sequence
     parallelism each rank sees the same activations, so their gradients agree without
-    communication.
+    communication. Under sequence parallelism the layer's input and output are ``[s / tp, b, h]``
+    and the LayerNorm (and row-parallel bias) gradients are partial: see ``layer_norm``.
+
+    With ``config.bias_dropout_fusion`` each bias + dropout + residual add is one kernel (forward
+    and backward), its mask drawn from the default generator (see ``megatron_ext.fusions``).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int = 1):
         super().__init__()
         self.config = config
         self.layer_number = layer_number
-        ln = dict(eps=config.layernorm_epsilon, dtype=config.params_dtype)
-        self.input_layernorm = torch.nn.LayerNorm(config.hidden_size, **ln)
+        self.input_layernorm = layer_norm(config, config.hidden_size)
         self.self_attention = ParallelAttention(config, layer_number)
-        self.post_attention_layernorm = torch.nn.LayerNorm(config.hidden_size, **ln)
+        self.post_attention_layernorm = layer_norm(config, config.hidden_size)
         self.mlp = ParallelMLP(config)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
         dropout = self.config.hidden_dropout
+        bias_dropout_add = get_bias_dropout_add(
+            self.training, bool(getattr(self.config, "bias_dropout_fusion", False))
+        )
 
         ln_out = self.input_layernorm(hidden_states)
         attn_out, attn_bias = self.self_attention(ln_out, attention_mask)
         residual = ln_out if post_ln_residual else hidden_states
-        hidden_states = bias_dropout_add(attn_out, attn_bias, residual, dropout, self.training)
+        hidden_states = bias_dropout_add((attn_out, attn_bias), residual, dropout)
 
         ln_out = self.post_attention_layernorm(hidden_states)
         mlp_out, mlp_bias = self.mlp(ln_out)
         residual = ln_out if post_ln_residual else hidden_states
-        return bias_dropout_add(mlp_out, mlp_bias, residual, dropout, self.training)
+        return bias_dropout_add((mlp_out, mlp_bias), residual, dropout)

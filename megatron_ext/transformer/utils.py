@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -33,3 +33,13 @@ def bias_dropout_add(
     if bias is not None:
         x = x + bias
     return residual + torch.nn.functional.dropout(x, p=prob, training=training)
+
+
+def layer_norm(config: Any, hidden_size: int) -> torch.nn.LayerNorm:
+    """The transformer's LayerNorm. Its parameters carry ``sequence_parallel`` (Megatron's
+    attribute): under sequence parallelism each tensor-parallel rank normalises its own part of the
+    sequence, so their gradients are partial sums that ``finalize_model_grads`` all-reduces."""
+    norm = torch.nn.LayerNorm(hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+    for param in norm.parameters():
+        param.sequence_parallel = config.sequence_parallel
+    return norm

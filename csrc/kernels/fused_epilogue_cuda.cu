@@ -1,0 +1,205 @@
+// CUDA kernels of the fused epilogues: one grid-stride pass over the elements, the arithmetic of
+// kernels/fused_epilogue.h (the CPU twins run the same). The dropout kernels handle one Philox
+// group (four elements) per thread step.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "kernels/fused_epilogue.h"
+#include "ops/fused_epilogue.h"
+
+namespace megatron_ext {
+namespace {
+
+using namespace kernels;
+
+constexpr int kThreads = 256;
+
+int64_t blocks_for(int64_t work) {
+  const int64_t max_blocks =
+      static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 8;
+  return std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, max_blocks));
+}
+
+__device__ __forceinline__ int64_t global_thread() {
+  return blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+}
+
+__device__ __forceinline__ int64_t grid_threads() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x;
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void bias_gelu_forward_kernel(const scalar_t* __restrict__ x,
+                                         const scalar_t* __restrict__ bias, int64_t n, int64_t h,
+                                         bool tanh_form, scalar_t* __restrict__ out) {
+  for (int64_t i = global_thread(); i < n; i += grid_threads()) {
+    const acc_t v = static_cast<acc_t>(x[i]) + static_cast<acc_t>(bias[i % h]);
+    out[i] = static_cast<scalar_t>(gelu<acc_t>(v, tanh_form));
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void bias_gelu_backward_kernel(const scalar_t* __restrict__ grad,
+                                          const scalar_t* __restrict__ x,
+                                          const scalar_t* __restrict__ bias, int64_t n, int64_t h,
+                                          bool tanh_form, scalar_t* __restrict__ out) {
+  for (int64_t i = global_thread(); i < n; i += grid_threads()) {
+    const acc_t v = static_cast<acc_t>(x[i]) + static_cast<acc_t>(bias[i % h]);
+    out[i] = static_cast<scalar_t>(static_cast<acc_t>(grad[i]) * gelu_grad<acc_t>(v, tanh_form));
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void bias_dropout_add_kernel(const scalar_t* __restrict__ x,
+                                        const scalar_t* __restrict__ bias,
+                                        const scalar_t* __restrict__ residual, int64_t n, int64_t h,
+                                        float keep_prob, acc_t scale, uint64_t seed,
+                                        uint64_t offset, scalar_t* __restrict__ out) {
+  const int64_t groups = (n + kDropoutGroup - 1) / kDropoutGroup;
+  for (int64_t group = global_thread(); group < groups; group += grid_threads()) {
+    const Philox4 bits = philox4x32_10(seed, offset + static_cast<uint64_t>(group));
+#pragma unroll
+    for (int64_t lane = 0; lane < kDropoutGroup; ++lane) {
+      const int64_t i = group * kDropoutGroup + lane;
+      if (i < n) {
+        const acc_t b = bias ? static_cast<acc_t>(bias[i % h]) : acc_t(0);
+        out[i] = static_cast<scalar_t>(
+            bias_dropout_add<acc_t>(static_cast<acc_t>(x[i]), b, static_cast<acc_t>(residual[i]),
+                                    dropout_keep(bits, lane, keep_prob), scale));
+      }
+    }
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void dropout_backward_kernel(const scalar_t* __restrict__ grad, int64_t n,
+                                        float keep_prob, acc_t scale, uint64_t seed,
+                                        uint64_t offset, scalar_t* __restrict__ out) {
+  const int64_t groups = (n + kDropoutGroup - 1) / kDropoutGroup;
+  for (int64_t group = global_thread(); group < groups; group += grid_threads()) {
+    const Philox4 bits = philox4x32_10(seed, offset + static_cast<uint64_t>(group));
+#pragma unroll
+    for (int64_t lane = 0; lane < kDropoutGroup; ++lane) {
+      const int64_t i = group * kDropoutGroup + lane;
+      if (i < n) {
+        out[i] = static_cast<scalar_t>(dropout_grad<acc_t>(
+            static_cast<acc_t>(grad[i]), dropout_keep(bits, lane, keep_prob), scale));
+      }
+    }
+  }
+}
+
+at::Tensor bias_gelu_forward_cuda(const at::Tensor& input, const at::Tensor& bias, bool tanh_form) {
+  check_bias_gelu_args("bias_gelu_forward", input, bias);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const auto x = input.contiguous();
+  const auto b = bias.contiguous();
+  auto out = at::empty_like(x);
+  const int64_t n = x.numel();
+  if (n == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "bias_gelu_forward_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        bias_gelu_forward_kernel<scalar_t, acc_t>
+            <<<blocks_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                x.const_data_ptr<scalar_t>(), b.const_data_ptr<scalar_t>(), n, x.size(-1),
+                tanh_form, out.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+  return out;
+}
+
+at::Tensor bias_gelu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input,
+                                   const at::Tensor& bias, bool tanh_form) {
+  check_bias_gelu_args("bias_gelu_backward", input, bias);
+  check_same_tensor_layout("bias_gelu_backward", "grad_output", grad_output, input);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const auto g = grad_output.contiguous();
+  const auto x = input.contiguous();
+  const auto b = bias.contiguous();
+  auto out = at::empty_like(x);
+  const int64_t n = x.numel();
+  if (n == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "bias_gelu_backward_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        bias_gelu_backward_kernel<scalar_t, acc_t>
+            <<<blocks_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                g.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
+                b.const_data_ptr<scalar_t>(), n, x.size(-1), tanh_form,
+                out.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+  return out;
+}
+
+at::Tensor bias_dropout_add_forward_cuda(const at::Tensor& input,
+                                         const std::optional<at::Tensor>& bias,
+                                         const at::Tensor& residual, double prob, int64_t seed,
+                                         int64_t offset) {
+  check_bias_dropout_add_args("bias_dropout_add_forward", input, bias, residual, prob);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const bool has_bias = bias.has_value() && bias->defined();
+  const auto x = input.contiguous();
+  const auto r = residual.contiguous();
+  const auto b = has_bias ? bias->contiguous() : at::Tensor();
+  auto out = at::empty_like(x);
+  const int64_t n = x.numel();
+  if (n == 0) return out;
+  const float keep_prob = static_cast<float>(1.0 - prob);
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "bias_dropout_add_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        bias_dropout_add_kernel<scalar_t, acc_t>
+            <<<blocks_for(dropout_groups(n)), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                x.const_data_ptr<scalar_t>(), has_bias ? b.const_data_ptr<scalar_t>() : nullptr,
+                r.const_data_ptr<scalar_t>(), n, x.size(-1), keep_prob, dropout_scale<acc_t>(prob),
+                static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
+                out.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+  return out;
+}
+
+at::Tensor dropout_backward_cuda(const at::Tensor& grad_output, double prob, int64_t seed,
+                                 int64_t offset) {
+  TORCH_CHECK_VALUE(at::isFloatingType(grad_output.scalar_type()),
+                    "dropout_backward: grad_output must be a floating tensor, got ",
+                    grad_output.scalar_type());
+  check_dropout_prob("dropout_backward", prob);
+  const c10::cuda::CUDAGuard guard(grad_output.device());
+  const auto g = grad_output.contiguous();
+  auto out = at::empty_like(g);
+  const int64_t n = g.numel();
+  if (n == 0) return out;
+  const float keep_prob = static_cast<float>(1.0 - prob);
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, g.scalar_type(), "dropout_backward_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        dropout_backward_kernel<scalar_t, acc_t>
+            <<<blocks_for(dropout_groups(n)), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                g.const_data_ptr<scalar_t>(), n, keep_prob, dropout_scale<acc_t>(prob),
+                static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
+                out.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(megatron_ext, CUDA, m) {
+  m.impl("bias_gelu_forward", &bias_gelu_forward_cuda);
+  m.impl("bias_gelu_backward", &bias_gelu_backward_cuda);
+  m.impl("bias_dropout_add_forward", &bias_dropout_add_forward_cuda);
+  m.impl("dropout_backward", &dropout_backward_cuda);
+}
+
+}  // namespace megatron_ext

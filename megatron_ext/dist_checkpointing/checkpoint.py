@@ -1,0 +1,360 @@
+"""Saving and loading training state as a resharding ``torch.distributed.checkpoint``.
+
+A checkpoint is a directory ``<save>/iter_XXXXXXX`` holding DCP's files and ``checkpoint.json``,
+the completion marker (format, iteration, the layout it was saved at, caller metadata such as the
+data position, and the SHA-256 of every file). ``<save>/latest_checkpointed_iteration.txt`` names
+the newest complete one.
+
+Atomicity: ranks write into ``<save>/.tmp.iter_XXXXXXX``; only after every rank's files are
+written and hashed does rank 0 write the marker and rename the directory into place, then update
+the tracker file (each by ``os.replace``). A rank that dies before that leaves a temporary
+directory that nothing loads, and the previous checkpoint stays what the tracker names.
+
+Loading checks, on every rank and before any tensor is read, that the marker exists, that the
+files' hashes match, and that the stored parameters are exactly the model's (names and global
+shapes); the outcome is shared over the world group so every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+
+from megatron_ext import parallel_state
+from megatron_ext.dist_checkpointing.sharding import ParamSpec, param_specs, stored_shape, unique_specs
+from megatron_ext.tensor_parallel.random import get_cuda_rng_tracker
+
+FORMAT = "megatron_ext.dist_checkpointing/1"
+MARKER = "checkpoint.json"
+TRACKER = "latest_checkpointed_iteration.txt"
+
+# Called on every rank after its files are written and before the checkpoint is completed; tests
+# set it to kill a rank at the worst moment.
+_after_rank_wrote: Callable[[], None] | None = None
+
+
+class CheckpointingException(RuntimeError):
+    """A checkpoint that cannot be loaded into this model (incomplete, corrupted, other shape)."""
+
+
+def checkpoint_dir(save_dir: str, iteration: int) -> str:
+    return os.path.join(save_dir, f"iter_{iteration:07d}")
+
+
+def find_checkpoint(path: str) -> str | None:
+    """``path`` itself if it is a checkpoint (complete or not), else the one its tracker file
+    names, else None."""
+    if os.path.isfile(os.path.join(path, MARKER)):
+        return path
+    if os.path.isdir(path) and any(n == ".metadata" or n.endswith(".distcp") for n in os.listdir(path)):
+        return path  # written by a save that did not finish: loading says so
+    tracker = os.path.join(path, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as f:
+        text = f.read().strip()
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise CheckpointingException(f"{tracker}: expected an iteration number, found {text!r}") from None
+    return checkpoint_dir(path, iteration)
+
+
+def _layout() -> dict[str, int]:
+    return {
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "dp": parallel_state.get_data_parallel_world_size(),
+        "vpp": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
+    }
+
+
+def _rng_key() -> str:
+    return (
+        f"tp{parallel_state.get_tensor_model_parallel_rank()}_pp{parallel_state.get_pipeline_model_parallel_rank()}"
+        f"_dp{parallel_state.get_data_parallel_rank()}"
+    )
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _rng_bytes() -> bytes:
+    states = {"tracker": get_cuda_rng_tracker().get_states(), "cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return _to_bytes(states)
+
+
+def _set_rng(data: bytes) -> None:
+    states = _from_bytes(data)
+    get_cuda_rng_tracker().set_states(states["tracker"])
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def _optimizer_by_global_name(
+    optimizer: Any, specs: dict[str, ParamSpec]
+) -> dict[str, tuple[str, ParamSpec, dict[str, torch.Tensor]]]:
+    """The optimizer's per-parameter state by global name, with its own name and the spec."""
+    out = {}
+    for name, state in optimizer.param_state_by_name().items():
+        if name not in specs:
+            raise ValueError(f"the optimizer names a parameter {name!r} that the model does not have")
+        out[specs[name].global_name] = (name, specs[name], state)
+    return out
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _hash_my_share(directory: str, names: list[str]) -> dict[str, str]:
+    """Each rank hashes every world_size-th file, so large checkpoints hash in parallel."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return {name: _sha256(os.path.join(directory, name)) for name in names[rank::world]}
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def save_checkpoint(
+    save_dir: str,
+    iteration: int,
+    model: torch.nn.Module | list[torch.nn.Module],
+    optimizer: Any = None,
+    metadata: dict[str, Any] | None = None,
+) -> str:
+    """Saves parameters, optimizer state, RNG states and ``metadata`` (JSON: e.g. the data
+    position) as ``<save_dir>/iter_<iteration>``; collective over the world group. Returns the
+    checkpoint's directory."""
+    specs = param_specs(model)
+    state: dict[str, Any] = {"model": {s.global_name: s.sharded() for s in unique_specs(specs)}}
+    if optimizer is not None:
+        param_state = {}
+        for global_name, (_, spec, entry) in _optimizer_by_global_name(optimizer, specs).items():
+            param_state[global_name] = {k: spec.sharded(v) for k, v in entry.items()}
+        optimizer_state = optimizer.state_dict()
+        state["optimizer"] = {"step": int(optimizer_state["step"]), "param_state": param_state}
+        if optimizer_state.get("grad_scaler"):  # fp16 loss scaling: the same on every rank
+            state["optimizer"]["grad_scaler"] = _to_bytes(optimizer_state["grad_scaler"])
+    state["rng"] = {_rng_key(): _rng_bytes()}
+
+    final = checkpoint_dir(save_dir, iteration)
+    tmp = os.path.join(save_dir, f".tmp.iter_{iteration:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
+        os.makedirs(tmp)
+    dist.barrier()
+    dcp.save(state, storage_writer=FileSystemWriter(tmp))
+    if _after_rank_wrote is not None:
+        _after_rank_wrote()
+    dist.barrier()  # every rank's files (and rank 0's .metadata) are written
+    names = sorted(os.listdir(tmp))
+    hashes: dict[str, str] = {}
+    for share in _all_gather(_hash_my_share(tmp, names)):
+        hashes.update(share)
+    if dist.get_rank() == 0:
+        marker = {
+            "format": FORMAT,
+            "iteration": iteration,
+            "layout": _layout(),
+            "metadata": metadata or {},
+            "files": hashes,
+        }
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump(marker, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _replace_dir(tmp, final)
+        _write_tracker(save_dir, iteration)
+    dist.barrier()
+    return final
+
+
+def _replace_dir(src: str, dst: str) -> None:
+    if os.path.exists(dst):
+        old = dst + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old)
+    else:
+        os.replace(src, dst)
+
+
+def _write_tracker(save_dir: str, iteration: int) -> None:
+    tmp = os.path.join(save_dir, TRACKER + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(save_dir, TRACKER))
+
+
+def read_marker(path: str) -> dict[str, Any]:
+    """The completion marker of checkpoint ``path``; raises if it is missing or unreadable."""
+    marker_path = os.path.join(path, MARKER)
+    if not os.path.isdir(path):
+        raise CheckpointingException(f"checkpoint {path!r} does not exist")
+    if not os.path.isfile(marker_path):
+        raise CheckpointingException(
+            f"checkpoint {path!r} is incomplete: it has no {MARKER} (a save that did not finish?)"
+        )
+    try:
+        with open(marker_path) as f:
+            marker = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointingException(f"checkpoint {path!r}: {MARKER} is unreadable ({e})") from None
+    if marker.get("format") != FORMAT:
+        raise CheckpointingException(f"checkpoint {path!r}: format {marker.get('format')!r}, expected {FORMAT!r}")
+    return marker
+
+
+def verify_files(path: str, marker: dict[str, Any], names: list[str]) -> list[str]:
+    """Problems with the listed files of checkpoint ``path`` (missing, changed)."""
+    problems = []
+    for name in names:
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            problems.append(f"file {name} is missing")
+        elif _sha256(full) != marker["files"][name]:
+            problems.append(f"file {name} is corrupted (its SHA-256 differs from the one recorded at save)")
+    return problems
+
+
+def _stored_optimizer_keys(metadata: Metadata, global_name: str) -> list[str]:
+    prefix = f"optimizer.param_state.{global_name}."
+    return sorted(k[len(prefix) :] for k in metadata.state_dict_metadata if k.startswith(prefix))
+
+
+def _check_optimizer(metadata: Metadata, current: dict[str, tuple[str, ParamSpec, dict]]) -> list[str]:
+    if "optimizer.step" not in metadata.state_dict_metadata:
+        return ["it holds no optimizer state"]
+    problems = []
+    for global_name, (_, _, entry) in current.items():
+        stored = _stored_optimizer_keys(metadata, global_name)
+        if stored != sorted(entry):
+            problems.append(f"the optimizer state of {global_name} holds {stored} in the checkpoint, "
+                            f"the optimizer has {sorted(entry)}")
+    return problems
+
+
+def _check_model(metadata: Metadata, specs: list[ParamSpec], all_names: set[str]) -> list[str]:
+    problems = []
+    stored = metadata.state_dict_metadata
+    for spec in specs:
+        key = f"model.{spec.global_name}"
+        expected = tuple(spec.sharded().global_shape)
+        if key not in stored:
+            problems.append(f"parameter {spec.global_name} {list(expected)} is not in the checkpoint")
+        elif stored_shape(stored[key]) != expected:
+            problems.append(
+                f"parameter {spec.global_name} has global shape {list(stored_shape(stored[key]) or [])} in the "
+                f"checkpoint but {list(expected)} in the model"
+            )
+    extra = sorted(k[len("model.") :] for k in stored if k.startswith("model.") and k[len("model.") :] not in all_names)
+    if extra:
+        problems.append(f"the checkpoint has parameters the model lacks: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    return problems
+
+
+def load_checkpoint(
+    path: str,
+    model: torch.nn.Module | list[torch.nn.Module],
+    optimizer: Any = None,
+    load_rng: bool = True,
+) -> dict[str, Any]:
+    """Loads checkpoint ``path`` (a checkpoint directory, or a save directory whose tracker names
+    one) into ``model`` and ``optimizer`` at the current layout; collective over the world group.
+
+    RNG states are restored when the layout is the one the checkpoint was saved at (otherwise
+    there is no rank to take them from, and the current states are kept). Returns the marker:
+    ``iteration``, ``layout``, ``metadata`` and whether the RNG states were restored (``rng_loaded``).
+    Raises :class:`CheckpointingException` on every rank if anything does not fit.
+    """
+    resolved = find_checkpoint(path)
+    specs = param_specs(model)
+    unique = unique_specs(specs)
+    all_names = set().union(*_all_gather([s.global_name for s in unique]))
+    current = _optimizer_by_global_name(optimizer, specs) if optimizer is not None else {}
+    problems: list[str] = []
+    marker: dict[str, Any] = {}
+    metadata: Metadata | None = None
+    try:
+        if resolved is None:
+            raise CheckpointingException(f"{path!r} is neither a checkpoint nor a directory with {TRACKER}")
+        marker = read_marker(resolved)
+        problems += verify_files(resolved, marker, sorted(marker["files"])[dist.get_rank() :: dist.get_world_size()])
+        if not problems:
+            metadata = FileSystemReader(resolved).read_metadata()
+            problems += _check_model(metadata, unique, all_names)
+            if optimizer is not None:
+                problems += _check_optimizer(metadata, current)
+    except CheckpointingException as e:
+        problems.append(str(e))
+    except Exception as e:  # noqa: BLE001  (an unreadable file must fail every rank alike)
+        problems.append(f"{type(e).__name__}: {e}")
+    reports = _all_gather(problems)
+    failed = [(rank, p) for rank, ps in enumerate(reports) for p in ps]
+    if failed:
+        lines = sorted({p for _, p in failed})
+        more = f"; and {len(lines) - 8} more" if len(lines) > 8 else ""
+        raise CheckpointingException(f"cannot load checkpoint {resolved or path!r}: " + "; ".join(lines[:8]) + more)
+    assert metadata is not None
+
+    state: dict[str, Any] = {"model": {s.global_name: s.sharded() for s in unique}}
+    optimizer_targets: dict[str, dict[str, torch.Tensor]] = {}
+    if optimizer is not None:
+        param_state = {}
+        for global_name, (name, spec, entry_now) in current.items():
+            entry = {}
+            for k, now in entry_now.items():
+                dtype = metadata.state_dict_metadata[f"optimizer.param_state.{global_name}.{k}"].properties.dtype
+                target = torch.empty(spec.param.shape, dtype=dtype, device=now.device)
+                optimizer_targets.setdefault(name, {})[k] = target
+                entry[k] = spec.sharded(target)
+            param_state[global_name] = entry
+        state["optimizer"] = {"step": 0, "param_state": param_state}
+        if "optimizer.grad_scaler" in metadata.state_dict_metadata:
+            state["optimizer"]["grad_scaler"] = b""
+    rng_loaded = load_rng and marker["layout"] == _layout()
+    if rng_loaded:
+        state["rng"] = {_rng_key(): b""}
+    dcp.load(state, storage_reader=FileSystemReader(resolved))
+
+    if optimizer is not None:
+        scalars = {"step": state["optimizer"]["step"]}
+        if "grad_scaler" in state["optimizer"]:
+            scalars["grad_scaler"] = _from_bytes(state["optimizer"]["grad_scaler"])
+        optimizer.load_state_dict(scalars)
+        optimizer.load_param_state_by_name(optimizer_targets)
+    if rng_loaded:
+        _set_rng(state["rng"][_rng_key()])
+    return {**marker, "rng_loaded": rng_loaded, "path": resolved}

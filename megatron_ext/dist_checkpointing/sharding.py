@@ -1,0 +1,170 @@
+"""Where each rank's parameter shards sit in the global (unsplit, unstaged) model.
+
+A checkpoint stores every parameter as its global tensor under a global name, so that it loads
+at any tensor/pipeline/data-parallel layout:
+
+- names: the name in the serial model. Pipeline stages hold consecutive (or, with a virtual
+  pipeline, interleaved) layers under stage-local indices ``layers.0, layers.1, ...``; each layer
+  knows its global ``layer_number`` (1-based), which replaces the local index. The last stage's
+  copy of a tied word embedding is stored as the first stage's ``embedding.word_embeddings.weight``.
+- shards: a tensor-parallel parameter (``tensor_model_parallel``) is cut along ``partition_dim``
+  into ``tp * partition_stride`` equal pieces dealt round-robin, so TP rank r holds pieces
+  r, r + tp, r + 2 tp, ... (``_initialize_affine_weight_cpu`` splits a master weight the same
+  way). Each piece is written at its global offset (DCP's ``CheckpointableTensor`` fields); DCP
+  reads back whatever overlaps a rank's pieces at the new layout.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from megatron_ext import parallel_state
+
+TIED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
+_LAYER_PREFIX = re.compile(r"^(?P<head>(?:.*\.)?layers)\.(?P<index>\d+)$")
+
+
+def sharded_tensor(
+    local: torch.Tensor, global_shape: Iterable[int], pieces: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+) -> torch.Tensor:
+    """An alias of ``local`` that DCP saves and loads as parts of a global tensor.
+
+    ``pieces``: (global offset, local offset, size) of each part of ``local``. The alias carries
+    DCP's ``CheckpointableTensor`` fields: saving writes each part at its global offset, loading
+    copies whatever overlaps a part from the stored chunks into ``local`` itself.
+    """
+    alias = local.detach()
+    alias.global_shape = tuple(global_shape)
+    alias.global_offsets = tuple(tuple(g) for g, _, _ in pieces)
+    alias.local_offsets = tuple(tuple(o) for _, o, _ in pieces)
+    alias.local_sizes = tuple(tuple(n) for _, _, n in pieces)
+    return alias
+
+
+def replicated(tensor: torch.Tensor) -> torch.Tensor:
+    zeros = (0,) * tensor.dim()
+    return sharded_tensor(tensor, tensor.shape, [(zeros, zeros, tuple(tensor.shape))])
+
+
+def tp_partitioned(tensor: torch.Tensor, dim: int, stride: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The local shard ``tensor`` of a global tensor split along ``dim`` with ``stride``."""
+    dim = dim % tensor.dim()
+    if tensor.shape[dim] % stride != 0:
+        raise ValueError(f"a shard of size {tensor.shape[dim]} along dim {dim} does not split into stride {stride}")
+    piece = tensor.shape[dim] // stride
+    global_shape = list(tensor.shape)
+    global_shape[dim] *= tp_size
+    size = list(tensor.shape)
+    size[dim] = piece
+    pieces = []
+    for k in range(stride):
+        global_offset, local_offset = [0] * tensor.dim(), [0] * tensor.dim()
+        global_offset[dim] = (k * tp_size + tp_rank) * piece
+        local_offset[dim] = k * piece
+        pieces.append((tuple(global_offset), tuple(local_offset), tuple(size)))
+    return sharded_tensor(tensor, global_shape, pieces)
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+        module = module.module
+    return module
+
+
+def _strip_wrappers(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+@dataclass
+class ParamSpec:
+    local_name: str  # as the optimizer contract names it ("chunk{i}." prefix with several chunks)
+    global_name: str
+    param: torch.nn.Parameter
+
+    def sharded(self, tensor: torch.Tensor | None = None) -> torch.Tensor:
+        """``tensor`` (default: the parameter's data), which has the parameter's local shape,
+        sharded as the parameter is."""
+        t = self.param.detach() if tensor is None else tensor
+        if t.shape != self.param.shape:
+            raise ValueError(f"{self.local_name}: a tensor of shape {tuple(t.shape)} for a parameter of shape "
+                             f"{tuple(self.param.shape)}")
+        if not getattr(self.param, "tensor_model_parallel", False):
+            return replicated(t)
+        return tp_partitioned(
+            t, self.param.partition_dim, getattr(self.param, "partition_stride", 1),
+            parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size(),
+        )
+
+
+def _global_prefixes(chunk: torch.nn.Module) -> dict[str, str]:
+    """Stage-local layer prefixes (``decoder.layers.0``) -> global ones (``decoder.layers.5``)."""
+    prefixes = {}
+    for name, module in chunk.named_modules():
+        match = _LAYER_PREFIX.match(name)
+        number = getattr(module, "layer_number", None)
+        if match and isinstance(number, int):
+            prefixes[name] = f"{match['head']}.{number - 1}"
+    return prefixes
+
+
+def _global_name(name: str, prefixes: dict[str, str], chunk: torch.nn.Module) -> str:
+    if (
+        name == "output_layer.weight"
+        and getattr(chunk, "share_embeddings_and_output_weights", False)
+        and not getattr(chunk, "pre_process", True)
+    ):
+        return TIED_EMBEDDING_NAME
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in prefixes:
+            return ".".join([prefixes[prefix]] + parts[i:])
+    return name
+
+
+def model_chunks(model: torch.nn.Module | list[torch.nn.Module]) -> list[torch.nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def param_specs(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, ParamSpec]:
+    """This rank's parameters by local name (both as ``chunk.named_parameters()`` spells it and
+    with wrapper prefixes like DDP's ``module.`` removed), each with its global name."""
+    chunks = model_chunks(model)
+    specs: dict[str, ParamSpec] = {}
+    seen: dict[str, str] = {}
+    for i, wrapped in enumerate(chunks):
+        chunk = _unwrap(wrapped)
+        prefixes = _global_prefixes(chunk)
+        chunk_prefix = f"chunk{i}." if len(chunks) > 1 else ""
+        for name, param in wrapped.named_parameters():
+            bare = _strip_wrappers(name)
+            spec = ParamSpec(chunk_prefix + name, _global_name(bare, prefixes, chunk), param)
+            if spec.global_name in seen:
+                raise RuntimeError(
+                    f"parameters {seen[spec.global_name]!r} and {spec.local_name!r} map to the same global name "
+                    f"{spec.global_name!r}; are the layers' layer_number attributes global?"
+                )
+            seen[spec.global_name] = spec.local_name
+            specs[chunk_prefix + name] = spec
+            specs.setdefault(chunk_prefix + bare, spec)
+    return specs
+
+
+def unique_specs(specs: dict[str, ParamSpec]) -> list[ParamSpec]:
+    out, ids = [], set()
+    for spec in specs.values():
+        if id(spec) not in ids:
+            ids.add(id(spec))
+            out.append(spec)
+    return out
+
+
+def stored_shape(md: Any) -> tuple[int, ...] | None:
+    return tuple(md.size) if isinstance(md, TensorStorageMetadata) else None

@@ -1,0 +1,75 @@
+"""Megatron-core's DistributedDataParallelConfig: how DistributedDataParallel reduces gradients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DistributedDataParallelConfig:
+    """The options of Megatron-core 0.16's ``DistributedDataParallelConfig``.
+
+    Implemented: ``grad_reduce_in_fp32`` (``param.main_grad`` is float32 for 16-bit parameters),
+    ``overlap_grad_reduce`` (a bucket's collective starts during the backward once all its
+    gradients are complete; otherwise all start in ``finish_grad_sync``),
+    ``use_distributed_optimizer`` (reduce-scatter instead of all-reduce, buckets padded to a
+    multiple of the data-parallel size), ``bucket_size`` (elements per bucket; None: Megatron's
+    ``max(40_000_000, 1_000_000 * dp)``), ``check_for_nan_in_grad`` and ``average_in_collective``
+    (accepted; the average is always a SUM followed by a division, gloo having no AVG).
+    The remaining fields are accepted at their defaults and refused otherwise.
+    """
+
+    grad_reduce_in_fp32: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    align_param_gather: bool = False
+    use_distributed_optimizer: bool = False
+    num_distributed_optimizer_instances: int = 1
+    check_for_nan_in_grad: bool = False
+    check_for_large_grads: bool = False
+    bucket_size: int | None = None
+    pad_buckets_for_high_nccl_busbw: bool = False
+    reduce_scatter_with_fp32_accumulation: bool = False
+    average_in_collective: bool = False
+    fp8_param_gather: bool = False
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    use_megatron_fsdp: bool = False
+    use_custom_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
+    gradient_reduce_div_fusion: bool = True
+    suggested_communication_unit_size: int | None = None
+    preserve_fp32_weights: bool = True
+    keep_fp8_transpose_cache: bool = False
+    nccl_ub: bool = False
+    fsdp_double_buffer: bool = False
+    outer_dp_sharding_strategy: str = "no_shard"
+    disable_symmetric_registration: bool = False
+    fsdp_manual_registration: bool = False
+
+    def __post_init__(self) -> None:
+        unsupported = {
+            "overlap_param_gather": False,
+            "align_param_gather": False,
+            "num_distributed_optimizer_instances": 1,
+            "check_for_large_grads": False,
+            "reduce_scatter_with_fp32_accumulation": False,
+            "fp8_param_gather": False,
+            "reuse_grad_buf_for_mxfp8_param_ag": False,
+            "use_megatron_fsdp": False,
+            "use_custom_fsdp": False,
+            "data_parallel_sharding_strategy": "no_shard",
+            "outer_dp_sharding_strategy": "no_shard",
+            "nccl_ub": False,
+            "fsdp_double_buffer": False,
+        }
+        for name, default in unsupported.items():
+            if getattr(self, name) != default:
+                raise NotImplementedError(
+                    f"DistributedDataParallelConfig.{name}={getattr(self, name)!r} is not supported by "
+                    f"megatron_ext (only {default!r})"
+                )
+        if self.bucket_size is not None and (
+            isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int) or self.bucket_size < 1
+        ):
+            raise ValueError(f"DistributedDataParallelConfig.bucket_size must be None or an integer >= 1, "
+                             f"got {self.bucket_size!r}")

@@ -1,0 +1,232 @@
+"""The GPU path (marked ``cuda``; skipped without a GPU; ``./dev.sh gpu`` runs it):
+
+* every CUDA kernel against its CPU twin in float32, bfloat16 and float16;
+* the regions, the linear (with gradient-accumulation fusion) and the cross-entropy on a
+  one-rank NCCL group;
+* the GPT model trained at tp 1 on one GPU equal to its CPU run in float32.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import megatron_ext
+from megatron_ext import parallel_state as ps
+from megatron_ext import tensor_parallel
+
+HAS_GPU = torch.cuda.is_available()
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")]
+
+ops = torch.ops.megatron_ext
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# CPU and GPU libm differ by an ulp or two; a 16-bit result may then round to the neighbouring value.
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-6),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+    torch.float16: dict(rtol=2e-3, atol=1e-3),
+}
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def test_extension_has_its_cuda_kernels():
+    assert megatron_ext.build_info()["cuda_compiled"], "built without CUDA on a machine with a GPU"
+    for op in ("bias_gelu_forward", "bias_dropout_add_forward", "vocab_parallel_cross_entropy_row_stats"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_ext::{op}", "CUDA"), op
+
+
+@pytest.mark.parametrize("tanh", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_gelu_kernels_equal_cpu_twin(dtype, tanh):
+    x = _randn(33, 2, 200, dtype=dtype, seed=1, scale=3.0)
+    b = _randn(200, dtype=dtype, seed=2)
+    g = _randn(33, 2, 200, dtype=dtype, seed=3)
+    cpu = ops.bias_gelu_forward(x, b, tanh)
+    gpu = ops.bias_gelu_forward(x.cuda(), b.cuda(), tanh)
+    assert_close(gpu.cpu(), cpu, **TOL[dtype])
+    cpu = ops.bias_gelu_backward(g, x, b, tanh)
+    gpu = ops.bias_gelu_backward(g.cuda(), x.cuda(), b.cuda(), tanh)
+    assert_close(gpu.cpu(), cpu, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dropout_kernels_equal_cpu_twin(dtype):
+    shape = (17, 3, 129)  # numel not a multiple of the Philox group
+    x, r, g = (_randn(*shape, dtype=dtype, seed=s) for s in (4, 5, 6))
+    b = _randn(129, dtype=dtype, seed=7)
+    seed, offset = 0x1234_5678_9ABC, 40
+    cpu = ops.bias_dropout_add_forward(x, b, r, 0.3, seed, offset)
+    gpu = ops.bias_dropout_add_forward(x.cuda(), b.cuda(), r.cuda(), 0.3, seed, offset)
+    assert_close(gpu.cpu(), cpu, **TOL[dtype])
+    ones, zeros = torch.ones(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    mask_cpu = ops.bias_dropout_add_forward(ones, None, zeros, 0.3, seed, offset) != 0
+    mask_gpu = ops.bias_dropout_add_forward(ones.cuda(), None, zeros.cuda(), 0.3, seed, offset) != 0
+    assert torch.equal(mask_gpu.cpu(), mask_cpu)  # the same elements dropped, bit for bit
+    assert_close(
+        ops.dropout_backward(g.cuda(), 0.3, seed, offset).cpu(),
+        ops.dropout_backward(g, 0.3, seed, offset),
+        **TOL[dtype],
+    )
+
+
+def test_fused_dropout_replays_the_cuda_generator():
+    x = _randn(64, 4, 256, dtype=torch.float32, seed=8).cuda().requires_grad_()
+    b = _randn(256, dtype=torch.float32, seed=9).cuda().requires_grad_()
+    r = _randn(64, 4, 256, dtype=torch.float32, seed=10).cuda()
+    state = torch.cuda.get_rng_state()
+    first = ops.bias_dropout_add(x, b, r, 0.2, True)
+    second = ops.bias_dropout_add(x, b, r, 0.2, True)
+    assert not torch.equal(first, second)
+    torch.cuda.set_rng_state(state)
+    replay = ops.bias_dropout_add(x, b, r, 0.2, True)
+    assert torch.equal(replay, first)
+    replay.backward(torch.ones_like(replay))
+    torch.cuda.set_rng_state(state)
+    ones = torch.ones_like(r)
+    mask_scale = ops.bias_dropout_add(ones, None, torch.zeros_like(r), 0.2, True)  # mask / 0.8
+    assert torch.equal(x.grad, mask_scale)
+    assert_close(first, r + (x + b).detach() * mask_scale)
+    kept = (x.grad != 0).float().mean().item()
+    assert abs(kept - 0.8) < 0.01, kept
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cross_entropy_kernels_equal_cpu_twin(dtype):
+    logits = _randn(37, 1000, dtype=dtype, seed=11, scale=4.0)
+    target = torch.randint(0, 2000, (37,), generator=torch.Generator().manual_seed(12))
+    target[3] = -100
+    stats_cpu = ops.vocab_parallel_cross_entropy_row_stats(logits, target, 1000, -100)
+    stats_gpu = ops.vocab_parallel_cross_entropy_row_stats(logits.cuda(), target.cuda(), 1000, -100)
+    assert_close(stats_gpu.cpu(), stats_cpu, rtol=1e-5, atol=1e-4)
+    row_max = stats_cpu[:, 0].contiguous()
+    lse = stats_cpu[:, 1].log().contiguous()
+    grad_loss = torch.rand(37, generator=torch.Generator().manual_seed(13), dtype=stats_cpu.dtype)
+    args = (0.1, -100, 1000, 2000)
+    cpu = ops.vocab_parallel_cross_entropy_backward(grad_loss, logits, target, row_max, lse, *args)
+    gpu = ops.vocab_parallel_cross_entropy_backward(
+        grad_loss.cuda(), logits.cuda(), target.cuda(), row_max.cuda(), lse.cuda(), *args
+    )
+    assert_close(gpu.cpu(), cpu, **TOL[dtype])
+
+
+def test_vocab_mask_kernel_equals_cpu_twin():
+    ids = torch.randint(0, 500, (7, 33), generator=torch.Generator().manual_seed(14))
+    for got, want in zip(ops.vocab_range_mask(ids.cuda(), 100, 250), ops.vocab_range_mask(ids, 100, 250)):
+        assert torch.equal(got.cpu(), want)
+
+
+# --- a one-rank NCCL group -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nccl_group():
+    if not HAS_GPU:
+        pytest.skip("needs a CUDA GPU")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    ps.initialize_model_parallel(1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    yield ps.get_tensor_model_parallel_group().group_name
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_regions_on_one_rank_nccl_group(nccl_group):
+    x = _randn(4, 3, 8, dtype=torch.float32, seed=15).cuda().requires_grad_()
+    for fn in (
+        tensor_parallel.copy_to_tensor_model_parallel_region,
+        tensor_parallel.reduce_from_tensor_model_parallel_region,
+        tensor_parallel.scatter_to_tensor_model_parallel_region,
+        tensor_parallel.gather_from_tensor_model_parallel_region,
+        tensor_parallel.scatter_to_sequence_parallel_region,
+        tensor_parallel.gather_from_sequence_parallel_region,
+        tensor_parallel.reduce_scatter_to_sequence_parallel_region,
+    ):
+        y = fn(x)
+        assert y.is_cuda and torch.equal(y, x), fn.__name__
+        (grad,) = torch.autograd.grad(y.sum(), x)
+        assert torch.equal(grad, torch.ones_like(x)), fn.__name__
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_linear_with_gradient_accumulation_fusion_on_nccl(nccl_group, dtype):
+    x = _randn(16, 2, 64, dtype=dtype, seed=16).cuda().requires_grad_()
+    w = _randn(32, 64, dtype=dtype, seed=17).cuda().requires_grad_()
+    b = _randn(32, dtype=dtype, seed=18).cuda().requires_grad_()
+    start = _randn(32, 64, dtype=torch.float32, seed=19).cuda()
+    main_grad = start.clone()
+    g = _randn(16, 2, 32, dtype=dtype, seed=20).cuda()
+    out = ops.linear_with_grad_accumulation_and_async_allreduce(
+        x, w, b, main_grad, True, False, False, nccl_group
+    )
+    assert_close(out, F.linear(x, w, b), **TOL[dtype])
+    out.backward(g)
+    expected = start + g.reshape(-1, 32).float().t() @ x.detach().reshape(-1, 64).float()
+    assert main_grad.dtype == torch.float32 and w.grad is None
+    assert_close(main_grad, expected, rtol=1e-4, atol=1e-3)
+    assert_close(x.grad, g @ w.detach(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cross_entropy_on_nccl(nccl_group, dtype):
+    logits = _randn(8, 4, 300, dtype=dtype, seed=21, scale=3.0).cuda().requires_grad_()
+    target = torch.randint(0, 300, (8, 4), generator=torch.Generator().manual_seed(22)).cuda()
+    loss = tensor_parallel.vocab_parallel_cross_entropy(logits, target)
+    ref_logits = logits.detach().float().requires_grad_()
+    ref = F.cross_entropy(ref_logits.reshape(-1, 300), target.reshape(-1), reduction="none").reshape(8, 4)
+    assert_close(loss.float(), ref, rtol=1e-5, atol=1e-5)
+    loss.sum().backward()
+    ref.sum().backward()
+    assert_close(logits.grad.float(), ref_logits.grad, **TOL[dtype])
+
+
+def _train_gpt(device: str, steps: int = 4) -> list[float]:
+    from megatron_ext.models import GPTModel
+    from megatron_ext.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+    )
+    for flag in ("bias_activation_fusion", "bias_dropout_fusion"):
+        setattr(config, flag, True)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    model = GPTModel(config, vocab_size=256, max_sequence_length=32, init_seed=1234).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(steps):
+        data = torch.randint(0, 256, (4, 33), generator=g)
+        tokens, labels = data[:, :-1].to(device), data[:, 1:].to(device)
+        positions = torch.arange(32, device=device).expand(4, 32)
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(tokens, positions, labels=labels).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_gpt_training_on_gpu_equals_cpu(nccl_group):
+    cuda_losses = _train_gpt("cuda")
+    cpu_losses = _train_gpt("cpu")
+    assert_close(torch.tensor(cuda_losses), torch.tensor(cpu_losses), rtol=1e-4, atol=1e-4)
