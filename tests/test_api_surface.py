@@ -207,6 +207,7 @@ SUBMODULES = {
 
 # Parameters, in order, of the tensor_parallel functions this project mirrors from Megatron-core.
 TENSOR_PARALLEL_SIGNATURES = {
+    "param_is_not_tensor_parallel_duplicate": ("param", "tp_group"),
     "all_to_all": ("group", "input_", "output_split_sizes_", "input_split_sizes"),
     "all_to_all_sp2hp": ("input_", "group"),
     "all_to_all_hp2sp": ("input_", "group"),

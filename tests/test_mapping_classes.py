@@ -161,6 +161,14 @@ def _worker():
     out, grad = _run(lambda x: tp_.all_to_all_hp2sp(x, group), chunk(full_x, 1), chunk(full_g, 0), False)
     assert_close(out, chunk(full_x, 0), **EXACT) and assert_close(grad, chunk(full_g, 1), **EXACT)
     _check_frozen_linear(group, n, r)
+    # param_is_not_tensor_parallel_duplicate(param, tp_group): shards always count; a replicated
+    # parameter counts on rank 0 of the given group (a group of this rank alone: always).
+    shard, replica = torch.zeros(2), torch.zeros(2)
+    tp_.set_tensor_model_parallel_attributes(shard, True, 0, 1)
+    assert tp_.param_is_not_tensor_parallel_duplicate(shard, group)
+    assert tp_.param_is_not_tensor_parallel_duplicate(replica) == (r == 0)
+    assert tp_.param_is_not_tensor_parallel_duplicate(replica, group) == (r == 0)
+    assert tp_.param_is_not_tensor_parallel_duplicate(replica, ps.get_data_parallel_group())
     return True
 
 

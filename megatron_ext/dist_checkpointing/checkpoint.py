@@ -22,7 +22,8 @@ import io
 import json
 import os
 import shutil
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,6 @@ from megatron_ext.tensor_parallel.random import get_cuda_rng_tracker
 FORMAT = "megatron_ext.dist_checkpointing/1"
 MARKER = "checkpoint.json"
 TRACKER = "latest_checkpointed_iteration.txt"
-OPTIMIZER_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
 # Called on every rank after its files are written and before the checkpoint is completed; tests
 # set it to kill a rank at the worst moment.
@@ -82,22 +82,31 @@ def _layout() -> dict[str, int]:
 
 def _rng_key() -> str:
     return (
-        f"tp{parallel_state.get_tensor_model_parallel_rank()}_pp{parallel_state.get_pipeline_model_parallel_rank()}"
+        f"tp{parallel_state.get_tensor_model_parallel_rank()}"
+        f"_pp{parallel_state.get_pipeline_model_parallel_rank()}"
         f"_dp{parallel_state.get_data_parallel_rank()}"
     )
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _rng_bytes() -> bytes:
     states = {"tracker": get_cuda_rng_tracker().get_states(), "cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
-    buffer = io.BytesIO()
-    torch.save(states, buffer)
-    return buffer.getvalue()
+    return _to_bytes(states)
 
 
 def _set_rng(data: bytes) -> None:
-    states = torch.load(io.BytesIO(data), weights_only=True)
+    states = _from_bytes(data)
     get_cuda_rng_tracker().set_states(states["tracker"])
     torch.set_rng_state(states["cpu"])
     if "cuda" in states and torch.cuda.is_available():
@@ -151,8 +160,11 @@ def save_checkpoint(
     if optimizer is not None:
         param_state = {}
         for global_name, (_, spec, entry) in _optimizer_by_global_name(optimizer, specs).items():
-            param_state[global_name] = {k: spec.sharded(entry[k]) for k in OPTIMIZER_KEYS}
-        state["optimizer"] = {"step": int(optimizer.state_dict()["step"]), "param_state": param_state}
+            param_state[global_name] = {k: spec.sharded(v) for k, v in entry.items()}
+        optimizer_state = optimizer.state_dict()
+        state["optimizer"] = {"step": int(optimizer_state["step"]), "param_state": param_state}
+        if optimizer_state.get("grad_scaler"):  # fp16 loss scaling: the same on every rank
+            state["optimizer"]["grad_scaler"] = _to_bytes(optimizer_state["grad_scaler"])
     state["rng"] = {_rng_key(): _rng_bytes()}
 
     final = checkpoint_dir(save_dir, iteration)
@@ -223,7 +235,9 @@ def read_marker(path: str) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise CheckpointingException(f"checkpoint {path!r}: {MARKER} is unreadable ({e})") from None
     if marker.get("format") != FORMAT:
-        raise CheckpointingException(f"checkpoint {path!r}: format {marker.get('format')!r}, expected {FORMAT!r}")
+        raise CheckpointingException(
+            f"checkpoint {path!r}: format {marker.get('format')!r}, expected {FORMAT!r}"
+        )
     return marker
 
 
@@ -239,6 +253,25 @@ def verify_files(path: str, marker: dict[str, Any], names: list[str]) -> list[st
     return problems
 
 
+def _stored_optimizer_keys(metadata: Metadata, global_name: str) -> list[str]:
+    prefix = f"optimizer.param_state.{global_name}."
+    return sorted(k[len(prefix) :] for k in metadata.state_dict_metadata if k.startswith(prefix))
+
+
+def _check_optimizer(metadata: Metadata, current: dict[str, tuple[str, ParamSpec, dict]]) -> list[str]:
+    if "optimizer.step" not in metadata.state_dict_metadata:
+        return ["it holds no optimizer state"]
+    problems = []
+    for global_name, (_, _, entry) in current.items():
+        stored = _stored_optimizer_keys(metadata, global_name)
+        if stored != sorted(entry):
+            problems.append(
+                f"the optimizer state of {global_name} holds {stored} in the checkpoint, "
+                f"the optimizer has {sorted(entry)}"
+            )
+    return problems
+
+
 def _check_model(metadata: Metadata, specs: list[ParamSpec], all_names: set[str]) -> list[str]:
     problems = []
     stored = metadata.state_dict_metadata
@@ -249,12 +282,17 @@ def _check_model(metadata: Metadata, specs: list[ParamSpec], all_names: set[str]
             problems.append(f"parameter {spec.global_name} {list(expected)} is not in the checkpoint")
         elif stored_shape(stored[key]) != expected:
             problems.append(
-                f"parameter {spec.global_name} has global shape {list(stored_shape(stored[key]) or [])} in the "
+                f"parameter {spec.global_name} has global shape "
+                f"{list(stored_shape(stored[key]) or [])} in the "
                 f"checkpoint but {list(expected)} in the model"
             )
-    extra = sorted(k[len("model.") :] for k in stored if k.startswith("model.") and k[len("model.") :] not in all_names)
+    extra = sorted(
+        k[len("model.") :] for k in stored if k.startswith("model.") and k[len("model.") :] not in all_names
+    )
     if extra:
-        problems.append(f"the checkpoint has parameters the model lacks: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+        problems.append(
+            f"the checkpoint has parameters the model lacks: {extra[:5]}{' ...' if len(extra) > 5 else ''}"
+        )
     return problems
 
 
@@ -276,6 +314,7 @@ def load_checkpoint(
     specs = param_specs(model)
     unique = unique_specs(specs)
     all_names = set().union(*_all_gather([s.global_name for s in unique]))
+    current = _optimizer_by_global_name(optimizer, specs) if optimizer is not None else {}
     problems: list[str] = []
     marker: dict[str, Any] = {}
     metadata: Metadata | None = None
@@ -283,12 +322,14 @@ def load_checkpoint(
         if resolved is None:
             raise CheckpointingException(f"{path!r} is neither a checkpoint nor a directory with {TRACKER}")
         marker = read_marker(resolved)
-        problems += verify_files(resolved, marker, sorted(marker["files"])[dist.get_rank() :: dist.get_world_size()])
+        problems += verify_files(
+            resolved, marker, sorted(marker["files"])[dist.get_rank() :: dist.get_world_size()]
+        )
         if not problems:
             metadata = FileSystemReader(resolved).read_metadata()
             problems += _check_model(metadata, unique, all_names)
-            if optimizer is not None and "optimizer.step" not in metadata.state_dict_metadata:
-                problems.append("it holds no optimizer state")
+            if optimizer is not None:
+                problems += _check_optimizer(metadata, current)
     except CheckpointingException as e:
         problems.append(str(e))
     except Exception as e:  # noqa: BLE001  (an unreadable file must fail every rank alike)
@@ -297,31 +338,39 @@ def load_checkpoint(
     failed = [(rank, p) for rank, ps in enumerate(reports) for p in ps]
     if failed:
         lines = sorted({p for _, p in failed})
-        raise CheckpointingException(f"cannot load checkpoint {resolved or path!r}: " + "; ".join(lines[:8]))
+        more = f"; and {len(lines) - 8} more" if len(lines) > 8 else ""
+        raise CheckpointingException(
+            f"cannot load checkpoint {resolved or path!r}: " + "; ".join(lines[:8]) + more
+        )
     assert metadata is not None
 
     state: dict[str, Any] = {"model": {s.global_name: s.sharded() for s in unique}}
     optimizer_targets: dict[str, dict[str, torch.Tensor]] = {}
     if optimizer is not None:
         param_state = {}
-        for global_name, (name, spec, current) in _optimizer_by_global_name(optimizer, specs).items():
+        for global_name, (name, spec, entry_now) in current.items():
             entry = {}
-            for k in OPTIMIZER_KEYS:
-                dtype = metadata.state_dict_metadata[f"optimizer.param_state.{global_name}.{k}"].properties.dtype
-                target = torch.empty(spec.param.shape, dtype=dtype, device=current[k].device)
+            for k, now in entry_now.items():
+                dtype = metadata.state_dict_metadata[
+                    f"optimizer.param_state.{global_name}.{k}"
+                ].properties.dtype
+                target = torch.empty(spec.param.shape, dtype=dtype, device=now.device)
                 optimizer_targets.setdefault(name, {})[k] = target
                 entry[k] = spec.sharded(target)
             param_state[global_name] = entry
         state["optimizer"] = {"step": 0, "param_state": param_state}
+        if "optimizer.grad_scaler" in metadata.state_dict_metadata:
+            state["optimizer"]["grad_scaler"] = b""
     rng_loaded = load_rng and marker["layout"] == _layout()
     if rng_loaded:
         state["rng"] = {_rng_key(): b""}
     dcp.load(state, storage_reader=FileSystemReader(resolved))
 
     if optimizer is not None:
-        current_state = optimizer.state_dict()
-        current_state["step"] = state["optimizer"]["step"]
-        optimizer.load_state_dict(current_state)
+        scalars = {"step": state["optimizer"]["step"]}
+        if "grad_scaler" in state["optimizer"]:
+            scalars["grad_scaler"] = _from_bytes(state["optimizer"]["grad_scaler"])
+        optimizer.load_state_dict(scalars)
         optimizer.load_param_state_by_name(optimizer_targets)
     if rng_loaded:
         _set_rng(state["rng"][_rng_key()])

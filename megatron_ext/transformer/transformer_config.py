@@ -1,14 +1,35 @@
-"""Configuration of the parallel transformer, named as Megatron-core's TransformerConfig."""
+"""Configuration of the parallel transformer: every field of Megatron-core 0.16.1's
+TransformerConfig, with its name, default and place in the positional order.
+
+The fields megatron_ext's transformer reads take any valid value; a field whose feature it does not
+implement (mixture of experts, FP8, RMSNorm, gated linear units, CUDA graphs, ...) is accepted at its
+default and raises ``NotImplementedError`` naming it when set to anything else. Options that only
+refine an unimplemented feature (the ``moe_*`` settings without ``num_moe_experts``, the ``fp8_*``
+settings without ``fp8``, ...) change nothing and are accepted.
+"""
 
 from __future__ import annotations
 
+import enum
 import math
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from megatron_ext.model_parallel_config import ModelParallelConfig
+from megatron_ext.model_parallel_config import ModelParallelConfig, refuse_unimplemented
+
+
+class AttnBackend(enum.Enum):
+    """Megatron-core's attention backends; megatron_ext's attention is the unfused local one."""
+
+    flash = 1
+    fused = 2
+    unfused = 3
+    local = 4
+    auto = 5
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -20,9 +41,78 @@ def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return init_
 
 
-def scaled_init_method_normal(sigma: float, num_layers: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """N(0, (sigma / sqrt(2 * num_layers))^2): the output projections of the residual branches."""
-    return init_method_normal(sigma / math.sqrt(2.0 * num_layers))
+def scaled_init_method_normal(
+    sigma: float, num_layers: int, multiplier: float = 2.0
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """N(0, (sigma / sqrt(multiplier * num_layers))^2): the output projections of the residual
+    branches."""
+    return init_method_normal(sigma / math.sqrt(multiplier * num_layers))
+
+
+# Fields whose feature the transformer does not implement, each with that feature.
+_UNIMPLEMENTED = {
+    "mtp_num_layers": "multi-token prediction",
+    "pipeline_model_parallel_layout": "custom pipeline layouts",
+    "softmax_scale": "a custom attention softmax scale",
+    "softmax_type": "off-by-one / learnable softmax",
+    "fp32_residual_connection": "fp32 residual connections",
+    "layernorm_zero_centered_gamma": "zero-centred LayerNorm gamma",
+    "add_bias_linear": "linear layers without bias",
+    "gated_linear_unit": "gated linear units",
+    "activation_func": "activations other than GeLU",
+    "activation_func_fp8_input_store": "FP8 activation storage",
+    "glu_linear_offset": "gated linear units",
+    "activation_func_clamp_value": "activation clamping",
+    "num_moe_experts": "mixture-of-experts layers",
+    "rotary_interleaved": "rotary embeddings",
+    "window_size": "sliding-window attention",
+    "window_attn_skip_freq": "sliding-window attention",
+    "normalization": "RMSNorm",
+    "qk_layernorm": "query/key normalisation",
+    "qk_l2_norm": "query/key normalisation",
+    "qk_clip": "query/key clipping",
+    "log_max_attention_logit": "attention-logit logging",
+    "attention_output_gate": "gated attention",
+    "multi_latent_attention": "multi-latent attention",
+    "no_rope_freq": "rotary embeddings",
+    "experimental_attention_variant": "experimental attention variants",
+    "linear_attention_freq": "linear attention",
+    "init_model_with_meta_device": "meta-device initialisation",
+    "apply_query_key_layer_scaling": "query-key layer scaling",
+    "disable_bf16_reduced_precision_matmul": "cuBLAS reduced-precision control",
+    "masked_softmax_fusion": "the fused masked softmax kernel",
+    "persist_layer_norm": "the persistent LayerNorm kernel",
+    "memory_efficient_layer_norm": "the memory-efficient LayerNorm kernel",
+    "apply_rope_fusion": "rotary embeddings",
+    "use_fused_weighted_squared_relu": "weighted squared ReLU",
+    "fused_single_qkv_rope": "rotary embeddings",
+    "distribute_saved_activations": "distributing recomputation inputs across tensor-parallel ranks",
+    "recompute_modules": "selective recomputation",
+    "fp8": "FP8 training",
+    "fp8_param": "FP8 training",
+    "fp8_dot_product_attention": "FP8 training",
+    "fp8_multi_head_attention": "FP8 training",
+    "first_last_layers_bf16": "FP8 training",
+    "use_kitchen": "NVIDIA Kitchen quantisation",
+    "use_kitchen_attention": "NVIDIA Kitchen quantisation",
+    "fp4": "FP4 training",
+    "fp4_param": "FP4 training",
+    "moe_layer_recompute": "mixture-of-experts layers",
+    "enable_cuda_graph": "CUDA graphs",
+    "external_cuda_graph": "CUDA graphs",
+    "cuda_graph_impl": "CUDA graphs",
+    "flash_decode": "flash decoding",
+    "batch_invariant_mode": "batch-invariant kernels",
+    "use_te_activation_func": "TransformerEngine activations",
+    "symmetric_ar_type": "symmetric-memory all-reduce",
+    "use_inference_optimized_layers": "inference-optimised layers",
+    "inference_fuse_tp_communication": "inference-optimised layers",
+    "mrope_section": "multimodal rotary embeddings",
+    "is_hybrid_model": "hybrid (Mamba) models",
+    "heterogeneous_block_specs": "heterogeneous layers",
+    "quant_recipe": "quantisation recipes",
+    "fine_grained_activation_offloading": "activation offloading",
+}
 
 
 @dataclass
@@ -30,26 +120,189 @@ class TransformerConfig(ModelParallelConfig):
     """What the transformer layers read, on top of the model-parallel settings."""
 
     num_layers: int = 0
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float | None = 0.1
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+    pipeline_model_parallel_layout: Any = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    hidden_size: int = 0
     num_attention_heads: int = 0
+    attention_backend: Any = AttnBackend.auto
+    softmax_scale: float | None = None
+    softmax_type: str = "vanilla"
+    num_query_groups: int | None = None
     ffn_hidden_size: int | None = None
     kv_channels: int | None = None
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
-    layernorm_epsilon: float = 1e-5
-    init_method_std: float = 0.02
+    fp32_residual_connection: bool = False
+    apply_residual_connection_post_layernorm: bool = False
+    layernorm_epsilon: float = 1e-05
+    layernorm_zero_centered_gamma: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    gated_linear_unit: bool = False
+    activation_func: Callable = F.gelu
+    activation_func_fp8_input_store: bool = False
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
+    num_moe_experts: int | None = None
+    rotary_interleaved: bool = False
+    window_size: tuple[int, int] | None = None
+    window_attn_skip_freq: Any = None
+    normalization: str = "LayerNorm"
+    qk_layernorm: bool = False
+    qk_l2_norm: bool = False
+    qk_clip: bool = False
+    qk_clip_alpha: float = 0.5
+    qk_clip_threshold: float = 100
+    log_max_attention_logit: bool = False
+    attention_output_gate: bool = False
+    test_mode: bool = False
+    calculate_per_token_loss: bool = False
+    multi_latent_attention: bool = False
+    no_rope_freq: Any = None
+    experimental_attention_variant: str | None = None
+    dsa_indexer_n_heads: int | None = None
+    dsa_indexer_head_dim: int | None = None
+    dsa_indexer_topk: int | None = None
+    dsa_indexer_loss_coeff: float | None = None
+    dsa_indexer_use_sparse_loss: bool = False
+    linear_attention_freq: Any = None
+    linear_conv_kernel_dim: int | None = 4
+    linear_key_head_dim: int | None = 128
+    linear_value_head_dim: int | None = 128
+    linear_num_key_heads: int | None = 16
+    linear_num_value_heads: int | None = 32
     init_method: Callable | None = None
     output_layer_init_method: Callable | None = None
-    apply_residual_connection_post_layernorm: bool = False
+    init_method_std: float = 0.02
+    embedding_init_method: Callable | None = None
+    embedding_init_method_std: float | None = None
+    init_model_with_meta_device: bool = False
+    apply_query_key_layer_scaling: bool = False
     attention_softmax_in_fp32: bool = True
-    recompute_granularity: str | None = None  # None or "full"
+    disable_bf16_reduced_precision_matmul: bool = False
+    bias_activation_fusion: bool = False
+    masked_softmax_fusion: bool = False
+    persist_layer_norm: bool = False
+    memory_efficient_layer_norm: bool = False
+    bias_dropout_fusion: bool = False
+    apply_rope_fusion: bool = False
+    use_fused_weighted_squared_relu: bool = False
+    fused_single_qkv_rope: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    distribute_saved_activations: bool | None = False
+    recompute_modules: list[str] | None = None
+    fp8: str | None = None
+    fp8_recipe: str | None = "delayed"
+    fp8_param: bool = False
+    fp8_quantizer_factory: str | None = None
+    fp8_margin: int = 0
+    fp8_interval: int = 1
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    fp8_wgrad: bool = True
+    fp8_dot_product_attention: bool = False
+    fp8_multi_head_attention: bool = False
+    tp_only_amax_red: bool = False
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+    use_kitchen: bool = False
+    use_kitchen_attention: bool = False
+    kitchen_attention_backend: str = "sdpa"
+    fp4: str | None = None
+    fp4_recipe: str | None = "nvfp4"
+    fp4_param: bool = False
+    fp4_quantizer_factory: str | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    moe_shared_expert_overlap: bool = False
+    moe_layer_freq: Any = 1
+    moe_ffn_hidden_size: int | None = None
+    moe_router_load_balancing_type: Any = "aux_loss"
+    moe_router_topk: int = 2
+    moe_enable_routing_replay: bool = False
+    moe_router_topk_limited_devices: int | None = None
+    moe_router_padding_for_quantization: bool | None = False
+    moe_router_padding_for_fp8: bool | None = False
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_score_function: str = "softmax"
+    moe_router_dtype: str | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 0.001
+    moe_router_force_load_balancing: bool = False
+    moe_grouped_gemm: bool = False
+    moe_use_legacy_grouped_gemm: bool = False
+    moe_aux_loss_coeff: Any = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_input_jitter_eps: float | None = None
+    moe_token_dropping: bool = False
+    moe_token_dispatcher_type: str = "allgather"
+    moe_enable_deepep: bool = False
+    moe_flex_dispatcher_backend: str = "deepep"
+    moe_per_layer_logging: bool = False
+    moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
+    moe_layer_recompute: bool = False
+    moe_permute_fusion: bool = False
+    moe_router_fusion: bool = False
+    moe_apply_probs_on_input: bool = False
+    moe_latent_size: int | None = None
+    moe_deepep_num_sms: int = 20
+    moe_hybridep_num_sms: int = 16
+    cp_comm_type: Any = None
+    enable_cuda_graph: bool = False
+    cuda_graph_use_single_mempool: bool = False
+    cuda_graph_retain_backward_graph: bool = False
+    cuda_graph_warmup_steps: int = 3
+    external_cuda_graph: bool = False
+    cuda_graph_impl: str = "none"
+    cuda_graph_scope: Any = "full"
+    clone_scatter_output_in_embedding: bool = True
+    disable_parameter_transpose_cache: bool = False
+    config_logger_dir: str = ""
+    flash_decode: bool = False
+    batch_invariant_mode: bool = False
+    use_te_activation_func: bool = False
+    use_te_rng_tracker: bool = False
+    inference_rng_tracker: bool = False
+    inference_sampling_seed: int = 42
+    symmetric_ar_type: str | None = None
+    use_inference_optimized_layers: bool = False
+    inference_fuse_tp_communication: bool = False
+    mrope_section: list[int] | None = None
+    is_hybrid_model: bool = False
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: int | None = None
+    use_mamba_mem_eff_path: bool = True
+    mlp_chunks_for_prefill: int = 1
+    heterogeneous_block_specs: bool = False
+    hetereogenous_dist_checkpoint: bool = False
+    quant_recipe: Any = None
+    transformer_impl: str = "transformer_engine"
+    fine_grained_activation_offloading: bool = False
+    offload_modules: list[str] | None = field(default_factory=list)
+    min_offloaded_tensor_size: int = 1024 * 1024
     # Not in Megatron-core: GPTModel computes the loss with the fused output layer +
     # cross-entropy (tensor_parallel.vocab_parallel_linear_cross_entropy), which never holds the
     # [s, b, vocab / tp] logits; same losses and gradients. Only the loss path (labels given).
     fused_output_cross_entropy: bool = False
 
     def __post_init__(self) -> None:
-        if hasattr(super(), "__post_init__"):
-            super().__post_init__()
+        super().__post_init__()
+        refuse_unimplemented(self, _UNIMPLEMENTED)
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -74,9 +327,50 @@ class TransformerConfig(ModelParallelConfig):
             )
         if self.kv_channels is None:
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_query_groups != self.num_attention_heads:
+            raise NotImplementedError(
+                f"TransformerConfig.num_query_groups={self.num_query_groups} is not supported (grouped-query "
+                f"attention); it must equal num_attention_heads ({self.num_attention_heads})"
+            )
         if self.recompute_granularity not in (None, "full"):
-            raise ValueError(f"recompute_granularity must be None or 'full', got {self.recompute_granularity!r}")
+            raise NotImplementedError(
+                f"TransformerConfig.recompute_granularity={self.recompute_granularity!r} is not supported: "
+                "None or 'full' (every layer recomputed in backward)"
+            )
+        # 'full' recomputes each layer on its own: Megatron-core's 'uniform' method with one layer
+        # per checkpoint.
+        if self.recompute_method not in (None, "uniform") or self.recompute_num_layers not in (None, 1):
+            raise NotImplementedError(
+                f"TransformerConfig.recompute_method={self.recompute_method!r}, recompute_num_layers="
+                f"{self.recompute_num_layers!r} is not supported: megatron_ext recomputes each layer on its "
+                "own (None or 'uniform' with 1 layer)"
+            )
+        backend = getattr(self.attention_backend, "name", self.attention_backend)
+        if backend not in ("auto", "local", "unfused"):
+            raise NotImplementedError(
+                f"TransformerConfig.attention_backend={self.attention_backend!r} is not supported: "
+                "megatron_ext's attention is the unfused local one (auto, local or unfused)"
+            )
+        if self.transformer_impl not in ("transformer_engine", "local"):
+            raise NotImplementedError(
+                f"TransformerConfig.transformer_impl={self.transformer_impl!r} is not supported: "
+                "megatron_ext builds its own layers ('local'; the default 'transformer_engine' means the same here)"
+            )
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, self.num_layers)
+        # The word embedding is initialised with init_method.
+        if self.embedding_init_method_std is None:
+            self.embedding_init_method_std = self.init_method_std
+        if self.embedding_init_method_std != self.init_method_std or self.embedding_init_method not in (
+            None,
+            self.init_method,
+        ):
+            raise NotImplementedError(
+                "TransformerConfig.embedding_init_method / embedding_init_method_std different from "
+                "init_method / init_method_std are not supported: the embedding is initialised with init_method"
+            )
+        self.embedding_init_method = self.init_method
