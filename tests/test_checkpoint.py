@@ -230,14 +230,17 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint(saved_at_tp2_pp2, tmp_p
 def _other_optimizer_worker(ckpt: str):
     train_gpt = _train_gpt()
 
-    class MomentumOnly(train_gpt.NamedAdam):
-        def param_state_by_name(self):
-            return {
-                n: {"param": e["param"], "momentum_buffer": e["exp_avg"]}
-                for n, e in super().param_state_by_name().items()
-            }
+    build = train_gpt.get_megatron_optimizer
 
-    train_gpt.NamedAdam = MomentumOnly
+    def momentum_only(*args, **kwargs):  # an optimizer whose state has other keys than Adam's
+        optimizer = build(*args, **kwargs)
+        by_name = optimizer.param_state_by_name
+        optimizer.param_state_by_name = lambda: {
+            n: {"param": e["param"], "momentum_buffer": e["exp_avg"]} for n, e in by_name().items()
+        }
+        return optimizer
+
+    train_gpt.get_megatron_optimizer = momentum_only
     try:
         train_gpt.train(_args(train_gpt, 1, 2, 1, "--load", ckpt))
     except Exception as e:  # noqa: BLE001
