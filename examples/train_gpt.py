@@ -23,14 +23,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state, tensor_parallel
-from megatron_ext.dist_checkpointing import NamedAdam, find_checkpoint, load_checkpoint, save_checkpoint
-from megatron_ext.distributed import DistributedDataParallel, finalize_model_grads
+from megatron_ext.dist_checkpointing import find_checkpoint, load_checkpoint, save_checkpoint
+from megatron_ext.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron_ext.distributed.distributed_data_parallel import DEFAULT_BUCKET_SIZE_BYTES
 from megatron_ext.models import GPTModel
+from megatron_ext.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron_ext.pipeline_parallel import get_forward_backward_func
 from megatron_ext.transformer import TransformerConfig
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BYTE_VOCAB = 256
 DEFAULT_CORPUS_BYTES = 4 * 1024 * 1024
 
@@ -60,6 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="shard LayerNorm/dropout activations along the sequence over the tensor-parallel group")
     p.add_argument("--grad-bucket-bytes", type=int, default=DEFAULT_BUCKET_SIZE_BYTES,
                    help="size bound of a data-parallel gradient all-reduce bucket")
+    p.add_argument("--bf16", action="store_true", help="bf16 model parameters, float32 main parameters and gradients")
+    p.add_argument("--fp16", action="store_true",
+                   help="fp16 model parameters, float32 main parameters and gradients, dynamic loss scaling")
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the main parameters and Adam state over the data-parallel group")
+    p.add_argument("--clip-grad", type=float, default=0.0, help="clip gradients to this global norm (0: off)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases/LayerNorms)")
     p.add_argument("--data", default=None, help="a text file (byte-level); default: Python's standard library sources")
     p.add_argument("--log-json", default=None, help="write config, per-step losses and tokens/s here")
     p.add_argument("--plot", default="runs/train_gpt_loss.png", help="PNG loss curve written by rank 0 ('' = none)")
@@ -70,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load", default=None,
                    help="checkpoint (or --save directory) to resume from, at any valid layout")
     p.add_argument("--no-load-rng", action="store_true", help="with --load, keep the fresh random states")
+    p.add_argument("--no-load-optim", action="store_true", help="with --load, keep the fresh optimizer state")
     return p.parse_args(argv)
 
 
@@ -109,6 +118,12 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.vocab_size < BYTE_VOCAB or args.vocab_size % args.tp != 0:
         raise ValueError(f"--vocab-size {args.vocab_size} must be >= {BYTE_VOCAB} and divisible by --tp {args.tp}")
+    if args.bf16 and args.fp16:
+        raise ValueError("--bf16 and --fp16 cannot be combined")
+    if (args.bf16 or args.fp16) and args.dtype != "float32":
+        raise ValueError(f"--{'bf16' if args.bf16 else 'fp16'} sets the parameter dtype; drop --dtype {args.dtype}")
+    if args.clip_grad < 0:
+        raise ValueError(f"--clip-grad must be >= 0, got {args.clip_grad}")
     if args.sequence_parallel and args.seq_len % args.tp != 0:
         raise ValueError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp} (needed by --sequence-parallel)")
     if args.data is not None and not os.path.isfile(args.data):
@@ -172,9 +187,13 @@ def forward_step(data_iterator, model: DistributedDataParallel):
     return model(tokens, position_ids, labels=labels), loss_func
 
 
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else DTYPES[args.dtype]
+
+
 def build_model(args: argparse.Namespace) -> list[GPTModel]:
     """This rank's model chunks: one GPTModel, or one per virtual pipeline stage."""
-    dtype = DTYPES[args.dtype]
+    dtype = params_dtype(args)
     config = TransformerConfig(
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
@@ -185,6 +204,8 @@ def build_model(args: argparse.Namespace) -> list[GPTModel]:
         attention_dropout=args.dropout,
         params_dtype=dtype,
         pipeline_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
         use_cpu_initialization=True,
         recompute_granularity="full" if args.recompute else None,
         sequence_parallel=args.sequence_parallel,
@@ -231,13 +252,20 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
-    # Gradients are averaged over the data-parallel group in buckets that start during the last
-    # micro-batch's backward; the earlier micro-batches only accumulate (no_sync).
+    # Gradients accumulate in float32 main_grad buffers (16-bit runs) and are averaged over the
+    # data-parallel group (reduce-scattered for the distributed optimizer) in buckets that start
+    # during the last micro-batch's backward; the earlier micro-batches only accumulate (no_sync).
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.bf16 or args.fp16,
+        overlap_grad_reduce=True,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
     chunks = [
         DistributedDataParallel(
             chunk,
             data_parallel_group=parallel_state.get_data_parallel_group(),
             bucket_size_bytes=args.grad_bucket_bytes,
+            ddp_config=ddp_config,
         )
         for chunk in build_model(args)
     ]
@@ -245,7 +273,20 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
     model = chunks[0] if len(chunks) == 1 else chunks
     config = chunks[0].module.config
     config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [c.no_sync for c in chunks]
-    optimizer = NamedAdam(model, lr=args.lr)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            bf16=args.bf16,
+            fp16=args.fp16,
+            params_dtype=params_dtype(args),
+            clip_grad=args.clip_grad,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        ),
+        chunks,
+    )
+    if args.fp16:
+        config.grad_scale_func = optimizer.scale_loss
     start_step = resume(args, model, optimizer)
     if args.virtual_pipeline is not None and args.schedule == "1f1b":
         forward_backward = get_forward_backward_func()  # interleaved 1F1B
@@ -261,7 +302,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
 
         progress = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True)
 
-    losses, tokens_per_s = [], []
+    losses, tokens_per_s, grad_norms, skipped = [], [], [], 0
     tokens_per_step = args.global_batch_size * args.seq_len
     for chunk in chunks:
         chunk.train()
@@ -279,28 +320,33 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
             micro_batch_size=args.micro_batch_size,
             forward_only=False,
         )
-        optimizer.step()
+        update_successful, grad_norm, _ = optimizer.step()
+        skipped += not update_successful
+        grad_norms.append(grad_norm)
         losses.append(global_mean_loss(step_losses))
         tokens_per_s.append(tokens_per_step / (time.perf_counter() - start))
         if progress is not None:
             progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s[-1]:.0f}")
             progress.update(1)
-        if args.save and ((args.save_interval and (step + 1) % args.save_interval == 0) or step + 1 == args.steps):
+        at_interval = args.save_interval is not None and (step + 1) % args.save_interval == 0
+        if args.save and (at_interval or step + 1 == args.steps):
             save(args, step + 1, model, optimizer)
     if progress is not None:
         progress.close()
     config = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
     config["world_size"] = dist.get_world_size()
-    return {"config": config, "start_step": start_step, "losses": losses, "tokens_per_s": tokens_per_s}
+    return {"config": config, "start_step": start_step, "losses": losses, "tokens_per_s": tokens_per_s,
+            "grad_norms": grad_norms, "skipped_steps": skipped}
 
 
-def save(args: argparse.Namespace, iteration: int, model: torch.nn.Module, optimizer: NamedAdam) -> None:
+def save(args: argparse.Namespace, iteration: int, model: torch.nn.Module, optimizer: MegatronOptimizer) -> None:
     # The data position is the step: step k always reads the same global batch.
-    data = {"consumed_samples": iteration * args.global_batch_size, "global_batch_size": args.global_batch_size}
+    data = {"consumed_samples": iteration * args.global_batch_size,
+            "global_batch_size": args.global_batch_size}
     save_checkpoint(args.save, iteration, model, optimizer, metadata={"data": data, "seed": args.seed})
 
 
-def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: NamedAdam) -> int:
+def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: MegatronOptimizer) -> int:
     """Loads --load if given; returns the step to continue from."""
     if args.load is None:
         return 0
@@ -308,7 +354,9 @@ def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: NamedAda
         if dist.get_rank() == 0:
             print(f"warning: no checkpoint in {args.load!r}; training from scratch", file=sys.stderr)
         return 0
-    marker = load_checkpoint(args.load, model, optimizer, load_rng=not args.no_load_rng)
+    marker = load_checkpoint(
+        args.load, model, None if args.no_load_optim else optimizer, load_rng=not args.no_load_rng
+    )
     data = marker["metadata"].get("data", {})
     if data.get("global_batch_size", args.global_batch_size) != args.global_batch_size:
         raise ValueError(
@@ -359,7 +407,8 @@ def main(argv: list[str] | None = None) -> dict:
             write_outputs(log, args)
             mean_tps = sum(log["tokens_per_s"][1:]) / max(1, len(log["tokens_per_s"]) - 1)
             print(
-                f"loss {log['losses'][0]:.4f} -> {log['losses'][-1]:.4f} over steps {log['start_step'] + 1}-{args.steps}, "
+                f"loss {log['losses'][0]:.4f} -> {log['losses'][-1]:.4f} "
+                f"over steps {log['start_step'] + 1}-{args.steps}, "
                 f"{mean_tps:.0f} tokens/s" + (f"; loss curve: {args.plot}" if args.plot else "")
             )
         return log

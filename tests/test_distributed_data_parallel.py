@@ -367,3 +367,61 @@ def test_gpt_small_buckets_match_serial():
             # Every bucket got its gradients in the last backward, so all started before
             # finish_grad_sync was called.
             assert all(started == buckets for started, buckets in steps), (run, steps)
+
+
+# --- Megatron-core mode: DistributedDataParallelConfig, main_grad buffers, reduce-scatter ------------
+
+
+def _ddp_config_worker() -> dict:
+    from megatron_ext.distributed import DistributedDataParallelConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for overlap in (False, True):
+        for distributed in (False, True):
+            torch.manual_seed(10)
+            model = Toy()
+            reference = copy.deepcopy(model)
+            config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, use_distributed_optimizer=distributed)
+            ddp = DistributedDataParallel(model, bucket_size_bytes=200, ddp_config=config)
+            batches = _data(model, 2, seed=1000 + rank)
+            expected = _average(_local_grads(reference, batches))
+            with ddp.no_sync():
+                ddp(batches[0]).square().mean().backward()
+            ddp(batches[1]).square().mean().backward()
+            launched = ddp.launched_buckets
+            ddp.finish_grad_sync()
+            assert all(p.grad is None for p in model.parameters())  # gradients live in main_grad
+            exp = dict(zip([n for n, _ in model.named_parameters()], expected))
+            for bucket in ddp.grad_buckets:
+                assert bucket.padded_numel % (world if distributed else 1) == 0
+                lo, hi = ddp.shard_range(bucket)
+                flat_expected = torch.zeros(bucket.padded_numel, dtype=torch.float64)
+                for name, offset in zip(bucket.names, bucket.offsets):
+                    flat_expected[offset : offset + exp[name].numel()] = exp[name].reshape(-1)
+                # All-reduce: the whole bucket is averaged; reduce-scatter: this rank's slice.
+                torch.testing.assert_close(bucket.grad_data[lo:hi], flat_expected[lo:hi], rtol=0, atol=ATOL)
+                if distributed:
+                    assert hi - lo == bucket.padded_numel // world
+            out[(overlap, distributed)] = (launched, len(ddp.buckets))
+            ddp.zero_grad_buffer()
+            assert all(not bool(b.grad_data.any()) for b in ddp.grad_buckets)
+
+    # 16-bit parameters with grad_reduce_in_fp32 accumulate in float32; Megatron's argument order.
+    from megatron_ext.transformer import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1)
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    assert ddp.module is model and model.weight.main_grad.dtype == torch.float32
+    with pytest.raises(NotImplementedError, match="use_megatron_fsdp"):
+        DistributedDataParallelConfig(use_megatron_fsdp=True)
+    return out
+
+
+def test_ddp_config_main_grads_and_reduce_scatter():
+    for out in run_distributed(2, _ddp_config_worker):
+        for (overlap, distributed), (launched, buckets) in out.items():
+            assert buckets > 1
+            # With overlap_grad_reduce the collectives start during the backward, else in finish.
+            assert launched == (buckets if overlap else 0), (overlap, distributed, launched)

@@ -1,0 +1,148 @@
+"""Megatron-core's distributed optimizer (ZeRO-1): main parameters and optimizer state sharded
+over the data-parallel group.
+
+Every model chunk is wrapped in a ``DistributedDataParallel`` built with
+``DistributedDataParallelConfig(use_distributed_optimizer=True)``: its gradient buckets are flat
+buffers padded to a multiple of the data-parallel size ``dp``, and data-parallel rank r owns the
+r-th of ``dp`` equal slices of each bucket. The backward reduce-scatters every bucket (overlapped
+with the backward when ``overlap_grad_reduce``), so rank r receives exactly the averaged
+gradients of its slice. This rank's slots are the pieces of parameters that fall into its slices;
+each has a main parameter (a float32 copy for 16-bit parameters, else a view of the parameter
+itself) and optimizer state of the piece's size only. After the update every bucket's slices are
+all-gathered back into the model parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext import parallel_state
+from megatron_ext.optimizer.grad_scaler import MegatronGradScaler
+from megatron_ext.optimizer.optimizer import (
+    SIXTEEN_BIT,
+    MixedPrecisionOptimizer,
+    _Slot,
+    build_torch_optimizer,
+    named_model_parameters,
+)
+from megatron_ext.optimizer.optimizer_config import OptimizerConfig
+
+
+def _ddp_of(chunk: torch.nn.Module, index: int):
+    from megatron_ext.distributed.finalize_model_grads import _find_ddp
+
+    ddp = _find_ddp(chunk)
+    if ddp is None or ddp.ddp_config is None or not ddp.ddp_config.use_distributed_optimizer:
+        raise ValueError(
+            f"the distributed optimizer needs model chunk {index} ({type(chunk).__name__}) wrapped in "
+            "megatron_ext.distributed.DistributedDataParallel with "
+            "DistributedDataParallelConfig(use_distributed_optimizer=True)"
+        )
+    return ddp
+
+
+class DistributedOptimizer(MixedPrecisionOptimizer):
+    """Shards main parameters and optimizer state over the data-parallel group.
+
+    ``DistributedOptimizer.create(config, model_chunks, grad_scaler)`` builds it (the torch
+    optimizer included); ``get_megatron_optimizer`` calls that when
+    ``config.use_distributed_optimizer``. The gradient norm and the inf/NaN check reduce over the
+    data-parallel group (each gradient element lives on one data-parallel rank) and then over the
+    model-parallel group.
+    """
+
+    @classmethod
+    def create(
+        cls, config: OptimizerConfig, model_chunks: list[torch.nn.Module], grad_scaler: MegatronGradScaler | None
+    ) -> DistributedOptimizer:
+        names = {id(p): n for n, p in named_model_parameters(model_chunks)}
+        slots: list[_Slot] = []
+        buckets = []  # (ddp, bucket)
+        for i, chunk in enumerate(model_chunks):
+            ddp = _ddp_of(chunk, i)
+            for bucket in ddp.grad_buckets:
+                buckets.append((ddp, bucket))
+                lo, hi = ddp.shard_range(bucket)
+                for p, offset in zip(bucket.params, bucket.offsets):
+                    a, b = max(offset, lo), min(offset + p.numel(), hi)
+                    if a >= b:
+                        continue
+                    piece = p.detach().view(-1)[a - offset : b - offset]
+                    main = piece.float().clone() if p.dtype in SIXTEEN_BIT else piece
+                    grad = bucket.grad_data[a:b]
+                    slots.append(_Slot(names[id(p)], p, a - offset, b - offset, main, lambda g=grad: g))
+        optimizer = cls(build_torch_optimizer(config, slots), config, grad_scaler, slots, model_chunks)
+        optimizer._buckets = buckets
+        optimizer._data_parallel_group = _ddp_of(model_chunks[0], 0).data_parallel_group
+        return optimizer
+
+    def get_grad_stats_parallel_group(self) -> list[dist.ProcessGroup]:
+        return [self._data_parallel_group, parallel_state.get_model_parallel_group()]
+
+    def _copy_main_params_to_model_params(self) -> None:
+        """All-gathers every bucket's updated slices into the model parameters."""
+        slots_by_param: dict[int, list[_Slot]] = {}
+        for s in self._slots:
+            slots_by_param.setdefault(id(s.model_param), []).append(s)
+        pending = []
+        for ddp, bucket in self._buckets:
+            dtype = max((p.dtype for p in bucket.params), key=lambda t: torch.empty(0, dtype=t).element_size())
+            lo, hi = ddp.shard_range(bucket)
+            full = torch.empty(bucket.padded_numel, dtype=dtype, device=bucket.device)
+            mine = full[lo:hi]
+            mine.zero_()  # padding
+            for p, offset in zip(bucket.params, bucket.offsets):
+                for s in slots_by_param.get(id(p), ()):
+                    mine[offset + s.start - lo : offset + s.end - lo].copy_(s.main)
+            work = dist.all_gather_single(full, mine.clone(), group=ddp.data_parallel_group, async_op=True)
+            pending.append((work, bucket, full))
+        with torch.no_grad():
+            for work, bucket, full in pending:
+                work.wait()
+                for p, offset in zip(bucket.params, bucket.offsets):
+                    p.view(-1).copy_(full[offset : offset + p.numel()])
+
+    def _gather_flat(self, key: str) -> dict[int, torch.Tensor]:
+        """Per model parameter, its full ``key`` tensor (``param`` or an optimizer state),
+        assembled from every data-parallel rank's slices."""
+        slots_by_param: dict[int, list[_Slot]] = {}
+        for s in self._slots:
+            slots_by_param.setdefault(id(s.model_param), []).append(s)
+        out = {}
+        for ddp, bucket in self._buckets:
+            main_dtype = torch.float32 if any(p.dtype in SIXTEEN_BIT for p in bucket.params) else bucket.params[0].dtype
+            lo, hi = ddp.shard_range(bucket)
+            mine = torch.zeros(hi - lo, dtype=main_dtype, device=bucket.device)
+            for p, offset in zip(bucket.params, bucket.offsets):
+                for s in slots_by_param.get(id(p), ()):
+                    value = s.main if key == "param" else self._slot_state(s, key)
+                    mine[offset + s.start - lo : offset + s.end - lo].copy_(value.detach())
+            full = torch.empty(bucket.padded_numel, dtype=main_dtype, device=bucket.device)
+            dist.all_gather_single(full, mine, group=ddp.data_parallel_group)
+            for p, offset in zip(bucket.params, bucket.offsets):
+                out[id(p)] = full[offset : offset + p.numel()].view_as(p).clone()
+        return out
+
+    def param_state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
+        """As the plain optimizers', gathered over the data-parallel group (a collective: every
+        data-parallel rank must call it)."""
+        gathered = {key: self._gather_flat(key) for key in ("param",) + self._state_keys}
+        names = named_model_parameters(self.model_chunks)
+        return {name: {key: gathered[key][id(p)] for key in gathered} for name, p in names}
+
+    def _check_param_state(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
+        # Every parameter, not only those with a slice here, so all ranks agree on the error.
+        for name, p in named_model_parameters(self.model_chunks):
+            if name not in d:
+                raise ValueError(f"optimizer state is missing parameter {name!r}")
+            for key in ("param",) + self._state_keys:
+                if key not in d[name] or tuple(d[name][key].shape) != tuple(p.shape):
+                    got = tuple(d[name][key].shape) if key in d[name] else None
+                    raise ValueError(f"optimizer state {name!r}[{key!r}] has shape {got}, the parameter {tuple(p.shape)}")
+
+    def load_param_state_by_name(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
+        super().load_param_state_by_name(d)
+        with torch.no_grad():  # the parameters without a slice on this rank
+            for name, p in named_model_parameters(self.model_chunks):
+                p.copy_(d[name]["param"])

@@ -1,0 +1,381 @@
+"""Megatron-core's optimizer wrappers (``megatron.core.optimizer.optimizer``): a torch optimizer
+over *main* parameters, fed from the model's gradients, with loss scaling and clipping by the
+global norm over every parallel group.
+
+Each wrapper keeps a list of slots: (name, model parameter, element range, main parameter). The
+torch optimizer updates the main parameters; ``step()`` copies model gradients (``main_grad``
+when a ``DistributedDataParallel`` with a ``ddp_config`` holds them, else ``.grad``) into the
+main parameters' ``.grad``, unscales and checks them (fp16), clips, steps and writes the result
+back into the model.
+
+* ``FP32Optimizer``: the model parameters are the main parameters.
+* ``Float16OptimizerWithFloat16Params``: 16-bit model parameters get float32 main copies
+  (parameters of other dtypes are their own main copies).
+* ``DistributedOptimizer`` (``distrib_optimizer.py``): each data-parallel rank holds the main
+  parameters and optimizer state of its slice of every gradient bucket only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext import parallel_state
+from megatron_ext.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+)
+from megatron_ext.optimizer.grad_scaler import MegatronGradScaler
+from megatron_ext.optimizer.optimizer_config import OptimizerConfig
+from megatron_ext.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class _Slot:
+    """``main`` is what the torch optimizer updates: ``model_param.view(-1)[start:end]`` (the
+    whole parameter, reshaped like it, outside the distributed optimizer)."""
+
+    name: str
+    model_param: torch.nn.Parameter
+    start: int
+    end: int
+    main: torch.Tensor
+    grad_source: Callable[[], torch.Tensor | None]
+
+    @property
+    def is_whole(self) -> bool:
+        return self.start == 0 and self.end == self.model_param.numel() and self.main.shape == self.model_param.shape
+
+
+def model_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The model gradient the optimizer reads: ``main_grad`` if the parameter has one."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
+def named_model_parameters(model_chunks: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
+    """Trainable parameters by name as in ``chunk.named_parameters()``, prefixed ``chunk{i}.``
+    when there are several chunks (the names of ``param_state_by_name``)."""
+    out = []
+    for i, chunk in enumerate(model_chunks):
+        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
+        out.extend((prefix + n, p) for n, p in chunk.named_parameters() if p.requires_grad)
+    return out
+
+
+def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    # Megatron-core's default: no decay on biases and 1-D parameters (LayerNorm).
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def _state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return ("exp_avg", "exp_avg_sq")
+    if isinstance(optimizer, torch.optim.SGD):
+        return ("momentum_buffer",)
+    raise TypeError(f"unsupported torch optimizer {type(optimizer).__name__}")
+
+
+def _scalar_step(value: int) -> torch.Tensor:
+    # The dtype torch's Adam gives its step counters.
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.tensor(float(value), dtype=dtype)
+
+
+def build_torch_optimizer(config: OptimizerConfig, slots: list[_Slot]) -> torch.optim.Optimizer:
+    """The torch optimizer over the slots' main parameters, in two groups (with and without
+    weight decay); empty groups are left out."""
+    decay = [s.main for s in slots if not _no_weight_decay(s.name, s.model_param)]
+    no_decay = [s.main for s in slots if _no_weight_decay(s.name, s.model_param)]
+    groups = [g for g in ({"params": decay, "weight_decay": config.weight_decay, "wd_mult": 1.0},
+                          {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}) if g["params"]]
+    if not groups:
+        # A rank whose data-parallel slice holds no parameter: a placeholder keeps the API uniform.
+        groups = [{"params": [torch.zeros(0)], "weight_decay": 0.0, "wd_mult": 0.0}]
+    if config.lr is None:
+        raise ValueError("OptimizerConfig.lr must be set (a float), got None")
+    if config.optimizer == "adam":
+        cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+        return cls(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
+
+
+class MegatronOptimizer:
+    """The common interface: ``step() -> (update_successful, grad_norm, num_zeros_in_grad)``,
+    ``zero_grad``, ``scale_loss``, ``get_loss_scale``, ``state_dict``/``load_state_dict`` and the
+    layout-independent ``param_state_by_name``/``load_param_state_by_name``."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        config: OptimizerConfig,
+        grad_scaler: MegatronGradScaler | None,
+        slots: list[_Slot],
+        model_chunks: list[torch.nn.Module],
+    ) -> None:
+        self.optimizer = optimizer
+        self.config = config
+        self.grad_scaler = grad_scaler
+        self.model_chunks = model_chunks
+        self._slots = slots
+        self._state_keys = _state_keys(optimizer)
+        self._steps = 0  # successful updates: Adam's step count
+        if config.fp16 and grad_scaler is None:
+            raise ValueError("fp16 training needs a grad scaler (OptimizerConfig.loss_scale or the dynamic one)")
+
+    # Groups over which gradient statistics are reduced -----------------------------------------
+
+    def get_grad_stats_parallel_group(self) -> list[dist.ProcessGroup]:
+        """Gradients are already averaged over data-parallel ranks: the model-parallel group."""
+        return [parallel_state.get_model_parallel_group()]
+
+    # Loss scaling ---------------------------------------------------------------------------------
+
+    def get_loss_scale(self) -> torch.Tensor:
+        if self.grad_scaler is None:
+            return torch.tensor([1.0])
+        return self.grad_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the loss scale (``config.grad_scale_func`` of the schedules)."""
+        return loss * self.get_loss_scale().to(device=loss.device, dtype=loss.dtype)
+
+    # Parameters and gradients --------------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state
+
+    def get_parameters(self) -> list[torch.Tensor]:
+        return [s.main for s in self._slots]
+
+    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
+        """Main gradients counted once across ranks: without tensor-parallel duplicates and the
+        last stage's copy of the tied embedding."""
+        return [
+            s.main.grad
+            for s in self._slots
+            if s.main.grad is not None
+            and not getattr(s.model_param, "shared", False)
+            and param_is_not_tensor_parallel_duplicate(s.model_param)
+        ]
+
+    def get_grad_norm(self) -> float:
+        return get_grad_norm_fp32(self.get_main_grads_for_grad_norm(),
+                                  grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        grad_norm = self.get_grad_norm()
+        clip_grad_by_total_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
+        return grad_norm
+
+    def count_zeros(self) -> int:
+        return count_zeros_fp32(self.get_main_grads_for_grad_norm(), self.get_grad_stats_parallel_group())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the model's gradients, the main parameters' and, for model chunks wrapped in a
+        ``DistributedDataParallel``, its gradient buffers (``zero_grad_buffer``), which
+        Megatron-core's training loop calls separately."""
+        from megatron_ext.distributed.finalize_model_grads import _find_ddp
+
+        for chunk in self.model_chunks:
+            ddp = _find_ddp(chunk)
+            if ddp is not None:
+                ddp.zero_grad_buffer()
+        for s in self._slots:
+            for t in (s.main, s.model_param):
+                if t.grad is not None:
+                    if set_to_none:
+                        t.grad = None
+                    else:
+                        t.grad.detach().zero_()
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for s in self._slots:
+            grad = s.grad_source()
+            if grad is None:
+                s.main.grad = None
+            elif s.main is s.model_param:
+                s.main.grad = grad if grad.dtype == s.main.dtype else grad.to(s.main.dtype)
+            else:
+                s.main.grad = grad.detach().reshape(s.main.shape).to(s.main.dtype, copy=True)
+
+    def _unscale_and_check_for_inf(self) -> bool:
+        """Divides the main gradients by the loss scale; True if any rank saw an inf or NaN."""
+        inv_scale = self.grad_scaler.inv_scale
+        found = torch.zeros(1)
+        for s in self._slots:
+            if s.main.grad is not None:
+                s.main.grad.mul_(inv_scale.to(s.main.grad.device, s.main.grad.dtype))
+                if not bool(torch.isfinite(s.main.grad).all()):
+                    found.fill_(1.0)
+        groups = self.get_grad_stats_parallel_group()
+        if any(dist.get_backend(g) == "nccl" for g in groups):
+            found = found.cuda()
+        for group in groups:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item() > 0)
+
+    def prepare_grads(self) -> bool:
+        """Model gradients -> main gradients (unscaled); True if the step must be skipped."""
+        self._copy_model_grads_to_main_grads()
+        if self.grad_scaler is None:
+            return False
+        found_inf = self._unscale_and_check_for_inf()
+        self.grad_scaler.update(found_inf)
+        return found_inf
+
+    def _copy_main_params_to_model_params(self) -> None:
+        with torch.no_grad():
+            for s in self._slots:
+                if s.main is not s.model_param:
+                    s.model_param.copy_(s.main.view_as(s.model_param))
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, int | None]:
+        """One update. Returns ``(update_successful, grad_norm, num_zeros_in_grad)``: with an
+        inf/NaN in the fp16 gradients the update is skipped and ``(False, None, None)``
+        returned; ``grad_norm`` is the norm before clipping (0.0 when ``clip_grad`` is 0, as in
+        Megatron-core's mixed-precision optimizer), ``num_zeros_in_grad`` None unless
+        ``log_num_zeros_in_grad``."""
+        if self.prepare_grads():
+            for s in self._slots:
+                s.main.grad = None
+            return False, None, None
+        grad_norm = 0.0
+        if self.config.clip_grad > 0.0:
+            grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        self.optimizer.step()
+        self._steps += 1
+        self._copy_main_params_to_model_params()
+        return True, grad_norm, num_zeros
+
+    # State ---------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (layout-dependent for the distributed optimizer): the torch
+        optimizer's, the main parameters where they are copies, the grad scaler's and ``step``
+        (the number of successful updates)."""
+        sd: dict[str, Any] = {"optimizer": self.optimizer.state_dict(), "step": self._steps}
+        if self.grad_scaler is not None:
+            sd["grad_scaler"] = self.grad_scaler.state_dict()
+        if any(s.main is not s.model_param for s in self._slots):
+            sd["main_params"] = [s.main.detach().clone() for s in self._slots]
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Takes ``state_dict()``'s output; a dict with ``step`` alone (what a layout-independent
+        checkpoint stores beside ``param_state_by_name``) sets the step count only."""
+        if "optimizer" in state_dict:
+            self.optimizer.load_state_dict(state_dict["optimizer"])
+        if "main_params" in state_dict:
+            mains = state_dict["main_params"]
+            if len(mains) != len(self._slots):
+                raise ValueError(f"state_dict has {len(mains)} main parameters, this optimizer {len(self._slots)}")
+            with torch.no_grad():
+                for s, value in zip(self._slots, mains):
+                    if tuple(value.shape) != tuple(s.main.shape):
+                        raise ValueError(f"main parameter {s.name!r}: shape {tuple(value.shape)} in the state_dict, "
+                                         f"expected {tuple(s.main.shape)}")
+                    s.main.copy_(value)
+            self._sync_model_params_from_main()
+        if "grad_scaler" in state_dict and self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        if "step" in state_dict:
+            self._steps = int(state_dict["step"])
+            for state in self.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = _scalar_step(self._steps)
+
+    def _sync_model_params_from_main(self) -> None:
+        self._copy_main_params_to_model_params()
+
+    def _slot_state(self, s: _Slot, key: str) -> torch.Tensor:
+        state = self.optimizer.state.get(s.main, {})
+        value = state.get(key)
+        return value if value is not None else torch.zeros_like(s.main)
+
+    def param_state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{name: {"param": main copy, <optimizer state>...}}`` with each tensor shaped like this
+        rank's model parameter (Adam: ``exp_avg``, ``exp_avg_sq``; zeros before the first step)."""
+        out = {}
+        for s in self._slots:
+            entry = {"param": s.main.detach().clone().view_as(s.model_param)}
+            for key in self._state_keys:
+                entry[key] = self._slot_state(s, key).detach().clone().view_as(s.model_param)
+            out[s.name] = entry
+        return out
+
+    def _check_param_state(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
+        names = {s.name: s.model_param for s in self._slots}
+        missing = sorted(set(names) - set(d))
+        if missing:
+            raise ValueError(f"optimizer state is missing parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        for name, param in names.items():
+            for key in ("param",) + self._state_keys:
+                if key not in d[name]:
+                    raise ValueError(f"optimizer state of {name!r} has no {key!r}")
+                if tuple(d[name][key].shape) != tuple(param.shape):
+                    raise ValueError(f"optimizer state {name!r}[{key!r}] has shape {tuple(d[name][key].shape)}, "
+                                     f"the parameter {tuple(param.shape)}")
+
+    def load_param_state_by_name(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Loads ``param_state_by_name()``'s output (from any layout whose local shapes match):
+        each rank takes its part; the model parameters are set from ``param``."""
+        self._check_param_state(d)
+        with torch.no_grad():
+            for s in self._slots:
+                entry = d[s.name]
+                s.main.copy_(entry["param"].reshape(-1)[s.start : s.end].view_as(s.main))
+                state = {"step": _scalar_step(self._steps)} if self._state_keys != ("momentum_buffer",) else {}
+                for key in self._state_keys:
+                    state[key] = entry[key].reshape(-1)[s.start : s.end].view_as(s.main).to(s.main.dtype).clone()
+                self.optimizer.state[s.main] = state
+                s.model_param.copy_(entry["param"])
+
+
+def _plain_slots(named: list[tuple[str, torch.nn.Parameter]], copy_16bit: bool) -> list[_Slot]:
+    slots = []
+    for name, p in named:
+        if copy_16bit and p.dtype in SIXTEEN_BIT:
+            main = p.detach().float().clone()
+        else:
+            main = p
+        slots.append(_Slot(name, p, 0, p.numel(), main, lambda p=p: model_grad(p)))
+    return slots
+
+
+class MixedPrecisionOptimizer(MegatronOptimizer):
+    """Base of the optimizers whose main parameters may be float32 copies of 16-bit ones."""
+
+
+class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
+    """bf16/fp16 model parameters with float32 main parameters (``Float16OptimizerWithFloat16Params``
+    of Megatron-core). ``Float16OptimizerWithFloat16Params.create(config, model_chunks,
+    grad_scaler)`` builds the torch optimizer too."""
+
+    @classmethod
+    def create(cls, config: OptimizerConfig, model_chunks: list[torch.nn.Module],
+               grad_scaler: MegatronGradScaler | None) -> Float16OptimizerWithFloat16Params:
+        slots = _plain_slots(named_model_parameters(model_chunks), copy_16bit=True)
+        return cls(build_torch_optimizer(config, slots), config, grad_scaler, slots, model_chunks)
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """Model parameters are the main parameters (float32, or float64 in exactness tests)."""
+
+    @classmethod
+    def create(cls, config: OptimizerConfig, model_chunks: list[torch.nn.Module]) -> FP32Optimizer:
+        slots = _plain_slots(named_model_parameters(model_chunks), copy_16bit=False)
+        return cls(build_torch_optimizer(config, slots), config, None, slots, model_chunks)
