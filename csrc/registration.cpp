@@ -1,33 +1,17 @@
-// The library's single schema block, and the Python module that reports how it was built.
+// The library's schema block (ops that declare theirs beside their kernels aside), and the
+// Python module that reports how it was built.
 #include <torch/extension.h>
 #include <torch/library.h>
 
 #include "megatron_ext_build_config.h"
 
 TORCH_LIBRARY(megatron_ext, m) {
-  // Communication regions (ops/mappings.cpp). ``group_name`` is a c10d registry name.
-  m.def("copy_to_tensor_model_parallel_region(Tensor input, str group_name) -> Tensor");
-  m.def("reduce_from_tensor_model_parallel_region(Tensor input, str group_name) -> Tensor");
-  m.def("scatter_to_tensor_model_parallel_region(Tensor input, str group_name) -> Tensor");
-  m.def("gather_from_tensor_model_parallel_region(Tensor input, str group_name) -> Tensor");
-  m.def("scatter_to_sequence_parallel_region(Tensor input, str group_name) -> Tensor");
-  m.def(
-      "gather_from_sequence_parallel_region(Tensor input, bool tensor_parallel_output_grad, "
-      "str group_name) -> Tensor");
-  m.def("reduce_scatter_to_sequence_parallel_region(Tensor input, str group_name) -> Tensor");
-  m.def("all_gather_last_dim_from_tensor_parallel_region(Tensor input, str group_name) -> Tensor");
-  m.def("reduce_scatter_last_dim_to_tensor_parallel_region(Tensor input, str group_name) -> Tensor");
+  // The communication regions (ops/mappings.cpp) and the async linear (ops/linear.cpp) declare
+  // their schemas beside their kernels, in TORCH_LIBRARY_FRAGMENT blocks.
 
   // Vocabulary-parallel lookup (kernels/vocab_mask*): local row ids and the ids of other ranks.
   m.def("vocab_range_mask(Tensor ids, int first, int last) -> (Tensor, Tensor)");
 
-  // Linear with the input-gradient collective overlapped with the weight-gradient GEMM
-  // (ops/linear.cpp). ``main_grad`` is the weight's fp32 accumulation buffer, read only when
-  // gradient_accumulation_fusion is set; backward adds the weight gradient into it.
-  m.def(
-      "linear_with_grad_accumulation_and_async_allreduce(Tensor input, Tensor weight, Tensor? bias, "
-      "Tensor? main_grad, bool gradient_accumulation_fusion, bool allreduce_dgrad, "
-      "bool sequence_parallel, str group_name) -> Tensor");
   // Vocabulary-parallel cross-entropy (ops/cross_entropy.cpp, kernels/cross_entropy*). The public
   // op is an autograd node over ``_forward`` (kernels + collectives, returns the loss and the row
   // max and log-sum-exp saved for backward); ``_row_stats`` and ``_backward`` are the CPU/CUDA
@@ -68,7 +52,7 @@ TORCH_LIBRARY(megatron_ext, m) {
   // over the group, ``weight`` [vocab / tp, h] is this rank's slice. ``_forward`` returns the loss,
   // the row max and log-sum-exp and, when asked, the gradients for a unit loss gradient;
   // ``_backward`` turns those (or zeros, when not ``precomputed``) into the gradients of
-  // ``grad_loss`` in place. Neither of the two communicates outside the cross-entropy's forward.
+  // ``grad_loss`` in place and sums ``grad_hidden`` over the group.
   m.def(
       "vocab_parallel_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, "
       "float label_smoothing, int? ignore_index, int chunk_size, str group_name, int group_size, "
@@ -81,7 +65,7 @@ TORCH_LIBRARY(megatron_ext, m) {
       "vocab_parallel_linear_cross_entropy_backward(Tensor grad_loss, Tensor hidden, Tensor weight, "
       "Tensor target, Tensor row_max, Tensor log_sum_exp, Tensor(a!) grad_hidden, "
       "Tensor(b!) grad_weight, float label_smoothing, int? ignore_index, int chunk_size, "
-      "bool precomputed, int vocab_start, int vocab_size) -> ()");
+      "bool precomputed, int vocab_start, int vocab_size, str group_name, int group_size) -> ()");
 }
 
 namespace {

@@ -328,7 +328,8 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
         if progress is not None:
             progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s[-1]:.0f}")
             progress.update(1)
-        if args.save and ((args.save_interval and (step + 1) % args.save_interval == 0) or step + 1 == args.steps):
+        at_interval = args.save_interval is not None and (step + 1) % args.save_interval == 0
+        if args.save and (at_interval or step + 1 == args.steps):
             save(args, step + 1, model, optimizer)
     if progress is not None:
         progress.close()
@@ -340,7 +341,8 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
 
 def save(args: argparse.Namespace, iteration: int, model: torch.nn.Module, optimizer: MegatronOptimizer) -> None:
     # The data position is the step: step k always reads the same global batch.
-    data = {"consumed_samples": iteration * args.global_batch_size, "global_batch_size": args.global_batch_size}
+    data = {"consumed_samples": iteration * args.global_batch_size,
+            "global_batch_size": args.global_batch_size}
     save_checkpoint(args.save, iteration, model, optimizer, metadata={"data": data, "seed": args.seed})
 
 
@@ -352,7 +354,9 @@ def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: Megatron
         if dist.get_rank() == 0:
             print(f"warning: no checkpoint in {args.load!r}; training from scratch", file=sys.stderr)
         return 0
-    marker = load_checkpoint(args.load, model, None if args.no_load_optim else optimizer, load_rng=not args.no_load_rng)
+    marker = load_checkpoint(
+        args.load, model, None if args.no_load_optim else optimizer, load_rng=not args.no_load_rng
+    )
     data = marker["metadata"].get("data", {})
     if data.get("global_batch_size", args.global_batch_size) != args.global_batch_size:
         raise ValueError(
@@ -403,7 +407,8 @@ def main(argv: list[str] | None = None) -> dict:
             write_outputs(log, args)
             mean_tps = sum(log["tokens_per_s"][1:]) / max(1, len(log["tokens_per_s"]) - 1)
             print(
-                f"loss {log['losses'][0]:.4f} -> {log['losses'][-1]:.4f} over steps {log['start_step'] + 1}-{args.steps}, "
+                f"loss {log['losses'][0]:.4f} -> {log['losses'][-1]:.4f} "
+                f"over steps {log['start_step'] + 1}-{args.steps}, "
                 f"{mean_tps:.0f} tokens/s" + (f"; loss curve: {args.plot}" if args.plot else "")
             )
         return log

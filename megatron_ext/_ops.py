@@ -1,83 +1,43 @@
 """Fake (meta) kernels of the C++ ops, so shapes propagate under FakeTensor and torch.compile."""
 
 import torch
-import torch.distributed as dist
 
 from megatron_ext import _C  # noqa: F401  (registers the ops)
 
 
-def _group_size(group_name: str) -> int:
-    # Looked up among Python's groups so tracing sees a plain int, not a c10d object.
-    for group, name in dist.distributed_c10d._world.pg_names.items():
-        if name == group_name:
-            return group.size()
-    raise ValueError(f"no process group named {group_name!r}")
+def _integer_ids(ids: torch.Tensor) -> bool:
+    return not (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool)
 
 
-def _resized(x: torch.Tensor, dim: int, factor_num: int, factor_den: int) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[dim] = shape[dim] * factor_num // factor_den
-    return x.new_empty(shape)
-
-
-@torch.library.register_fake("megatron_ext::copy_to_tensor_model_parallel_region")
-def _(input, group_name):
-    return torch.empty_like(input)
-
-
-@torch.library.register_fake("megatron_ext::reduce_from_tensor_model_parallel_region")
-def _(input, group_name):
-    return torch.empty_like(input)
-
-
-@torch.library.register_fake("megatron_ext::scatter_to_tensor_model_parallel_region")
-def _(input, group_name):
-    return _resized(input, -1, 1, _group_size(group_name))
-
-
-@torch.library.register_fake("megatron_ext::gather_from_tensor_model_parallel_region")
-def _(input, group_name):
-    return _resized(input, -1, _group_size(group_name), 1)
-
-
-@torch.library.register_fake("megatron_ext::scatter_to_sequence_parallel_region")
-def _(input, group_name):
-    return _resized(input, 0, 1, _group_size(group_name))
-
-
-@torch.library.register_fake("megatron_ext::gather_from_sequence_parallel_region")
-def _(input, tensor_parallel_output_grad, group_name):
-    return _resized(input, 0, _group_size(group_name), 1)
-
-
-@torch.library.register_fake("megatron_ext::reduce_scatter_to_sequence_parallel_region")
-def _(input, group_name):
-    return _resized(input, 0, 1, _group_size(group_name))
-
-
-@torch.library.register_fake("megatron_ext::all_gather_last_dim_from_tensor_parallel_region")
-def _(input, group_name):
-    return _resized(input, -1, _group_size(group_name), 1)
-
-
-@torch.library.register_fake("megatron_ext::reduce_scatter_last_dim_to_tensor_parallel_region")
-def _(input, group_name):
-    return _resized(input, -1, 1, _group_size(group_name))
+# The communication regions' fakes sit beside their Python functions in tensor_parallel/mappings.py.
 
 
 @torch.library.register_fake("megatron_ext::vocab_range_mask")
 def _(ids, first, last):
-    return torch.empty_like(ids, dtype=torch.long), torch.empty_like(ids, dtype=torch.bool)
+    if not _integer_ids(ids):
+        raise ValueError(f"vocab_range_mask: token ids must be an integer tensor, got {ids.dtype}")
+    if not 0 <= first <= last:
+        raise ValueError(f"vocab_range_mask: expected 0 <= first <= last, got [{first}, {last})")
+    # The kernels write contiguous outputs whatever the ids' strides.
+    return torch.empty(ids.shape, dtype=torch.long, device=ids.device), torch.empty(
+        ids.shape, dtype=torch.bool, device=ids.device
+    )
 
 
 @torch.library.register_fake("megatron_ext::linear_with_grad_accumulation_and_async_allreduce")
-def _(input, weight, bias, main_grad, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-      group_name):
+def _(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, group_name,
+      group_size):
+    if weight.dim() != 2 or input.dim() < 1 or input.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            "linear_with_grad_accumulation_and_async_allreduce: the last dim of the input (shape "
+            f"{tuple(input.shape)}) must equal the input size of the weight (shape {tuple(weight.shape)})"
+        )
     shape = list(input.shape)
     if sequence_parallel:
-        shape[0] *= _group_size(group_name)
+        shape[0] *= group_size
     shape[-1] = weight.shape[0]
     return input.new_empty(shape)
+
 
 def _cross_entropy_acc_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -153,5 +113,5 @@ def _(hidden, weight, target, label_smoothing, ignore_index, chunk_size, hidden_
 
 @torch.library.register_fake("megatron_ext::vocab_parallel_linear_cross_entropy_backward")
 def _(grad_loss, hidden, weight, target, row_max, log_sum_exp, grad_hidden, grad_weight, label_smoothing,
-      ignore_index, chunk_size, precomputed, vocab_start, vocab_size):
+      ignore_index, chunk_size, precomputed, vocab_start, vocab_size, group_name, group_size):
     return None

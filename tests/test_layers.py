@@ -187,14 +187,11 @@ def _async_linear(n: int, rank: int) -> None:
 
     group_name = ps.get_tensor_model_parallel_group().group_name
     op = torch.ops.megatron_ext.linear_with_grad_accumulation_and_async_allreduce.default
-    # Not test_aot_dispatch_dynamic: the backward issues its collectives from C++ (that is how it
-    # overlaps them), which AOT autograd cannot trace.
-    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     x = x_full.clone().requires_grad_(True)
-    torch.library.opcheck(op, (x, w, b, None, False, n > 1, False, group_name), test_utils=checks)
+    torch.library.opcheck(op, (x, w, b, False, n > 1, False, group_name, n))
     if n > 1:
         x = x_full.chunk(n, 0)[rank].clone().requires_grad_(True)
-        torch.library.opcheck(op, (x, w, None, None, False, False, True, group_name), test_utils=checks)
+        torch.library.opcheck(op, (x, w, None, False, False, True, group_name, n))
 
     # Gradient-accumulation fusion: two backward passes add into main_grad; weight.grad stays None.
     w.main_grad = torch.full_like(w, 0.5)
@@ -343,6 +340,6 @@ def test_linear_fake_kernel_shapes():
 
     with FakeTensorMode():
         out = torch.ops.megatron_ext.linear_with_grad_accumulation_and_async_allreduce(
-            torch.empty(4, 2, 6), torch.empty(5, 6), None, None, False, False, False, "unused"
+            torch.empty(4, 2, 6), torch.empty(5, 6), None, False, False, False, "unused", 1
         )
         assert out.shape == (4, 2, 5)

@@ -8,6 +8,7 @@ from torch.testing import assert_close
 
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
+from megatron_ext.tensor_parallel.utils import group_args
 from tests.distributed import run_distributed
 
 EXACT = dict(rtol=1e-12, atol=1e-12)
@@ -141,19 +142,92 @@ def _check_fake_shapes(n: int):
         assert tp_.reduce_from_tensor_model_parallel_region(x).shape == x.shape
 
 
+def _check_fakes_match_real(n: int):
+    """The fakes, reached below autograd, give the real kernels' shapes and strides and raise
+    their errors, from the schema's arguments alone."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ops = torch.ops.megatron_ext
+    args = group_args()
+    x = torch.randn(4 * n, 6 * n, dtype=torch.float64)
+    below_autograd = torch._C._AutoDispatchBelowAutograd
+    for name in ("copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+                 "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
+                 "scatter_to_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
+                 "all_gather_last_dim_from_tensor_parallel_region",
+                 "reduce_scatter_last_dim_to_tensor_parallel_region"):
+        op = getattr(ops, name)
+        for inp in (x, x.t()):
+            with below_autograd():
+                real = op(inp, *args)
+            with FakeTensorMode() as mode, below_autograd():
+                fake = op(mode.from_tensor(inp), *args)
+            assert fake.shape == real.shape, (name, fake.shape, real.shape)
+            assert fake.stride() == real.stride(), (name, fake.stride(), real.stride())
+    if n > 1:
+        with FakeTensorMode() as mode, below_autograd():
+            with pytest.raises(ValueError, match="not divisible by the group size"):
+                ops.scatter_to_tensor_model_parallel_region(mode.from_tensor(torch.ones(2, 2 * n + 1)), *args)
+            with pytest.raises(ValueError, match="0 <= rank < group_size"):
+                ops.scatter_to_tensor_model_parallel_region(mode.from_tensor(x), args[0], n, n)
+
+
+def _check_schema_mismatch(n: int):
+    # group_size and rank travel in the schema; a call that disagrees with the group is refused.
+    name, size, rank = group_args()
+    with pytest.raises(ValueError, match=f"has size {n} .* passed group_size {n + 1}"):
+        torch.ops.megatron_ext.reduce_from_tensor_model_parallel_region(torch.ones(2), name, n + 1, 0)
+
+
+def _check_double_backward(n: int):
+    """Twice differentiable: gradients of gradients equal the serial ones.
+
+    Serial model: z = x * (w_0 + ... + w_{n-1}); y = sum(z^2 * c); G = dy/dx; s = <v, G>.
+    Parallel: rank r holds w_r; z = reduce_from(copy_to(x) * w_r).
+    """
+    r = dist.get_rank(ps.get_tensor_model_parallel_group())
+    gen = torch.Generator().manual_seed(4)
+    x0 = torch.randn(3, 4 * n, dtype=torch.float64, generator=gen)
+    ws = [torch.randn(3, 4 * n, dtype=torch.float64, generator=gen) for _ in range(n)]
+    c = torch.randn(3, 4 * n, dtype=torch.float64, generator=gen)
+    v = torch.randn(3, 4 * n, dtype=torch.float64, generator=gen)
+
+    def second(parallel: bool):
+        x = x0.clone().requires_grad_(True)
+        w = [t.clone().requires_grad_(True) for t in ws]
+        if parallel:
+            z = tp_.copy_to_tensor_model_parallel_region(x) * w[r]
+            z = tp_.reduce_from_tensor_model_parallel_region(z)
+            # gather/scatter pair along the last dim as well
+            z = tp_.gather_from_tensor_model_parallel_region(tp_.scatter_to_tensor_model_parallel_region(z))
+        else:
+            z = x * sum(w)
+        y = (z * z * c).sum()
+        (gx,) = torch.autograd.grad(y, x, create_graph=True)
+        assert gx.requires_grad
+        s = (gx * v).sum()
+        return gx.detach(), torch.autograd.grad(s, [x, *w], allow_unused=True)
+
+    gx_par, second_par = second(True)
+    gx_ser, second_ser = second(False)
+    assert_close(gx_par, gx_ser, **EXACT)
+    assert_close(second_par[0], second_ser[0], **EXACT)
+    assert_close(second_par[1 + r], second_ser[1 + r], **EXACT)
+
+
 def _check_opcheck(n: int):
     """Schema, fake kernel, autograd registration and AOT tracing of every region op."""
-    name = ps.get_tensor_model_parallel_group().group_name
+    args = group_args()
     ops = torch.ops.megatron_ext
     x = torch.randn(2 * n, 3 * n, dtype=torch.float64, requires_grad=True)
-    cases = [(getattr(ops, op).default, (x, name)) for op in (
+    cases = [(getattr(ops, op).default, (x, *args)) for op in (
         "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
         "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
         "scatter_to_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
         "all_gather_last_dim_from_tensor_parallel_region", "reduce_scatter_last_dim_to_tensor_parallel_region")]
-    cases += [(ops.gather_from_sequence_parallel_region.default, (x, flag, name)) for flag in (True, False)]
-    for op, args in cases:
-        torch.library.opcheck(op, args)
+    cases += [(ops.gather_from_sequence_parallel_region.default, (x, flag, *args)) for flag in (True, False)]
+    for op, op_args in cases:
+        torch.library.opcheck(op, op_args)
 
 
 def _regions_worker(tp_sizes):
@@ -164,6 +238,9 @@ def _regions_worker(tp_sizes):
         _check_regions()
         _check_regions(group=ps.get_data_parallel_group())  # an explicit group
         _check_errors(tp)
+        _check_fakes_match_real(tp)
+        _check_schema_mismatch(tp)
+        _check_double_backward(tp)
         if tp > 1:
             _check_autograd_nodes_are_cpp()
             _check_dtypes(tp)
@@ -182,8 +259,9 @@ def test_regions_world4():
     assert run_distributed(4, _regions_worker, [1, 2, 4]) == [True] * 4
 
 
-def test_group_of_one_passes_through():
-    # Runs in-process: a one-rank group needs no peers.
+def test_group_of_one_returns_a_view():
+    # The schemas declare that outputs may alias the input (Tensor(a)): at group size 1 a region
+    # returns a view of its input, never the input object itself, and copies nothing.
     assert run_distributed(1, _pass_through_worker) == [True]
 
 
@@ -193,5 +271,11 @@ def _pass_through_worker():
     for region in (tp_.copy_to_tensor_model_parallel_region, tp_.reduce_from_tensor_model_parallel_region,
                    tp_.scatter_to_tensor_model_parallel_region, tp_.gather_from_sequence_parallel_region,
                    tp_.reduce_scatter_last_dim_to_tensor_parallel_region):
-        assert region(x) is x
+        out = region(x)
+        assert out is not x and out.data_ptr() == x.data_ptr() and out.shape == x.shape
+        out.backward(torch.ones_like(out))
+        assert_close(x.grad, torch.ones_like(x))
+        x.grad = None
+    schema = torch.ops.megatron_ext.reduce_from_tensor_model_parallel_region.default._schema
+    assert schema.arguments[0].alias_info is not None and schema.returns[0].alias_info is not None
     return True

@@ -34,9 +34,11 @@ int64_t group_rank(const std::string& group_name) { return resolve(group_name)->
 void check_divisible(const at::Tensor& input, int64_t dim, int64_t world_size, const char* what) {
   TORCH_CHECK_VALUE(input.dim() > 0, what, ": expected a tensor with at least one dimension, got a scalar");
   const int64_t d = at::maybe_wrap_dim(dim, input.dim());
-  TORCH_CHECK_VALUE(input.size(d) % world_size == 0, what, ": dimension ", d, " of the input has size ",
-                    input.size(d), ", which is not divisible by the group size ", world_size,
-                    " (input shape ", input.sizes(), ")");
+  // Symbolic sizes under torch.compile's dynamic shapes: the check becomes a guard.
+  const c10::SymInt size = input.sym_size(d);
+  TORCH_CHECK_VALUE(size % world_size == 0, what, ": dimension ", d,
+                    " of the input has size ", size, ", which is not divisible by the group size ",
+                    world_size, " (input shape ", input.sym_sizes(), ")");
 }
 
 at::Tensor all_reduce(const at::Tensor& input, const std::string& group_name,

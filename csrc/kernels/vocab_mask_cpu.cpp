@@ -3,7 +3,7 @@
 #include <torch/library.h>
 
 #include "kernels/vocab_mask.h"
-#include "ops/vocab_mask.h"
+#include "kernels/vocab_mask_checks.h"
 
 namespace megatron_ext {
 namespace {

@@ -5,7 +5,7 @@
 #include <torch/library.h>
 
 #include "kernels/vocab_mask.h"
-#include "ops/vocab_mask.h"
+#include "kernels/vocab_mask_checks.h"
 
 namespace megatron_ext {
 namespace {
@@ -28,7 +28,7 @@ std::tuple<at::Tensor, at::Tensor> vocab_range_mask_cuda(const at::Tensor& ids, 
   const int64_t n = input.numel();
   if (n == 0) return {local, outside};
   constexpr int threads = 256;
-  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 65535);
+  const unsigned int blocks = grid_stride_blocks(n, threads, 65535);
   vocab_mask_kernel<<<blocks, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
       input.const_data_ptr<int64_t>(), n, first, last, local.mutable_data_ptr<int64_t>(),
       outside.mutable_data_ptr<bool>());

@@ -6,17 +6,29 @@
 //   backward: grad_input = grad_output @ weight
 //             start all-reduce(grad_input)            when allreduce_dgrad
 //             start reduce-scatter_dim0(grad_input)   when sequence_parallel
-//             grad_weight = grad_output^T @ x  (added into main_grad instead when
+//             grad_weight = grad_output^T @ x  (added into weight.main_grad instead when
 //                                               gradient_accumulation_fusion) while it runs
 //             grad_bias = sum of grad_output over all leading dims
 //             wait for the collective
 //
 // Under sequence parallelism the gathered input is not saved: backward gathers it again, started
 // before the input-gradient GEMM so the two overlap (memory over time, as Megatron does).
+//
+// The collectives are started, then waited on (comm/functional.h): c10d work in eager mode, so
+// the overlap holds, and PyTorch's functional collective ops when traced by torch.compile.
+// Under autocast the forward casts as Megatron's custom_fwd does (the GEMM runs in the autocast
+// dtype) and the backward reuses the cast tensors, as custom_bwd's restored autocast state would.
+// ``weight.main_grad`` is looked up when the backward runs, so a buffer swapped in after the
+// forward receives the gradient.
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
+#include <pybind11/pybind11.h>
+
+#include "comm/functional.h"
 #include "comm/process_group.h"
 #include "ops/weight_grad.h"
 
@@ -29,94 +41,111 @@ using torch::autograd::variable_list;
 
 constexpr const char* kOp = "linear_with_grad_accumulation_and_async_allreduce";
 
-void check_args(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                const std::optional<at::Tensor>& main_grad, bool gradient_accumulation_fusion,
-                bool allreduce_dgrad, bool sequence_parallel) {
+void check_args(const at::Tensor& input, const at::Tensor& weight,
+                const std::optional<at::Tensor>& bias, bool allreduce_dgrad,
+                bool sequence_parallel, int64_t group_size) {
   TORCH_CHECK_VALUE(input.defined() && weight.defined(), kOp, ": input and weight must be tensors");
   TORCH_CHECK_VALUE(weight.dim() == 2, kOp, ": weight must be 2-D [output, input], got shape ",
-                    weight.sizes());
-  TORCH_CHECK_VALUE(input.dim() >= 1 && input.size(-1) == weight.size(1), kOp,
-                    ": the last dim of the input (shape ", input.sizes(),
-                    ") must equal the input size of the weight (shape ", weight.sizes(), ")");
+                    weight.sym_sizes());
+  // Sizes may be symbolic under torch.compile's dynamic shapes: each check becomes a guard.
+  TORCH_CHECK_VALUE(input.dim() >= 1 && input.sym_size(-1) == weight.sym_size(1), kOp, ": the last dim of the input (shape ", input.sym_sizes(),
+                    ") must equal the input size of the weight (shape ", weight.sym_sizes(), ")");
   TORCH_CHECK_VALUE(!sequence_parallel || input.dim() >= 2, kOp,
                     ": sequence parallelism needs an input with a sequence dim first, got shape ",
-                    input.sizes());
+                    input.sym_sizes());
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), kOp,
-                      ": bias must have shape [", weight.size(0), "], got ", bias->sizes());
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0), kOp,
+                      ": bias must have shape [", weight.sym_size(0), "], got ", bias->sym_sizes());
   }
   TORCH_CHECK_VALUE(!(allreduce_dgrad && sequence_parallel), kOp,
                     ": allreduce_dgrad and sequence_parallel are exclusive (sequence parallelism "
                     "reduce-scatters the input gradient instead of all-reducing it)");
-  if (gradient_accumulation_fusion) {
-    TORCH_CHECK_VALUE(main_grad.has_value() && main_grad->defined(), kOp,
-                      ": gradient_accumulation_fusion needs the weight's main_grad buffer");
-    TORCH_CHECK_VALUE(main_grad->sizes() == weight.sizes(), kOp, ": main_grad has shape ",
-                      main_grad->sizes(), " but the weight has shape ", weight.sizes());
-    TORCH_CHECK_VALUE(at::isFloatingType(main_grad->scalar_type()), kOp,
-                      ": main_grad must be a floating tensor, got ", main_grad->scalar_type());
-  }
+  TORCH_CHECK_VALUE(group_size >= 1, kOp, ": group_size must be positive, got ", group_size);
 }
 
-// The forward below autograd, for every backend.
-at::Tensor linear_forward(const at::Tensor& input, const at::Tensor& weight,
-                          const std::optional<at::Tensor>& bias,
-                          const std::optional<at::Tensor>& main_grad,
-                          bool gradient_accumulation_fusion, bool allreduce_dgrad,
-                          bool sequence_parallel, c10::string_view group_name) {
-  check_args(input, weight, bias, main_grad, gradient_accumulation_fusion, allreduce_dgrad,
-             sequence_parallel);
-  const std::string group(group_name);
+// The forward of every backend: gathers the sequence shards, then the GEMM.
+at::Tensor forward_impl(const at::Tensor& input, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias, bool sequence_parallel,
+                        const std::string& group, int64_t group_size) {
   at::Tensor total_input = input;
-  if (sequence_parallel && comm::group_size(group) > 1) {
-    auto [gathered, work] = comm::all_gather_first_dim_async(input, group);
-    work->wait();
-    total_input = gathered;
+  if (sequence_parallel && group_size > 1) {
+    total_input =
+        comm::wait(comm::start_all_gather_dim0(input, group_size, group), "all-gather", group);
   }
   return at::linear(total_input, weight, bias);
 }
 
-using LinearOp = c10::TypedOperatorHandle<at::Tensor(
-    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, bool, bool, bool, c10::string_view)>;
+at::Tensor linear_forward(const at::Tensor& input, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias, bool gradient_accumulation_fusion,
+                          bool allreduce_dgrad, bool sequence_parallel,
+                          c10::string_view group_name, int64_t group_size) {
+  check_args(input, weight, bias, allreduce_dgrad, sequence_parallel, group_size);
+  return forward_impl(input, weight, bias, sequence_parallel, std::string(group_name), group_size);
+}
 
-const LinearOp& linear_op() {
-  static const LinearOp op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow((std::string("megatron_ext::") + kOp).c_str(), "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                            const std::optional<at::Tensor>&, bool, bool, bool, c10::string_view)>();
-  return op;
+// The weight's ``main_grad`` attribute as it is now (DDP may have swapped the buffer since the
+// forward).
+at::Tensor current_main_grad(const at::Tensor& weight) {
+  pybind11::gil_scoped_acquire gil;
+  auto py_weight = pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(weight));
+  TORCH_CHECK_VALUE(pybind11::hasattr(py_weight, "main_grad"), kOp,
+                    ": gradient_accumulation_fusion=True but the weight has no main_grad attribute "
+                    "at backward time (main_grad is not available under torch.compile)");
+  auto main_grad = py_weight.attr("main_grad");
+  TORCH_CHECK_VALUE(THPVariable_Check(main_grad.ptr()), kOp,
+                    ": weight.main_grad must be a tensor at backward time");
+  auto result = THPVariable_Unpack(main_grad.ptr());
+  TORCH_CHECK_VALUE(result.sizes() == weight.sizes() && at::isFloatingType(result.scalar_type()),
+                    kOp, ": weight.main_grad must be a floating tensor of the weight's shape ",
+                    weight.sizes(), ", got ", result.scalar_type(), " of shape ", result.sizes());
+  return result;
+}
+
+// Casts a floating tensor (not float64) to the autocast dtype when autocast is on for its device,
+// as autocast does for a GEMM's arguments. Not through autocast's cache: this runs in the
+// Function's forward without grad mode, and a cached cast made there would carry no gradient.
+at::Tensor autocast_gemm_arg(const at::Tensor& t) {
+  const auto device = t.device().type();
+  if ((device != at::kCPU && device != at::kCUDA) || !at::autocast::is_autocast_enabled(device) ||
+      !at::isFloatingType(t.scalar_type()) || t.scalar_type() == at::kDouble) {
+    return t;
+  }
+  return t.to(at::autocast::get_autocast_dtype(device));
 }
 
 struct LinearAsyncFunction : public Function<LinearAsyncFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias,
-                            const std::optional<at::Tensor>& main_grad,
                             bool gradient_accumulation_fusion, bool allreduce_dgrad,
-                            bool sequence_parallel, const std::string& group) {
-    ctx->save_for_backward({input, weight});
-    // Held outside save_for_backward: main_grad is updated in place by other micro-batches'
-    // backward passes between this forward and its backward, which a version check would reject.
-    if (gradient_accumulation_fusion) ctx->saved_data["main_grad"] = *main_grad;
+                            bool sequence_parallel, const std::string& group, int64_t group_size) {
+    const auto gemm_input = autocast_gemm_arg(input);
+    const auto gemm_weight = autocast_gemm_arg(weight);
+    std::optional<at::Tensor> gemm_bias;
+    if (bias.has_value() && bias->defined()) gemm_bias = autocast_gemm_arg(*bias);
+    ctx->save_for_backward({gemm_input, gemm_weight});
+    // The weight itself, to find its main_grad at backward time (the GEMM may use a cast copy).
+    if (gradient_accumulation_fusion) ctx->saved_data["weight"] = weight;
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
     ctx->saved_data["fusion"] = gradient_accumulation_fusion;
     ctx->saved_data["allreduce_dgrad"] = allreduce_dgrad;
     ctx->saved_data["sequence_parallel"] = sequence_parallel;
     ctx->saved_data["group"] = group;
+    ctx->saved_data["group_size"] = group_size;
     at::AutoDispatchBelowADInplaceOrView guard;
-    return linear_op().call(input, weight, bias, main_grad, gradient_accumulation_fusion,
-                            allreduce_dgrad, sequence_parallel, group);
+    return forward_impl(gemm_input, gemm_weight, gemm_bias, sequence_parallel, group, group_size);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), kOp,
+                ": double backward (create_graph=True) is not supported");
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& input = saved[0];
     const at::Tensor& weight = saved[1];
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     const bool fusion = ctx->saved_data["fusion"].toBool();
     const std::string group = ctx->saved_data["group"].toStringRef();
-    const bool distributed = comm::group_size(group) > 1;
+    const int64_t group_size = ctx->saved_data["group_size"].toInt();
+    const bool distributed = group_size > 1;
     const bool allreduce_dgrad = ctx->saved_data["allreduce_dgrad"].toBool() && distributed;
     const bool sequence_parallel = ctx->saved_data["sequence_parallel"].toBool() && distributed;
     const at::Tensor grad_output = grads[0];
@@ -126,32 +155,29 @@ struct LinearAsyncFunction : public Function<LinearAsyncFunction> {
     const bool need_input_grad = ctx->needs_input_grad(0);
     const bool need_weight_grad = ctx->needs_input_grad(1) || fusion;
     at::Tensor total_input = input;
-    c10::intrusive_ptr<c10d::Work> gather_work;
+    std::optional<comm::Pending> gather;
     if (sequence_parallel && need_weight_grad) {
-      std::tie(total_input, gather_work) = comm::all_gather_first_dim_async(input, group);
+      gather = comm::start_all_gather_dim0(input, group_size, group);
     }
 
     at::Tensor grad_input;
-    c10::intrusive_ptr<c10d::Work> dgrad_work;
+    std::optional<comm::Pending> dgrad;
     if (need_input_grad) {
-      grad_input = at::matmul(grad_output, weight).contiguous();
+      grad_input = at::matmul(grad_output, weight);
       if (allreduce_dgrad) {
-        dgrad_work = comm::all_reduce_async_(grad_input, group);
+        dgrad = comm::start_all_reduce_owned(std::move(grad_input), group);
       } else if (sequence_parallel) {
-        auto full = grad_input;
-        grad_input = at::empty(input.sizes(), full.options());
-        dgrad_work = comm::reduce_scatter_first_dim_async(grad_input, full, group);
+        dgrad = comm::start_reduce_scatter_dim0(grad_input, group_size, group);
       }
     }
 
     // Weight and bias gradients are computed while the input-gradient collective runs.
-    if (gather_work) gather_work->wait();
-    const int64_t out_features = grad_output.size(-1);
-    const auto grad_output_2d = grad_output.reshape({-1, out_features});
+    if (gather) total_input = comm::wait(std::move(*gather), "all-gather", group);
+    const auto grad_output_2d = grad_output.reshape_symint({-1, grad_output.sym_size(-1)});
     if (need_weight_grad) {
-      const auto input_2d = total_input.reshape({-1, total_input.size(-1)});
+      const auto input_2d = total_input.reshape_symint({-1, total_input.sym_size(-1)});
       if (fusion) {
-        auto main_grad = ctx->saved_data["main_grad"].toTensor();
+        auto main_grad = current_main_grad(ctx->saved_data["weight"].toTensor());
         accumulate_weight_grad_(main_grad, grad_output_2d, input_2d);
       } else {
         result[1] = grad_output_2d.t().mm(input_2d);
@@ -159,30 +185,35 @@ struct LinearAsyncFunction : public Function<LinearAsyncFunction> {
     }
     if (has_bias && ctx->needs_input_grad(2)) result[2] = grad_output_2d.sum(0);
 
-    if (dgrad_work) dgrad_work->wait();
+    if (dgrad) grad_input = comm::wait(std::move(*dgrad), "input-gradient collective", group);
     result[0] = grad_input;
     return result;
   }
 };
 
 at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight,
-                           const std::optional<at::Tensor>& bias,
-                           const std::optional<at::Tensor>& main_grad,
-                           bool gradient_accumulation_fusion, bool allreduce_dgrad,
-                           bool sequence_parallel, c10::string_view group_name) {
+                           const std::optional<at::Tensor>& bias, bool gradient_accumulation_fusion,
+                           bool allreduce_dgrad, bool sequence_parallel,
+                           c10::string_view group_name, int64_t group_size) {
   // Every rank checks its arguments before any collective, so bad input raises instead of hanging.
-  check_args(input, weight, bias, main_grad, gradient_accumulation_fusion, allreduce_dgrad,
-             sequence_parallel);
-  return LinearAsyncFunction::apply(input, weight, bias, main_grad, gradient_accumulation_fusion,
-                                    allreduce_dgrad, sequence_parallel, std::string(group_name));
+  check_args(input, weight, bias, allreduce_dgrad, sequence_parallel, group_size);
+  const std::string group(group_name);
+  const int64_t actual = comm::is_plain(input) ? comm::group_size(group) : group_size;
+  TORCH_CHECK_VALUE(actual == group_size, kOp, ": process group '", group, "' has size ", actual,
+                    " but the call passed group_size ", group_size);
+  return LinearAsyncFunction::apply(input, weight, bias, gradient_accumulation_fusion,
+                                    allreduce_dgrad, sequence_parallel, group, group_size);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(megatron_ext, CompositeExplicitAutograd, m) {
-  m.impl(kOp, &linear_forward);
+TORCH_LIBRARY_FRAGMENT(megatron_ext, m) {
+  m.def(
+      "linear_with_grad_accumulation_and_async_allreduce(Tensor input, Tensor weight, Tensor? bias, "
+      "bool gradient_accumulation_fusion, bool allreduce_dgrad, bool sequence_parallel, "
+      "str group_name, int group_size) -> Tensor");
+  m.impl(kOp, torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(linear_forward)));
+  m.impl(kOp, torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(linear_autograd)));
 }
-
-TORCH_LIBRARY_IMPL(megatron_ext, Autograd, m) { m.impl(kOp, &linear_autograd); }
 
 }  // namespace megatron_ext

@@ -1,4 +1,6 @@
-// The conjugate communication regions of tensor and sequence parallelism as autograd nodes.
+// The conjugate communication regions of tensor and sequence parallelism: each op is one row of
+// the table below (its name, forward collective and conjugate) and one line in the registration
+// block at the end, which declares its schema and registers its kernels.
 //
 //   region                                       forward                 backward
 //   copy_to_tensor_model_parallel_region         identity                all-reduce
@@ -13,18 +15,26 @@
 //   all_gather_last_dim_from_tensor_parallel_... all-gather last dim     reduce-scatter last dim
 //   reduce_scatter_last_dim_to_tensor_parallel_. reduce-scatter last dim all-gather last dim
 //
-// Each op's forward is registered for every backend (CompositeExplicitAutograd: c10d picks gloo or
-// NCCL from the device); its Autograd kernel wraps that forward in a torch::autograd::Function
-// whose backward is the conjugate collective. A group of one rank passes tensors through.
+// Schemas carry what the result depends on, as PyTorch's functional collectives do: the group's
+// name, its size and this process's rank in it. A compiled graph is cached by what it shows, so
+// nothing may depend on the group's hidden state. An output may alias the input (``Tensor(a)``):
+// copy_to's forward, every region at group size 1, and a first-dim split of a contiguous input
+// return views, as Megatron-core returns its input; nothing ever writes to the input.
+//
+// The Autograd kernel is the public entry point: a torch::autograd::Function whose forward runs
+// the collective below autograd and whose backward runs the conjugate region. Collectives go
+// through PyTorch's functional collective ops (comm/functional.h), so the same code is traced by
+// torch.compile. The backward calls the conjugate region op with autograd when a graph of the
+// backward is being built (create_graph=True), so the regions are differentiable twice.
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include <mutex>
-#include <string_view>
-#include <unordered_map>
+#include <string>
 
+#include "comm/functional.h"
 #include "comm/process_group.h"
+#include "ops/dispatch.h"
 
 namespace megatron_ext {
 namespace {
@@ -38,184 +48,202 @@ constexpr int64_t kLast = -1;
 
 enum class Collective { kIdentity, kAllReduce, kSplit, kAllGather, kReduceScatter };
 
-// A region: the collective its forward runs along ``dim``, and the region op whose forward is
-// this region's backward (nullptr: the gradient passes through). Running the backward through
-// that op rather than through c10d directly keeps the backward traceable (the op has a fake
-// kernel).
 struct Region {
   const char* name;
   Collective forward;
   int64_t dim;
-  const char* backward_op;
+  // The conjugate region: its forward is this region's backward. Its own backward is what makes
+  // the backward graph a valid tensor-parallel program, so gradients of gradients are right.
+  const Region* backward;
 };
 
-constexpr Region kCopy{"copy_to_tensor_model_parallel_region", Collective::kIdentity, kLast,
-                       "reduce_from_tensor_model_parallel_region"};
-constexpr Region kReduce{"reduce_from_tensor_model_parallel_region", Collective::kAllReduce, kLast,
-                         nullptr};
-constexpr Region kScatter{"scatter_to_tensor_model_parallel_region", Collective::kSplit, kLast,
-                          "gather_from_tensor_model_parallel_region"};
-constexpr Region kGather{"gather_from_tensor_model_parallel_region", Collective::kAllGather, kLast,
-                         "scatter_to_tensor_model_parallel_region"};
-constexpr Region kScatterSeq{"scatter_to_sequence_parallel_region", Collective::kSplit, kFirst,
-                             "gather_from_sequence_parallel_region"};
-constexpr Region kGatherSeq{"gather_from_sequence_parallel_region", Collective::kAllGather, kFirst,
-                            "reduce_scatter_to_sequence_parallel_region"};
-constexpr Region kGatherSeqSplitGrad{"gather_from_sequence_parallel_region",
-                                     Collective::kAllGather, kFirst,
-                                     "scatter_to_sequence_parallel_region"};
-constexpr Region kReduceScatterSeq{"reduce_scatter_to_sequence_parallel_region",
-                                   Collective::kReduceScatter, kFirst,
-                                   "gather_from_sequence_parallel_region"};
-constexpr Region kAllGatherLast{"all_gather_last_dim_from_tensor_parallel_region",
-                                Collective::kAllGather, kLast,
-                                "reduce_scatter_last_dim_to_tensor_parallel_region"};
-constexpr Region kReduceScatterLast{"reduce_scatter_last_dim_to_tensor_parallel_region",
-                                    Collective::kReduceScatter, kLast,
-                                    "all_gather_last_dim_from_tensor_parallel_region"};
+extern const Region kCopy, kReduce, kScatter, kGather, kScatterSeq, kGatherSeq,
+    kGatherSeqSplitGrad, kReduceScatterSeq, kAllGatherLast, kReduceScatterLast;
 
-void check_tensor(const at::Tensor& x, const char* op) {
-  TORCH_CHECK_VALUE(x.defined(), op, ": expected a tensor, got an undefined tensor");
+constexpr Region kCopy{"copy_to_tensor_model_parallel_region", Collective::kIdentity, kLast,
+                       &kReduce};
+constexpr Region kReduce{"reduce_from_tensor_model_parallel_region", Collective::kAllReduce, kLast,
+                         &kCopy};
+constexpr Region kScatter{"scatter_to_tensor_model_parallel_region", Collective::kSplit, kLast,
+                          &kGather};
+constexpr Region kGather{"gather_from_tensor_model_parallel_region", Collective::kAllGather, kLast,
+                         &kScatter};
+// Its input is replicated, so the gradient of its gradient is split, not reduce-scattered.
+constexpr Region kScatterSeq{"scatter_to_sequence_parallel_region", Collective::kSplit, kFirst,
+                             &kGatherSeqSplitGrad};
+constexpr Region kGatherSeq{"gather_from_sequence_parallel_region", Collective::kAllGather, kFirst,
+                            &kReduceScatterSeq};
+// Same forward as kGatherSeq; its backward keeps this rank's chunk of a replicated gradient.
+constexpr Region kGatherSeqSplitGrad{"gather_from_sequence_parallel_region",
+                                     Collective::kAllGather, kFirst, &kScatterSeq};
+constexpr Region kReduceScatterSeq{"reduce_scatter_to_sequence_parallel_region",
+                                   Collective::kReduceScatter, kFirst, &kGatherSeq};
+constexpr Region kAllGatherLast{"all_gather_last_dim_from_tensor_parallel_region",
+                                Collective::kAllGather, kLast, &kReduceScatterLast};
+constexpr Region kReduceScatterLast{"reduce_scatter_last_dim_to_tensor_parallel_region",
+                                    Collective::kReduceScatter, kLast, &kAllGatherLast};
+
+using RegionFn = at::Tensor(const at::Tensor&, c10::string_view, int64_t, int64_t);
+using GatherSeqFn = at::Tensor(const at::Tensor&, bool, c10::string_view, int64_t, int64_t);
+
+// Every rank checks its arguments before any collective, so bad input raises instead of hanging.
+void check_args(const Region& r, const at::Tensor& x, const std::string& group, int64_t size,
+                int64_t rank) {
+  TORCH_CHECK_VALUE(x.defined(), r.name, ": expected a tensor, got an undefined tensor");
+  if (size > 1 && (r.forward == Collective::kSplit || r.forward == Collective::kReduceScatter)) {
+    comm::check_divisible(x, r.dim, size, r.name);
+  }
+  if (size > 1 && r.forward == Collective::kAllGather) {
+    TORCH_CHECK_VALUE(x.dim() > 0, r.name,
+                      ": expected a tensor with at least one dimension, got a scalar");
+  }
+  TORCH_CHECK_VALUE(size >= 1 && rank >= 0 && rank < size, r.name,
+                    ": expected 0 <= rank < group_size, got rank ", rank, " and group_size ", size);
+  // Eager calls only: a traced call may name a group this process does not hold.
+  if (!comm::is_plain(x)) return;
+  const auto pg = comm::resolve(group);
+  TORCH_CHECK_VALUE(pg->getSize() == size && pg->getRank() == rank, r.name, ": process group '",
+                    group, "' has size ", pg->getSize(), " and this process's rank in it is ",
+                    pg->getRank(), ", but the call passed group_size ", size, " and rank ", rank);
 }
 
-// The collective of a region's forward: what the backend kernel runs. Outputs never alias the
-// input (the identity copies), as the schemas promise.
-at::Tensor forward_collective(const Region& r, const at::Tensor& x, const std::string& group) {
-  check_tensor(x, r.name);
-  if (r.forward == Collective::kIdentity || comm::group_size(group) == 1) return x.clone();
+// A region's forward below autograd. Group size 1 and the identity return a view of the input.
+at::Tensor run_forward(const Region& r, const at::Tensor& x, const std::string& group,
+                       int64_t size, int64_t rank) {
+  if (r.forward == Collective::kIdentity || size == 1) return x.alias();
+  const int64_t d = at::maybe_wrap_dim(r.dim, x.dim());
   switch (r.forward) {
     case Collective::kAllReduce:
-      return comm::all_reduce(x, group);
-    case Collective::kSplit:
-      return comm::split(x, r.dim, group);
-    case Collective::kAllGather:
-      return comm::all_gather(x, r.dim, group);
-    case Collective::kReduceScatter:
-      return comm::reduce_scatter(x, r.dim, group);
+      return comm::wait(comm::start_all_reduce(x, group), "all-reduce", group);
+    case Collective::kSplit: {
+      const c10::SymInt chunk = x.sym_size(d) / size;
+      return x.narrow_symint(d, chunk * rank, chunk).contiguous();
+    }
+    case Collective::kAllGather: {
+      auto gathered = comm::wait(comm::start_all_gather_dim0(x, size, group), "all-gather", group);
+      return d == 0 ? gathered : at::cat(gathered.chunk(size, 0), d);
+    }
+    case Collective::kReduceScatter: {
+      // Chunks of ``d`` laid one after another along dim 0, the layout reduce-scatter reads.
+      auto stacked = d == 0 ? x : at::cat(x.chunk(size, d), 0);
+      return comm::wait(comm::start_reduce_scatter_dim0(stacked, size, group), "reduce-scatter",
+                        group);
+    }
     case Collective::kIdentity:
       break;
   }
   TORCH_CHECK(false, "unreachable");
 }
 
-using RegionOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, c10::string_view)>;
-using GatherSeqOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, bool, c10::string_view)>;
-
-const c10::OperatorHandle& find_op(const char* name) {
-  // Handles are stable for the process's lifetime; looked up once per call site.
-  static std::mutex mutex;
-  static std::unordered_map<std::string, c10::OperatorHandle> cache;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = cache.find(name);
-  if (it == cache.end()) {
-    it = cache
-             .emplace(name, c10::Dispatcher::singleton().findSchemaOrThrow(
-                                (std::string("megatron_ext::") + name).c_str(), ""))
-             .first;
+// The conjugate region with autograd, for a backward that is itself differentiated.
+at::Tensor call_with_autograd(const Region& r, const at::Tensor& x, const std::string& group,
+                              int64_t size, int64_t rank) {
+  if (r.forward == Collective::kAllGather && r.dim == kFirst) {
+    static const auto op = typed_op<GatherSeqFn>(kGatherSeq.name);
+    return op.call(x, &r == &kGatherSeq, group, size, rank);
   }
-  return it->second;
-}
-
-// Calls a region op below autograd: fake and meta tensors take its fake kernel, real ones the
-// collective.
-at::Tensor call_region_op(const char* name, const at::Tensor& x, const std::string& group) {
-  at::AutoDispatchBelowADInplaceOrView guard;
-  if (std::string_view(name) == kGatherSeq.name) {
-    return find_op(name).typed<at::Tensor(const at::Tensor&, bool, c10::string_view)>().call(
-        x, true, group);
-  }
-  return find_op(name).typed<at::Tensor(const at::Tensor&, c10::string_view)>().call(x, group);
+  return typed_op<RegionFn>(r.name).call(x, group, size, rank);
 }
 
 struct RegionFunction : public Function<RegionFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Region* region,
-                            const std::string& group) {
-    ctx->saved_data["group"] = group;
+                            const std::string& group, int64_t size, int64_t rank) {
     ctx->saved_data["region"] = reinterpret_cast<int64_t>(region);
-    if (region == &kGatherSeqSplitGrad) {
-      // Same forward as kGatherSeq, only the backward differs.
-      at::AutoDispatchBelowADInplaceOrView guard;
-      return find_op(region->name)
-          .typed<at::Tensor(const at::Tensor&, bool, c10::string_view)>()
-          .call(x, false, group);
-    }
-    return call_region_op(region->name, x, group);
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["size"] = size;
+    ctx->saved_data["rank"] = rank;
+    // The Function turns a returned input into a view of it carrying this node.
+    if (region->forward == Collective::kIdentity) return x;
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return run_forward(*region, x, group, size, rank);
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  // ``grads`` by reference: the gradient is then referenced only here and may be reduced in place.
+  static variable_list backward(AutogradContext* ctx, variable_list& grads) {
     const auto* region = reinterpret_cast<const Region*>(ctx->saved_data["region"].toInt());
     const auto group = ctx->saved_data["group"].toStringRef();
-    at::Tensor grad = grads[0];
-    if (grad.defined() && region->backward_op != nullptr) {
-      grad = call_region_op(region->backward_op, grad, group);
+    const int64_t size = ctx->saved_data["size"].toInt();
+    const int64_t rank = ctx->saved_data["rank"].toInt();
+    variable_list result(5);
+    if (!grads[0].defined()) return result;
+    const Region* conjugate = region->backward;
+    if (at::GradMode::is_enabled()) {
+      result[0] = call_with_autograd(*conjugate, grads[0], group, size, rank);
+    } else if (conjugate->forward == Collective::kIdentity) {
+      result[0] = std::move(grads[0]);
+    } else if (conjugate->forward == Collective::kAllReduce) {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      result[0] =
+          comm::wait(comm::start_all_reduce_owned(std::move(grads[0]), group), "all-reduce", group);
+    } else {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      result[0] = run_forward(*conjugate, grads[0], group, size, rank);
     }
-    return {grad, at::Tensor(), at::Tensor()};
+    return result;
   }
 };
 
-at::Tensor apply_region(const Region& r, const at::Tensor& x, const std::string& group) {
-  check_tensor(x, r.name);
-  const int64_t world = comm::group_size(group);
-  if (world == 1) return x;  // one rank: no communication, no autograd node
-  if (r.forward == Collective::kSplit || r.forward == Collective::kReduceScatter) {
-    comm::check_divisible(x, r.dim, world, r.name);
-  }
-  return RegionFunction::apply(x, &r, group);
+at::Tensor apply_region(const Region& r, const at::Tensor& x, c10::string_view group_name,
+                        int64_t size, int64_t rank) {
+  const std::string group(group_name);
+  check_args(r, x, group, size, rank);
+  if (size == 1) return x.alias();  // no communication; the view's backward passes the gradient
+  return RegionFunction::apply(x, &r, group, size, rank);
 }
 
-#define MEGATRON_EXT_REGION(fn, region)                                   \
-  at::Tensor fn##_forward(const at::Tensor& x, c10::string_view group) {  \
-    return forward_collective(region, x, std::string(group));            \
-  }                                                                        \
-  at::Tensor fn##_autograd(const at::Tensor& x, c10::string_view group) { \
-    return apply_region(region, x, std::string(group));                  \
-  }
+template <const Region& R>
+at::Tensor region_autograd(const at::Tensor& x, c10::string_view group, int64_t size,
+                           int64_t rank) {
+  return apply_region(R, x, group, size, rank);
+}
 
-MEGATRON_EXT_REGION(copy, kCopy)
-MEGATRON_EXT_REGION(reduce, kReduce)
-MEGATRON_EXT_REGION(scatter, kScatter)
-MEGATRON_EXT_REGION(gather, kGather)
-MEGATRON_EXT_REGION(scatter_seq, kScatterSeq)
-MEGATRON_EXT_REGION(reduce_scatter_seq, kReduceScatterSeq)
-MEGATRON_EXT_REGION(all_gather_last, kAllGatherLast)
-MEGATRON_EXT_REGION(reduce_scatter_last, kReduceScatterLast)
-#undef MEGATRON_EXT_REGION
-
-at::Tensor gather_seq_forward(const at::Tensor& x, bool tensor_parallel_output_grad,
-                              c10::string_view group) {
-  return forward_collective(kGatherSeq, x, std::string(group));
+template <const Region& R>
+at::Tensor region_forward(const at::Tensor& x, c10::string_view group, int64_t size,
+                          int64_t rank) {
+  const std::string g(group);
+  check_args(R, x, g, size, rank);
+  return run_forward(R, x, g, size, rank);
 }
 
 at::Tensor gather_seq_autograd(const at::Tensor& x, bool tensor_parallel_output_grad,
-                               c10::string_view group) {
-  return apply_region(tensor_parallel_output_grad ? kGatherSeq : kGatherSeqSplitGrad, x,
-                      std::string(group));
+                               c10::string_view group, int64_t size, int64_t rank) {
+  return apply_region(tensor_parallel_output_grad ? kGatherSeq : kGatherSeqSplitGrad, x, group,
+                      size, rank);
+}
+
+at::Tensor gather_seq_forward(const at::Tensor& x, bool, c10::string_view group, int64_t size,
+                              int64_t rank) {
+  return region_forward<kGatherSeq>(x, group, size, rank);
+}
+
+template <const Region& R>
+void define(torch::Library& m) {
+  m.def((std::string(R.name) +
+         "(Tensor(a) input, str group_name, int group_size, int rank) -> Tensor(a)")
+            .c_str());
+  m.impl(R.name, torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
+                                 TORCH_FN(region_forward<R>)));
+  m.impl(R.name, torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(region_autograd<R>)));
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(megatron_ext, CompositeExplicitAutograd, m) {
-  m.impl("copy_to_tensor_model_parallel_region", &copy_forward);
-  m.impl("reduce_from_tensor_model_parallel_region", &reduce_forward);
-  m.impl("scatter_to_tensor_model_parallel_region", &scatter_forward);
-  m.impl("gather_from_tensor_model_parallel_region", &gather_forward);
-  m.impl("scatter_to_sequence_parallel_region", &scatter_seq_forward);
-  m.impl("gather_from_sequence_parallel_region", &gather_seq_forward);
-  m.impl("reduce_scatter_to_sequence_parallel_region", &reduce_scatter_seq_forward);
-  m.impl("all_gather_last_dim_from_tensor_parallel_region", &all_gather_last_forward);
-  m.impl("reduce_scatter_last_dim_to_tensor_parallel_region", &reduce_scatter_last_forward);
-}
-
-TORCH_LIBRARY_IMPL(megatron_ext, Autograd, m) {
-  m.impl("copy_to_tensor_model_parallel_region", &copy_autograd);
-  m.impl("reduce_from_tensor_model_parallel_region", &reduce_autograd);
-  m.impl("scatter_to_tensor_model_parallel_region", &scatter_autograd);
-  m.impl("gather_from_tensor_model_parallel_region", &gather_autograd);
-  m.impl("scatter_to_sequence_parallel_region", &scatter_seq_autograd);
-  m.impl("gather_from_sequence_parallel_region", &gather_seq_autograd);
-  m.impl("reduce_scatter_to_sequence_parallel_region", &reduce_scatter_seq_autograd);
-  m.impl("all_gather_last_dim_from_tensor_parallel_region", &all_gather_last_autograd);
-  m.impl("reduce_scatter_last_dim_to_tensor_parallel_region", &reduce_scatter_last_autograd);
+TORCH_LIBRARY_FRAGMENT(megatron_ext, m) {
+  define<kCopy>(m);
+  define<kReduce>(m);
+  define<kScatter>(m);
+  define<kGather>(m);
+  define<kScatterSeq>(m);
+  define<kReduceScatterSeq>(m);
+  define<kAllGatherLast>(m);
+  define<kReduceScatterLast>(m);
+  m.def(
+      "gather_from_sequence_parallel_region(Tensor(a) input, bool tensor_parallel_output_grad, "
+      "str group_name, int group_size, int rank) -> Tensor(a)");
+  m.impl(kGatherSeq.name, torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
+                                          TORCH_FN(gather_seq_forward)));
+  m.impl(kGatherSeq.name,
+         torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(gather_seq_autograd)));
 }
 
 }  // namespace megatron_ext

@@ -68,7 +68,9 @@ class NamedAdam:
     def load_param_state_by_name(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         missing = sorted(set(self.named_params) - set(state))
         if missing:
-            raise ValueError(f"optimizer state is missing parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            raise ValueError(
+                f"optimizer state is missing parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            )
         for name, param in self.named_params.items():
             entry = state[name]
             with torch.no_grad():

@@ -22,7 +22,8 @@ import io
 import json
 import os
 import shutil
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,7 +82,8 @@ def _layout() -> dict[str, int]:
 
 def _rng_key() -> str:
     return (
-        f"tp{parallel_state.get_tensor_model_parallel_rank()}_pp{parallel_state.get_pipeline_model_parallel_rank()}"
+        f"tp{parallel_state.get_tensor_model_parallel_rank()}"
+        f"_pp{parallel_state.get_pipeline_model_parallel_rank()}"
         f"_dp{parallel_state.get_data_parallel_rank()}"
     )
 
@@ -233,7 +235,9 @@ def read_marker(path: str) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise CheckpointingException(f"checkpoint {path!r}: {MARKER} is unreadable ({e})") from None
     if marker.get("format") != FORMAT:
-        raise CheckpointingException(f"checkpoint {path!r}: format {marker.get('format')!r}, expected {FORMAT!r}")
+        raise CheckpointingException(
+            f"checkpoint {path!r}: format {marker.get('format')!r}, expected {FORMAT!r}"
+        )
     return marker
 
 
@@ -261,8 +265,10 @@ def _check_optimizer(metadata: Metadata, current: dict[str, tuple[str, ParamSpec
     for global_name, (_, _, entry) in current.items():
         stored = _stored_optimizer_keys(metadata, global_name)
         if stored != sorted(entry):
-            problems.append(f"the optimizer state of {global_name} holds {stored} in the checkpoint, "
-                            f"the optimizer has {sorted(entry)}")
+            problems.append(
+                f"the optimizer state of {global_name} holds {stored} in the checkpoint, "
+                f"the optimizer has {sorted(entry)}"
+            )
     return problems
 
 
@@ -276,12 +282,17 @@ def _check_model(metadata: Metadata, specs: list[ParamSpec], all_names: set[str]
             problems.append(f"parameter {spec.global_name} {list(expected)} is not in the checkpoint")
         elif stored_shape(stored[key]) != expected:
             problems.append(
-                f"parameter {spec.global_name} has global shape {list(stored_shape(stored[key]) or [])} in the "
+                f"parameter {spec.global_name} has global shape "
+                f"{list(stored_shape(stored[key]) or [])} in the "
                 f"checkpoint but {list(expected)} in the model"
             )
-    extra = sorted(k[len("model.") :] for k in stored if k.startswith("model.") and k[len("model.") :] not in all_names)
+    extra = sorted(
+        k[len("model.") :] for k in stored if k.startswith("model.") and k[len("model.") :] not in all_names
+    )
     if extra:
-        problems.append(f"the checkpoint has parameters the model lacks: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+        problems.append(
+            f"the checkpoint has parameters the model lacks: {extra[:5]}{' ...' if len(extra) > 5 else ''}"
+        )
     return problems
 
 
@@ -311,7 +322,9 @@ def load_checkpoint(
         if resolved is None:
             raise CheckpointingException(f"{path!r} is neither a checkpoint nor a directory with {TRACKER}")
         marker = read_marker(resolved)
-        problems += verify_files(resolved, marker, sorted(marker["files"])[dist.get_rank() :: dist.get_world_size()])
+        problems += verify_files(
+            resolved, marker, sorted(marker["files"])[dist.get_rank() :: dist.get_world_size()]
+        )
         if not problems:
             metadata = FileSystemReader(resolved).read_metadata()
             problems += _check_model(metadata, unique, all_names)
@@ -326,7 +339,9 @@ def load_checkpoint(
     if failed:
         lines = sorted({p for _, p in failed})
         more = f"; and {len(lines) - 8} more" if len(lines) > 8 else ""
-        raise CheckpointingException(f"cannot load checkpoint {resolved or path!r}: " + "; ".join(lines[:8]) + more)
+        raise CheckpointingException(
+            f"cannot load checkpoint {resolved or path!r}: " + "; ".join(lines[:8]) + more
+        )
     assert metadata is not None
 
     state: dict[str, Any] = {"model": {s.global_name: s.sharded() for s in unique}}
@@ -336,7 +351,9 @@ def load_checkpoint(
         for global_name, (name, spec, entry_now) in current.items():
             entry = {}
             for k, now in entry_now.items():
-                dtype = metadata.state_dict_metadata[f"optimizer.param_state.{global_name}.{k}"].properties.dtype
+                dtype = metadata.state_dict_metadata[
+                    f"optimizer.param_state.{global_name}.{k}"
+                ].properties.dtype
                 target = torch.empty(spec.param.shape, dtype=dtype, device=now.device)
                 optimizer_targets.setdefault(name, {})[k] = target
                 entry[k] = spec.sharded(target)

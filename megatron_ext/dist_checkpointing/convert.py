@@ -75,7 +75,8 @@ def from_torch(source: str, checkpoint: str) -> None:
     info = state.pop("checkpoint", None) if isinstance(state, dict) else None
     if not isinstance(info, dict) or info.get("format") != FORMAT or "model" not in state:
         raise CheckpointingException(
-            f"{source!r} is not an unsharded megatron_ext checkpoint (a dict with 'model' and 'checkpoint' of format {FORMAT!r})"
+            f"{source!r} is not an unsharded megatron_ext checkpoint "
+            f"(a dict with 'model' and 'checkpoint' of format {FORMAT!r})"
         )
     if os.path.exists(checkpoint):
         raise CheckpointingException(f"{checkpoint!r} exists; choose a new directory")
@@ -92,7 +93,9 @@ def from_torch(source: str, checkpoint: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     to = commands.add_parser("to-torch", help="sharded checkpoint -> one torch.save file")
     to.add_argument("checkpoint")
@@ -103,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "to-torch":
         state = to_torch(args.checkpoint, args.output)
-        print(f"{args.output}: {len(state['model'])} parameters, iteration {state['checkpoint']['iteration']}")
+        print(
+            f"{args.output}: {len(state['model'])} parameters, iteration {state['checkpoint']['iteration']}"
+        )
     else:
         from_torch(args.source, args.checkpoint)
         print(f"{args.checkpoint}: written")

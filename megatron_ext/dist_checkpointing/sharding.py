@@ -17,8 +17,9 @@ at any tensor/pipeline/data-parallel layout:
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -30,7 +31,9 @@ _LAYER_PREFIX = re.compile(r"^(?P<head>(?:.*\.)?layers)\.(?P<index>\d+)$")
 
 
 def sharded_tensor(
-    local: torch.Tensor, global_shape: Iterable[int], pieces: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+    local: torch.Tensor,
+    global_shape: Iterable[int],
+    pieces: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]],
 ) -> torch.Tensor:
     """An alias of ``local`` that DCP saves and loads as parts of a global tensor.
 
@@ -55,7 +58,9 @@ def tp_partitioned(tensor: torch.Tensor, dim: int, stride: int, tp_rank: int, tp
     """The local shard ``tensor`` of a global tensor split along ``dim`` with ``stride``."""
     dim = dim % tensor.dim()
     if tensor.shape[dim] % stride != 0:
-        raise ValueError(f"a shard of size {tensor.shape[dim]} along dim {dim} does not split into stride {stride}")
+        raise ValueError(
+            f"a shard of size {tensor.shape[dim]} along dim {dim} does not split into stride {stride}"
+        )
     piece = tensor.shape[dim] // stride
     global_shape = list(tensor.shape)
     global_shape[dim] *= tp_size
@@ -93,13 +98,18 @@ class ParamSpec:
         sharded as the parameter is."""
         t = self.param.detach() if tensor is None else tensor
         if t.shape != self.param.shape:
-            raise ValueError(f"{self.local_name}: a tensor of shape {tuple(t.shape)} for a parameter of shape "
-                             f"{tuple(self.param.shape)}")
+            raise ValueError(
+                f"{self.local_name}: a tensor of shape {tuple(t.shape)} for a parameter of shape "
+                f"{tuple(self.param.shape)}"
+            )
         if not getattr(self.param, "tensor_model_parallel", False):
             return replicated(t)
         return tp_partitioned(
-            t, self.param.partition_dim, getattr(self.param, "partition_stride", 1),
-            parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size(),
+            t,
+            self.param.partition_dim,
+            getattr(self.param, "partition_stride", 1),
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size(),
         )
 
 
@@ -148,7 +158,8 @@ def param_specs(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, Par
             spec = ParamSpec(chunk_prefix + name, _global_name(bare, prefixes, chunk), param)
             if spec.global_name in seen:
                 raise RuntimeError(
-                    f"parameters {seen[spec.global_name]!r} and {spec.local_name!r} map to the same global name "
+                    f"parameters {seen[spec.global_name]!r} and {spec.local_name!r} "
+                    "map to the same global name "
                     f"{spec.global_name!r}; are the layers' layer_number attributes global?"
                 )
             seen[spec.global_name] = spec.local_name

@@ -30,11 +30,10 @@ from megatron_ext.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
-    resolve_group_name,
     scatter_to_tensor_model_parallel_region,
 )
 from megatron_ext.tensor_parallel.random import get_cuda_rng_tracker
-from megatron_ext.tensor_parallel.utils import VocabUtility, divide, resolve_tp_group
+from megatron_ext.tensor_parallel.utils import VocabUtility, divide, group_args, resolve_tp_group
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
 
@@ -202,7 +201,9 @@ def linear_with_grad_accumulation_and_async_allreduce(
     gradient are computed while it runs; then it is waited on.
 
     With ``gradient_accumulation_fusion`` the weight gradient is added into ``weight.main_grad``
-    (in ``main_grad``'s dtype) and ``weight.grad`` is left as it was. ``async_grad_allreduce`` is the
+    (in ``main_grad``'s dtype; the attribute is read when the backward runs, as Megatron-core does)
+    and ``weight.grad`` is left as it was. Under ``torch.autocast`` the GEMMs run in the autocast
+    dtype, as under Megatron-core's ``custom_fwd``/``custom_bwd``. ``async_grad_allreduce`` is the
     older name of ``allreduce_dgrad``.
     """
     if async_grad_allreduce is not None:
@@ -226,23 +227,34 @@ def linear_with_grad_accumulation_and_async_allreduce(
                 f"linear_with_grad_accumulation_and_async_allreduce: {name} must be a torch.Tensor, "
                 f"got {type(value).__name__}"
             )
-    main_grad = None
     if gradient_accumulation_fusion:
+        # Checked here for an early error; the backward reads weight.main_grad again when it runs.
         main_grad = getattr(weight, "main_grad", None)
         if not isinstance(main_grad, torch.Tensor):
             raise ValueError(
                 "linear_with_grad_accumulation_and_async_allreduce: gradient_accumulation_fusion=True "
                 "needs weight.main_grad, a tensor of the weight's shape to accumulate the gradient in"
             )
+        if main_grad.shape != weight.shape:
+            raise ValueError(
+                "linear_with_grad_accumulation_and_async_allreduce: main_grad has shape "
+                f"{list(main_grad.shape)} but the weight has shape {list(weight.shape)}"
+            )
+        if not main_grad.dtype.is_floating_point:
+            raise ValueError(
+                "linear_with_grad_accumulation_and_async_allreduce: main_grad must be a floating tensor, "
+                f"got {main_grad.dtype}"
+            )
+    name, group_size, _ = group_args(tp_group)
     return torch.ops.megatron_ext.linear_with_grad_accumulation_and_async_allreduce(
         input,
         weight,
         bias,
-        main_grad,
         bool(gradient_accumulation_fusion),
         bool(allreduce_dgrad),
         bool(sequence_parallel),
-        resolve_group_name(tp_group),
+        name,
+        group_size,
     )
 
 

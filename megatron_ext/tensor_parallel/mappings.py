@@ -1,7 +1,17 @@
 """The conjugate communication regions of tensor and sequence parallelism.
 
-Each function calls a C++ op whose autograd node does the conjugate collective in backward.
-``group=None`` means the tensor-model-parallel group. A group of one rank passes tensors through.
+Each function calls a C++ op (``torch.ops.megatron_ext.<name>``, declared with its kernels in
+csrc/ops/mappings.cpp) whose autograd node does the conjugate collective in backward. Every op
+takes ``(input, group_name, group_size, rank)``: what its result depends on is in its arguments, so
+a compiled graph cached at one group size or rank is never reused at another. ``group=None`` means
+the tensor-model-parallel group.
+
+The input is never modified. An output may alias the input (the schemas say ``Tensor(a)``): at
+group size 1 every region returns a view of its input, as does copy_to's forward and a first-dim
+split of a contiguous input; Megatron-core returns the input itself there.
+
+Adding a region: a row of the table in csrc/ops/mappings.cpp, a line in its registration block,
+and here a function and its fake kernel (``_register_fake``).
 
 =================================================  ========================  ==========================
 region                                             forward                   backward
@@ -23,10 +33,13 @@ reduce_scatter_last_dim_to_tensor_parallel_region  reduce-scatter last dim   all
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
-from megatron_ext.tensor_parallel.utils import resolve_tp_group
+from megatron_ext import _C  # noqa: F401  (registers the ops)
+from megatron_ext.tensor_parallel.utils import group_args, resolve_tp_group
 
 _ops = torch.ops.megatron_ext
 
@@ -42,34 +55,96 @@ def _check_tensor(input_: object, region: str) -> torch.Tensor:
     return input_
 
 
+# --- fake kernels: shapes and strides of the real kernels, from the schema's arguments only -------
+
+
+def _check_divisible(input_: torch.Tensor, dim: int, group_size: int, region: str) -> None:
+    if input_.dim() == 0:
+        raise ValueError(f"{region}: expected a tensor with at least one dimension, got a scalar")
+    d = dim % input_.dim()
+    if input_.shape[d] % group_size != 0:
+        raise ValueError(
+            f"{region}: dimension {d} of the input has size {input_.shape[d]}, which is not divisible by "
+            f"the group size {group_size} (input shape {tuple(input_.shape)})"
+        )
+
+
+def _fake_forward(kind: str, dim: int, region: str) -> Callable[..., torch.Tensor]:
+    def fake(input_: torch.Tensor, group_name: str, group_size: int, rank: int) -> torch.Tensor:
+        if not 0 <= rank < group_size:
+            raise ValueError(
+                f"{region}: expected 0 <= rank < group_size, got rank {rank} and group_size {group_size}"
+            )
+        if kind == "identity" or group_size == 1:
+            return torch.ops.aten.alias(input_)
+        if kind in ("split", "reduce_scatter"):
+            _check_divisible(input_, dim, group_size, region)
+        elif input_.dim() == 0:
+            raise ValueError(f"{region}: expected a tensor with at least one dimension, got a scalar")
+        d = dim % input_.dim()
+        if kind == "split":
+            chunk = input_.shape[d] // group_size
+            return input_.narrow(d, rank * chunk, chunk).contiguous()
+        shape = list(input_.shape)
+        if kind == "all_gather":
+            shape[d] *= group_size
+        elif kind == "reduce_scatter":
+            shape[d] //= group_size
+        return input_.new_empty(shape)
+
+    return fake
+
+
+def _register_fake(name: str, kind: str, dim: int) -> None:
+    torch.library.register_fake(f"megatron_ext::{name}")(_fake_forward(kind, dim, name))
+
+
+# --- the regions --------------------------------------------------------------------------------
+
+
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
-    """Forward: identity. Backward: all-reduce of the gradient."""
+    """Forward: identity (a view of the input). Backward: all-reduce of the gradient."""
     _check_tensor(input_, "copy_to_tensor_model_parallel_region")
-    return _ops.copy_to_tensor_model_parallel_region(input_, resolve_group_name(group))
+    return _ops.copy_to_tensor_model_parallel_region(input_, *group_args(group))
+
+
+_register_fake("copy_to_tensor_model_parallel_region", "identity", -1)
 
 
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
-    """Forward: all-reduce (the input is not modified). Backward: identity."""
+    """Forward: all-reduce into a new tensor (the input is not modified). Backward: identity."""
     _check_tensor(input_, "reduce_from_tensor_model_parallel_region")
-    return _ops.reduce_from_tensor_model_parallel_region(input_, resolve_group_name(group))
+    return _ops.reduce_from_tensor_model_parallel_region(input_, *group_args(group))
+
+
+_register_fake("reduce_from_tensor_model_parallel_region", "all_reduce", -1)
 
 
 def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """Forward: this rank's chunk of the last dim. Backward: all-gather along the last dim."""
     _check_tensor(input_, "scatter_to_tensor_model_parallel_region")
-    return _ops.scatter_to_tensor_model_parallel_region(input_, resolve_group_name(group))
+    return _ops.scatter_to_tensor_model_parallel_region(input_, *group_args(group))
+
+
+_register_fake("scatter_to_tensor_model_parallel_region", "split", -1)
 
 
 def gather_from_tensor_model_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """Forward: all-gather along the last dim. Backward: this rank's chunk of the last dim."""
     _check_tensor(input_, "gather_from_tensor_model_parallel_region")
-    return _ops.gather_from_tensor_model_parallel_region(input_, resolve_group_name(group))
+    return _ops.gather_from_tensor_model_parallel_region(input_, *group_args(group))
+
+
+_register_fake("gather_from_tensor_model_parallel_region", "all_gather", -1)
 
 
 def scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """Forward: this rank's chunk of the first dim. Backward: all-gather along the first dim."""
     _check_tensor(input_, "scatter_to_sequence_parallel_region")
-    return _ops.scatter_to_sequence_parallel_region(input_, resolve_group_name(group))
+    return _ops.scatter_to_sequence_parallel_region(input_, *group_args(group))
+
+
+_register_fake("scatter_to_sequence_parallel_region", "split", 0)
 
 
 def gather_from_sequence_parallel_region(
@@ -82,26 +157,43 @@ def gather_from_sequence_parallel_region(
     """
     _check_tensor(input_, "gather_from_sequence_parallel_region")
     return _ops.gather_from_sequence_parallel_region(
-        input_, bool(tensor_parallel_output_grad), resolve_group_name(group)
+        input_, bool(tensor_parallel_output_grad), *group_args(group)
     )
+
+
+_gather_seq_fake = _fake_forward("all_gather", 0, "gather_from_sequence_parallel_region")
+
+
+@torch.library.register_fake("megatron_ext::gather_from_sequence_parallel_region")
+def _(input_, tensor_parallel_output_grad, group_name, group_size, rank):
+    return _gather_seq_fake(input_, group_name, group_size, rank)
 
 
 def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """Forward: reduce-scatter along the first dim. Backward: all-gather along the first dim."""
     _check_tensor(input_, "reduce_scatter_to_sequence_parallel_region")
-    return _ops.reduce_scatter_to_sequence_parallel_region(input_, resolve_group_name(group))
+    return _ops.reduce_scatter_to_sequence_parallel_region(input_, *group_args(group))
+
+
+_register_fake("reduce_scatter_to_sequence_parallel_region", "reduce_scatter", 0)
 
 
 def all_gather_last_dim_from_tensor_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """Forward: all-gather along the last dim. Backward: reduce-scatter along the last dim."""
     _check_tensor(input_, "all_gather_last_dim_from_tensor_parallel_region")
-    return _ops.all_gather_last_dim_from_tensor_parallel_region(input_, resolve_group_name(group))
+    return _ops.all_gather_last_dim_from_tensor_parallel_region(input_, *group_args(group))
+
+
+_register_fake("all_gather_last_dim_from_tensor_parallel_region", "all_gather", -1)
 
 
 def reduce_scatter_last_dim_to_tensor_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
     """Forward: reduce-scatter along the last dim. Backward: all-gather along the last dim."""
     _check_tensor(input_, "reduce_scatter_last_dim_to_tensor_parallel_region")
-    return _ops.reduce_scatter_last_dim_to_tensor_parallel_region(input_, resolve_group_name(group))
+    return _ops.reduce_scatter_last_dim_to_tensor_parallel_region(input_, *group_args(group))
+
+
+_register_fake("reduce_scatter_last_dim_to_tensor_parallel_region", "reduce_scatter", -1)
 
 
 # Megatron-core's region classes ------------------------------------------------------------
