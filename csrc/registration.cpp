@@ -52,7 +52,7 @@ TORCH_LIBRARY(megatron_ext, m) {
   // over the group, ``weight`` [vocab / tp, h] is this rank's slice. ``_forward`` returns the loss,
   // the row max and log-sum-exp and, when asked, the gradients for a unit loss gradient;
   // ``_backward`` turns those (or zeros, when not ``precomputed``) into the gradients of
-  // ``grad_loss`` in place. Neither of the two communicates outside the cross-entropy's forward.
+  // ``grad_loss`` in place and sums ``grad_hidden`` over the group.
   m.def(
       "vocab_parallel_linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, "
       "float label_smoothing, int? ignore_index, int chunk_size, str group_name, int group_size, "
@@ -65,7 +65,7 @@ TORCH_LIBRARY(megatron_ext, m) {
       "vocab_parallel_linear_cross_entropy_backward(Tensor grad_loss, Tensor hidden, Tensor weight, "
       "Tensor target, Tensor row_max, Tensor log_sum_exp, Tensor(a!) grad_hidden, "
       "Tensor(b!) grad_weight, float label_smoothing, int? ignore_index, int chunk_size, "
-      "bool precomputed, int vocab_start, int vocab_size) -> ()");
+      "bool precomputed, int vocab_start, int vocab_size, str group_name, int group_size) -> ()");
 }
 
 namespace {

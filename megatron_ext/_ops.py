@@ -113,5 +113,5 @@ def _(hidden, weight, target, label_smoothing, ignore_index, chunk_size, hidden_
 
 @torch.library.register_fake("megatron_ext::vocab_parallel_linear_cross_entropy_backward")
 def _(grad_loss, hidden, weight, target, row_max, log_sum_exp, grad_hidden, grad_weight, label_smoothing,
-      ignore_index, chunk_size, precomputed, vocab_start, vocab_size):
+      ignore_index, chunk_size, precomputed, vocab_start, vocab_size, group_name, group_size):
     return None

@@ -166,7 +166,7 @@ def _check_opcheck() -> None:
     local = w.size(0)
     torch.library.opcheck(ops.vocab_parallel_linear_cross_entropy_backward.default,
                           (grads["masked"], hidden, w, target, row_max, lse, gh, gw, 0.1, 5, 4, True,
-                           rank * local, size * local))
+                           rank * local, size * local, name, size))
 
 
 def _worker() -> bool:

@@ -10,7 +10,7 @@
 // Gradients. With P = softmax(L) - q (the cross-entropy's backward kernel for a unit loss
 // gradient; zero rows for ignored tokens) and g the incoming loss gradient:
 //
-//   grad_H = diag(g) P W            (then all-reduced over the group: H is replicated)
+//   grad_H = diag(g) P W            (then all-reduced over the group in place: H is replicated)
 //   grad_W = P^T diag(g) H
 //
 // When the forward runs under autograd it already holds each chunk's P, so it accumulates the
@@ -47,12 +47,11 @@ constexpr const char* kOp = "vocab_parallel_linear_cross_entropy";
 using ForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // The signatures of the ops this op is built from: the cross-entropy's forward and backward
-// (ops/cross_entropy.cpp, kernels/cross_entropy*) and the reduce region (ops/mappings.cpp).
+// (ops/cross_entropy.cpp, kernels/cross_entropy*).
 using CeForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double,
                                                                    std::optional<int64_t>, c10::string_view);
 using CeBackwardFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&, double, std::optional<int64_t>, int64_t, int64_t);
-using RegionFn = at::Tensor(const at::Tensor&, c10::string_view);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ce_forward(const at::Tensor& logits, const at::Tensor& target,
                                                           double label_smoothing,
@@ -161,14 +160,17 @@ ForwardResult forward_impl(const at::Tensor& hidden, const at::Tensor& weight, c
   return {loss.view(target.sizes()), row_max, log_sum_exp, grad_hidden, grad_weight};
 }
 
-// Backward below autograd, no communication. On entry ``grad_hidden`` [tokens, h] and
-// ``grad_weight`` [V/tp, h] hold the forward's unit-gradient results when ``precomputed``, else
-// zeros; an empty one is not wanted. On exit they hold the gradients for ``grad_loss``.
+// Backward below autograd. On entry ``grad_hidden`` [tokens, h] and ``grad_weight`` [V/tp, h]
+// hold the forward's unit-gradient results when ``precomputed``, else zeros; an empty one is not
+// wanted. On exit they hold the gradients for ``grad_loss``, ``grad_hidden`` summed over the group
+// in place (the hidden states are replicated: the conjugate of copy_to's identity). As in the
+// column-parallel linear, that all-reduce runs while the weight gradient is computed.
 void backward_impl(const at::Tensor& grad_loss, const at::Tensor& hidden, const at::Tensor& weight,
                    const at::Tensor& target, const at::Tensor& row_max, const at::Tensor& log_sum_exp,
                    at::Tensor& grad_hidden, at::Tensor& grad_weight, double label_smoothing,
                    std::optional<int64_t> ignore_index, int64_t chunk_size, bool precomputed,
-                   int64_t vocab_start, int64_t vocab_size) {
+                   int64_t vocab_start, int64_t vocab_size, c10::string_view group_name,
+                   int64_t group_size) {
   TORCH_CHECK_VALUE(chunk_size > 0, kOp, "_backward: chunk_size must be positive, got ", chunk_size);
   const auto h = hidden.reshape({-1, hidden.size(-1)});
   const auto ids = target.reshape({-1}).to(at::kLong);
@@ -186,22 +188,30 @@ void backward_impl(const at::Tensor& grad_loss, const at::Tensor& hidden, const 
   // Ignored tokens get no gradient whatever g holds there (as in the unfused loss).
   if (ignore_index.has_value()) g = g.masked_fill(ids == *ignore_index, 0.0);
 
+  const std::string group(group_name);
+  const bool reduce_hidden = want_hidden && group_size > 1 && rows > 0;
+  c10::intrusive_ptr<c10d::Work> hidden_work;
   at::Tensor delta = g;  // what each row's P still has to be multiplied by and added
   at::Tensor recompute_rows;  // undefined: every row
+  int64_t count = rows;
   if (precomputed) {
-    if (want_hidden) grad_hidden.mul_(g.unsqueeze(1));
-    if (!want_weight) return;
+    count = 0;
+    if (want_hidden) {
+      grad_hidden.mul_(g.unsqueeze(1));
+      if (reduce_hidden) hidden_work = comm::all_reduce_async_(grad_hidden, group);
+    }
     const auto active = ignore_index.has_value() ? ids != *ignore_index : at::ones_like(ids, at::kBool);
     const auto first = active.nonzero();
-    if (first.size(0) == 0) return;  // every token ignored: the gradients are zero already
-    const auto c = g.index_select(0, first[0]);
-    grad_weight.mul_(c);
-    delta = g - c;
-    recompute_rows = (delta != 0).logical_and_(active).nonzero().squeeze(1);
-    if (recompute_rows.numel() == 0) return;
+    // With every token ignored the gradients are zero already.
+    if (want_weight && first.size(0) > 0) {
+      const auto c = g.index_select(0, first[0]);
+      grad_weight.mul_(c);
+      delta = g - c;
+      recompute_rows = (delta != 0).logical_and_(active).nonzero().squeeze(1);
+      count = recompute_rows.numel();
+    }
   }
   const bool all_rows = !recompute_rows.defined();
-  const int64_t count = all_rows ? rows : recompute_rows.numel();
   for (int64_t start = 0; start < count; start += chunk_size) {
     const int64_t n = std::min(chunk_size, count - start);
     at::Tensor h_chunk, t_chunk, g_chunk, m_chunk, l_chunk;
@@ -225,11 +235,13 @@ void backward_impl(const at::Tensor& grad_loss, const at::Tensor& hidden, const 
     logits.reset();
     if (want_weight) add_transposed_product(grad_weight, p, h_chunk);
     // Only a full recompute owes the hidden gradient: a precomputed one is exact already.
-    if (want_hidden && all_rows) {
+    if (want_hidden && !precomputed) {
       auto out = grad_hidden.narrow(0, start, n);
       at::mm_out(out, p, weight);
     }
   }
+  if (reduce_hidden && !precomputed) hidden_work = comm::all_reduce_async_(grad_hidden, group);
+  if (hidden_work) hidden_work->wait();
 }
 
 using ForwardFn = ForwardResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
@@ -237,7 +249,8 @@ using ForwardFn = ForwardResult(const at::Tensor&, const at::Tensor&, const at::
                                 int64_t);
 using BackwardFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, double,
-                        std::optional<int64_t>, int64_t, bool, int64_t, int64_t);
+                        std::optional<int64_t>, int64_t, bool, int64_t, int64_t, c10::string_view,
+                        int64_t);
 
 struct LinearCrossEntropyFunction : public Function<LinearCrossEntropyFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
@@ -267,7 +280,6 @@ struct LinearCrossEntropyFunction : public Function<LinearCrossEntropyFunction> 
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static const auto op = typed_op<BackwardFn>("vocab_parallel_linear_cross_entropy_backward");
-    static const auto reduce = typed_op<RegionFn>("reduce_from_tensor_model_parallel_region");
     variable_list result(9);
     if (!grads[0].defined()) return result;
     const auto saved = ctx->get_saved_variables();
@@ -299,18 +311,10 @@ struct LinearCrossEntropyFunction : public Function<LinearCrossEntropyFunction> 
               ctx->saved_data["label_smoothing"].toDouble(),
               ignore.isNone() ? std::nullopt : std::optional<int64_t>(ignore.toInt()),
               ctx->saved_data["chunk_size"].toInt(), precomputed, ctx->saved_data["vocab_start"].toInt(),
-              ctx->saved_data["group_size"].toInt() * weight.size(0));
+              ctx->saved_data["group_size"].toInt() * weight.size(0), ctx->saved_data["group"].toStringRef(),
+              ctx->saved_data["group_size"].toInt());
     }
-    if (want_hidden) {
-      grad_hidden = grad_hidden.view(hidden.sizes());
-      // The hidden states are replicated over the group (the input of a column-parallel layer):
-      // their gradient is the sum of every rank's part, the conjugate of copy_to's identity.
-      if (ctx->saved_data["group_size"].toInt() > 1) {
-        at::AutoDispatchBelowADInplaceOrView guard;
-        grad_hidden = reduce.call(grad_hidden, ctx->saved_data["group"].toStringRef());
-      }
-      result[0] = grad_hidden;
-    }
+    if (want_hidden) result[0] = grad_hidden.view(hidden.sizes());
     if (want_weight) result[1] = grad_weight.to(weight.scalar_type());
     return result;
   }
