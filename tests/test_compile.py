@@ -124,11 +124,6 @@ def test_fullgraph_mlp_tp2():
     assert run_distributed(2, _fullgraph_layer_worker, "mlp", timeout=900) == [True, True]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ParallelAttention forks the model-parallel RNG tracker (torch.get_rng_state), which dynamo "
-    "refuses to trace under fullgraph=True",
-)
 def test_fullgraph_transformer_layer_tp2():
     assert run_distributed(2, _fullgraph_layer_worker, "layer", timeout=900) == [True, True]
 

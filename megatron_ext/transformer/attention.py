@@ -70,13 +70,16 @@ class ParallelAttention(torch.nn.Module):
             probs = torch.softmax(scores.float(), dim=-1).to(scores.dtype)
         else:
             probs = torch.softmax(scores, dim=-1)
-        if self.config.sequence_parallel:
-            # Already on the model-parallel stream (ParallelTransformer.forward); forking it again
-            # would replay the stream's saved state.
-            probs = torch.nn.functional.dropout(probs, p=self.config.attention_dropout, training=self.training)
-        else:
+        p = self.config.attention_dropout
+        if self.training and p > 0 and not self.config.sequence_parallel:
+            # Each rank drops its own heads. Under sequence parallelism the block already runs on
+            # the model-parallel stream, and forking it again would replay the stream's saved state.
+            # Without a draw there is nothing to fork, which also keeps the layer traceable by
+            # torch.compile(fullgraph=True) (the fork reads the generator's state).
             with get_cuda_rng_tracker().fork():
-                probs = torch.nn.functional.dropout(probs, p=self.config.attention_dropout, training=self.training)
+                probs = torch.nn.functional.dropout(probs, p=p, training=True)
+        else:
+            probs = torch.nn.functional.dropout(probs, p=p, training=self.training)
 
         context = torch.matmul(probs, value)  # [b, n, s, d]
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_partition * self.head_dim)
