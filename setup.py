@@ -15,6 +15,7 @@ least MIN_TORCH and records the version it was built with (``megatron_ext.build_
 import glob
 import json
 import os
+import platform
 import shutil
 
 
@@ -83,6 +84,42 @@ def _write_build_config(cuda: bool) -> str:
     return generated
 
 
+# Instruction sets the CPU kernel files (csrc/kernels/cpu/*.cpp) are compiled for besides the
+# baseline, as ATen builds its own kernels: name, CPU_CAPABILITY macro, compiler flags.
+# kernels/cpu_capability.cpp picks the best one the running CPU supports.
+CPU_CAPABILITIES = [
+    ("AVX2", ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2"]),
+    ("AVX512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-mbmi", "-mbmi2"]),
+]
+CPU_KERNEL_SOURCES = sorted(glob.glob(os.path.join("csrc", "kernels", "cpu", "*.cpp")))
+
+
+def _build_cpu_capabilities() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64") and os.name == "posix"
+
+
+class _BuildExtension(BuildExtension):
+    """Compiles each CPU kernel file once more per instruction set (its own objects, flags and
+    ``CPU_CAPABILITY`` namespace) and links those objects after the others, so that the linker
+    keeps the baseline copy of any inline function they share."""
+
+    def build_extension(self, ext) -> None:
+        if _build_cpu_capabilities():
+            base_flags = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) else []
+            for name, flags in CPU_CAPABILITIES:
+                macros = [m for m in ext.define_macros if m[0] != "MEGATRON_EXT_WITH_CUDA"]
+                macros += [("CPU_CAPABILITY", name), (f"CPU_CAPABILITY_{name}", None)]
+                ext.extra_objects += self.compiler.compile(
+                    CPU_KERNEL_SOURCES,
+                    output_dir=os.path.join(self.build_temp, f"cpu_{name.lower()}"),
+                    macros=macros,
+                    include_dirs=ext.include_dirs,
+                    extra_postargs={"cxx": base_flags + flags} if self.use_ninja else base_flags + flags,
+                    depends=ext.depends,
+                )
+        super().build_extension(ext)
+
+
 def _pip_cuda_include_dirs() -> list[str]:
     """Headers of the CUDA libraries torch's wheel depends on (cuSPARSE, cuBLAS, ...), which a
     toolkit holding only the compiler lacks."""
@@ -101,7 +138,9 @@ def _extension():
     if cuda and not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
         # torch's arch detection queries a device; without one it fails.
         os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
-    include_dirs = [os.path.join(here, "csrc"), _write_build_config(cuda)]
+    generated = _write_build_config(cuda)
+    include_dirs = [os.path.join(here, "csrc"), generated]
+    isa_macros = [(f"MEGATRON_EXT_CPU_{name}", None) for name, _ in CPU_CAPABILITIES] if _build_cpu_capabilities() else []
     cxx_flags = ["-O3", "-std=c++20"]
     werror = _flag("MEGATRON_EXT_WERROR")
     # torch's headers as system headers, so that warnings-as-errors judges this project's code only.
@@ -114,6 +153,7 @@ def _extension():
             "megatron_ext._C",
             cpp_sources,
             include_dirs=include_dirs,
+            define_macros=isa_macros,
             extra_compile_args={"cxx": cxx_flags},
         )
     nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-DMEGATRON_EXT_WITH_CUDA"]
@@ -123,7 +163,7 @@ def _extension():
         "megatron_ext._C",
         cpp_sources + cuda_sources,
         include_dirs=include_dirs + _pip_cuda_include_dirs(),
-        define_macros=[("MEGATRON_EXT_WITH_CUDA", None)],
+        define_macros=[("MEGATRON_EXT_WITH_CUDA", None)] + isa_macros,
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
     )
 
@@ -133,7 +173,7 @@ setup(
     version="0.1.0",
     packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
     ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": _BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
     install_requires=[f"torch>={MIN_TORCH}"],
 )

@@ -1,16 +1,23 @@
-"""Forward+backward time and peak extra memory of vocab_parallel_cross_entropy against the same
-loss written with plain torch ops the way Megatron-core computes it, on CPU with TP=2 (two gloo
-processes, one thread each).
+"""Vocab-parallel cross-entropy, forward+backward, on CPU with TP=2 (two gloo processes, one thread
+each): megatron_ext (default and ``overwrite_logits=True``) against the real megatron-core 0.16.1
+(``megatron.core.tensor_parallel.vocab_parallel_cross_entropy``) and PyTorch DTensor
+(``torch.distributed.tensor.parallel.loss_parallel``), in the same run, variants interleaved rep by
+rep, in float32 and bfloat16.
 
-Memory method: before each variant the process's resident-set high-water mark is reset
-(``echo 5 > /proc/self/clear_refs``, Linux); after forward+backward, peak extra memory is the
-high-water mark (``VmHWM``) minus the resident size just before the call (``VmRSS``). The
-logits and targets are resident before the call, so the figure counts everything the loss
-allocates, including the logits' gradient (the same size as the logits in both variants).
-torch's CPU allocator returns large blocks to the system when they are freed, so the resident
-size tracks live tensors.
+megatron-core is imported if installed (``./dev.sh bench cross_entropy`` installs it with
+``pip install --no-deps megatron-core==0.16.1``); without it its rows are skipped.
 
-    python benchmarks/cross_entropy.py [--tokens 8192] [--vocab 32768] [--reps 3] [--out PATH]
+Every rep of every variant starts from a fresh copy of the logits made before the timer starts
+(megatron-core overwrites float32 logits in place). Time is the slowest rank's.
+
+Peak extra memory per rank: before a measured rep the process's resident-set high-water mark is
+reset (``echo 5 > /proc/self/clear_refs``, Linux); after forward+backward the figure is the
+high-water mark (``VmHWM``) minus the resident size just before the call (``VmRSS``), with the
+logits copy and the targets already resident. It counts everything the loss allocates, the
+logits' gradient included. torch's CPU allocator returns large blocks to the system when they
+are freed, so the resident size follows the live tensors.
+
+    python benchmarks/cross_entropy.py [--tokens 8192] [--vocab 32768] [--reps 9] [--out PATH]
 """
 
 from __future__ import annotations
@@ -21,39 +28,21 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_ext import parallel_state as ps  # noqa: E402
 from megatron_ext import tensor_parallel  # noqa: E402
-from megatron_ext.tensor_parallel import VocabUtility, reduce_from_tensor_model_parallel_region  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 MIB = 2**20
-
-
-def megatron_style_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Megatron-core's vocab-parallel cross-entropy as plain torch ops under autograd (without
-    its in-place updates of the input): max, all-reduce MAX, subtract, masked target pick, exp,
-    sum, two all-reduces SUM, log."""
-    group = ps.get_tensor_model_parallel_group()
-    logits_max = logits.detach().amax(dim=-1)
-    dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - logits_max.unsqueeze(-1)
-    first, last = VocabUtility.vocab_range_from_per_partition_vocab_size(
-        logits.size(-1), dist.get_rank(group), dist.get_world_size(group)
-    )
-    outside = (target < first) | (target >= last)
-    local_target = (target - first).masked_fill(outside, 0)
-    predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-    sum_exp = shifted.exp().sum(dim=-1)
-    predicted = reduce_from_tensor_model_parallel_region(predicted)
-    sum_exp = reduce_from_tensor_model_parallel_region(sum_exp)
-    return sum_exp.log() - predicted
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _memory_kib(field: str) -> int:
@@ -64,41 +53,99 @@ def _memory_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _measure(loss_fn, logits: torch.Tensor, target: torch.Tensor, reps: int) -> dict:
-    def step() -> torch.Tensor:
-        x = logits.detach().requires_grad_(True)
-        loss = loss_fn(x, target)
+def _variants(tp: int) -> dict:
+    """name -> (loss function of (logits requiring grad, target), or None when unavailable)."""
+    variants = {
+        "megatron_ext": lambda x, t: tensor_parallel.vocab_parallel_cross_entropy(x, t),
+        "megatron_ext overwrite_logits": lambda x, t: tensor_parallel.vocab_parallel_cross_entropy(
+            x, t, overwrite_logits=True
+        ),
+    }
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core import parallel_state as mcore_ps
+            from megatron.core import tensor_parallel as mcore_tp
+
+        mcore_ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+        variants["megatron-core 0.16.1"] = lambda x, t: mcore_tp.vocab_parallel_cross_entropy(x, t)
+    except ImportError:
+        variants["megatron-core 0.16.1"] = None
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    mesh = init_device_mesh("cpu", (tp,))
+
+    def dtensor_loss(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        # loss_parallel computes in the logits' dtype; its backward must run inside the context.
+        dx = DTensor.from_local(x, mesh, [Shard(1)])
+        with loss_parallel():
+            loss = F.cross_entropy(dx, t, reduction="none")
+            loss.full_tensor().sum().backward()
+        return loss.full_tensor().detach()
+
+    variants["DTensor loss_parallel"] = dtensor_loss
+    return variants
+
+
+def _step(fn, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    x = logits.requires_grad_(True)
+    loss = fn(x, target)
+    if loss.requires_grad:  # DTensor's step ran its backward itself
         loss.sum().backward()
-        return loss.detach()
-
-    loss = step()  # warm-up
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    dist.barrier()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _memory_kib("VmRSS")
-    step()
-    peak = _memory_kib("VmHWM")
-    return {"median_s": statistics.median(times), "times_s": times,
-            "peak_extra_mib": (peak - before) / 1024, "loss": loss}
+    return loss.detach().float()
 
 
-def _bench_worker(tokens: int, vocab: int, reps: int) -> dict:
-    ps.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
-    n, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    g = torch.Generator().manual_seed(1234 + r)  # each rank draws only its own slice
-    logits = torch.randn(tokens, vocab // n, generator=g, dtype=torch.float32) * 2
-    target = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(99))
-    ours = _measure(tensor_parallel.vocab_parallel_cross_entropy, logits, target, reps)
-    plain = _measure(megatron_style_cross_entropy, logits, target, reps)
-    diff = (ours.pop("loss") - plain.pop("loss")).abs().max().item()
-    return {"rank": r, "ours": ours, "megatron_style_torch_ops": plain, "max_abs_loss_diff": diff,
-            "local_logits_mib": logits.numel() * logits.element_size() / MIB}
+def _bench_worker(tokens: int, vocab: int, reps: int, dtype_names: list[str]) -> dict:
+    n = dist.get_world_size()
+    ps.initialize_model_parallel(tensor_model_parallel_size=n)
+    r = ps.get_tensor_model_parallel_rank()
+    variants = _variants(n)
+    out: dict = {"rank": r, "results": {}}
+    for dtype_name in dtype_names:
+        dtype = DTYPES[dtype_name]
+        g = torch.Generator().manual_seed(1234 + r)  # each rank draws only its own slice
+        logits = (torch.randn(tokens, vocab // n, generator=g) * 2).to(dtype)
+        target = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(99))
+        live = {k: v for k, v in variants.items() if v is not None}
+        times: dict[str, list[float]] = {k: [] for k in live}
+        losses = {}
+        for rep in range(reps + 1):  # rep 0 warms up
+            for name, fn in live.items():
+                x = logits.clone()
+                dist.barrier()
+                start = time.perf_counter()
+                loss = _step(fn, x, target)
+                elapsed = time.perf_counter() - start
+                del x
+                if rep:
+                    times[name].append(elapsed)
+                else:
+                    losses[name] = loss
+        peaks = {}
+        for name, fn in live.items():
+            x = logits.clone()
+            dist.barrier()
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            before = _memory_kib("VmRSS")
+            _step(fn, x, target)
+            peaks[name] = (_memory_kib("VmHWM") - before) / 1024
+            del x
+        reference = losses["megatron_ext"]
+        out["results"][dtype_name] = {
+            name: {
+                "times_s": times[name],
+                "peak_extra_mib": peaks[name],
+                "max_abs_loss_diff_vs_megatron_ext": (losses[name] - reference).abs().max().item(),
+            }
+            for name in live
+        }
+        out["results"][dtype_name]["local_logits_mib"] = logits.numel() * logits.element_size() / MIB
+    out["skipped"] = [k for k, v in variants.items() if v is None]
+    return out
 
 
 def main() -> None:
@@ -106,38 +153,50 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cross_entropy.json"))
     args = parser.parse_args()
 
-    ranks = run_distributed(args.tp, _bench_worker, args.tokens, args.vocab, args.reps, timeout=1800)
-    logits_mib = ranks[0]["local_logits_mib"]
-    rows = []
-    for name in ("ours", "megatron_style_torch_ops"):
-        # The slowest rank sets the step time; memory is per rank.
-        rows.append({
-            "variant": name,
-            "fwd_bwd_median_s": max(rk[name]["median_s"] for rk in ranks),
-            "peak_extra_mib_per_rank": max(rk[name]["peak_extra_mib"] for rk in ranks),
-        })
-    print(f"vocab-parallel cross-entropy, float32, tokens={args.tokens}, vocab={args.vocab}, TP={args.tp} "
-          f"(gloo, CPU, 1 thread per rank); local logits {logits_mib:.0f} MiB per rank")
-    print("peak extra memory: resident-set high-water mark during forward+backward minus resident "
-          "size before it (includes the logits gradient)")
-    print(f"{'variant':<26} {'fwd+bwd median (s)':>19} {'peak extra (MiB/rank)':>22} {'x logits':>9}")
-    for row in rows:
-        print(f"{row['variant']:<26} {row['fwd_bwd_median_s']:>19.3f} {row['peak_extra_mib_per_rank']:>22.0f} "
-              f"{row['peak_extra_mib_per_rank'] / logits_mib:>9.2f}")
-    speedup = rows[1]["fwd_bwd_median_s"] / rows[0]["fwd_bwd_median_s"]
-    print(f"speed-up {speedup:.2f}x; max |loss difference| {max(rk['max_abs_loss_diff'] for rk in ranks):.2e}")
+    dtype_names = args.dtypes.split(",")
+    ranks = run_distributed(args.tp, _bench_worker, args.tokens, args.vocab, args.reps, dtype_names, timeout=3000)
+    import megatron_ext
+
+    table = {}
+    print(f"vocab-parallel cross-entropy fwd+bwd, tokens={args.tokens}, vocab={args.vocab}, TP={args.tp} "
+          f"(gloo, CPU, 1 thread per rank), {args.reps} reps interleaved; CPU kernels: "
+          f"{megatron_ext.build_info()['cpu_capability']}")
+    if ranks[0]["skipped"]:
+        print(f"skipped (not installed): {', '.join(ranks[0]['skipped'])}")
+    for dtype_name in dtype_names:
+        per_rank = [rk["results"][dtype_name] for rk in ranks]
+        logits_mib = per_rank[0]["local_logits_mib"]
+        print(f"\n{dtype_name}: local logits {logits_mib:.0f} MiB per rank")
+        print(f"{'variant':<32} {'min (s)':>8} {'median (s)':>11} {'max (s)':>8} {'peak extra MiB/rank':>20}")
+        rows = {}
+        for name in (k for k in per_rank[0] if k != "local_logits_mib"):
+            # The slowest rank sets each rep's time; memory is the larger rank's.
+            step = [max(ts) for ts in zip(*(pr[name]["times_s"] for pr in per_rank))]
+            row = {"min_s": min(step), "median_s": statistics.median(step), "max_s": max(step),
+                   "peak_extra_mib_per_rank": max(pr[name]["peak_extra_mib"] for pr in per_rank),
+                   "max_abs_loss_diff_vs_megatron_ext": max(pr[name]["max_abs_loss_diff_vs_megatron_ext"]
+                                                            for pr in per_rank)}
+            rows[name] = row
+            print(f"{name:<32} {row['min_s']:>8.3f} {row['median_s']:>11.3f} {row['max_s']:>8.3f} "
+                  f"{row['peak_extra_mib_per_rank']:>20.0f}")
+        if "megatron-core 0.16.1" in rows:
+            for name in ("megatron_ext", "megatron_ext overwrite_logits"):
+                print(f"{name} speed-up over megatron-core (medians): "
+                      f"{rows['megatron-core 0.16.1']['median_s'] / rows[name]['median_s']:.2f}x")
+        table[dtype_name] = {"local_logits_mib": logits_mib, "variants": rows}
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"config": {**vars(args), "dtype": "float32", "device": "cpu", "backend": "gloo",
-                              "threads_per_rank": 1, "torch": torch.__version__},
-                   "memory_method": "VmHWM after clear_refs=5 minus VmRSS before forward+backward",
-                   "local_logits_mib": logits_mib, "results": rows, "speedup": speedup, "per_rank": ranks},
-                  f, indent=2)
+        json.dump({"config": {**vars(args), "device": "cpu", "backend": "gloo", "threads_per_rank": 1,
+                              "torch": torch.__version__, "build_info": megatron_ext.build_info()},
+                   "memory_method": "VmHWM after clear_refs=5 minus VmRSS before forward+backward, "
+                                    "logits copy resident",
+                   "results": table, "skipped": ranks[0]["skipped"]}, f, indent=2)
     print(f"wrote {args.out}")
 
 

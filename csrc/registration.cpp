@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "kernels/cpu_capability.h"
 #include "megatron_ext_build_config.h"
 
 TORCH_LIBRARY(megatron_ext, m) {
@@ -13,22 +14,31 @@ TORCH_LIBRARY(megatron_ext, m) {
   m.def("vocab_range_mask(Tensor ids, int first, int last) -> (Tensor, Tensor)");
 
   // Vocabulary-parallel cross-entropy (ops/cross_entropy.cpp, kernels/cross_entropy*). The public
-  // op is an autograd node over ``_forward`` (kernels + collectives, returns the loss and the row
-  // max and log-sum-exp saved for backward); ``_row_stats`` and ``_backward`` are the CPU/CUDA
-  // kernels and communicate nothing.
+  // op is an autograd node over ``_forward`` (kernels + collectives: returns the loss, the row max
+  // and log-sum-exp saved for backward, and each token's target column in this rank's vocabulary
+  // slice, -1 when another rank holds it, -2 when ignored). ``group_size`` is checked against the
+  // group at run time, so a compiled graph names the size it was traced for; the rank-dependent
+  // slice is found at run time. ``_row_stats`` and ``_backward`` are the CPU/CUDA kernels and
+  // communicate nothing; ``_backward_`` writes the gradient over the logits (overwrite_logits).
   m.def(
       "vocab_parallel_cross_entropy(Tensor vocab_parallel_logits, Tensor target, "
-      "float label_smoothing, int? ignore_index, str group_name) -> Tensor");
+      "float label_smoothing, int? ignore_index, str group_name, int group_size, "
+      "bool overwrite_logits=False) -> Tensor");
   m.def(
       "vocab_parallel_cross_entropy_forward(Tensor vocab_parallel_logits, Tensor target, "
-      "float label_smoothing, int? ignore_index, str group_name) -> (Tensor, Tensor, Tensor)");
+      "float label_smoothing, int? ignore_index, str group_name, int group_size) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "vocab_parallel_cross_entropy_row_stats(Tensor vocab_parallel_logits, Tensor target, "
       "int vocab_start, int? ignore_index) -> Tensor");
   m.def(
       "vocab_parallel_cross_entropy_backward(Tensor grad_loss, Tensor vocab_parallel_logits, "
-      "Tensor target, Tensor row_max, Tensor log_sum_exp, float label_smoothing, int? ignore_index, "
-      "int vocab_start, int vocab_size) -> Tensor");
+      "Tensor local_target, Tensor row_max, Tensor log_sum_exp, float label_smoothing, int vocab_size) "
+      "-> Tensor");
+  m.def(
+      "vocab_parallel_cross_entropy_backward_(Tensor grad_loss, Tensor(a!) vocab_parallel_logits, "
+      "Tensor local_target, Tensor row_max, Tensor log_sum_exp, float label_smoothing, int vocab_size) "
+      "-> ()");
 
   // Fused transformer-layer epilogues (ops/fused_epilogue.cpp, kernels/fused_epilogue*). The
   // public ops are autograd nodes over the ``_forward`` / ``_backward`` CPU and CUDA kernels.
@@ -80,6 +90,8 @@ pybind11::dict build_info() {
 #endif
   info["cuda_version"] = MEGATRON_EXT_CUDA_VERSION;
   info["cuda_archs"] = MEGATRON_EXT_CUDA_ARCHS;
+  info["cpu_capabilities"] = megatron_ext::kernels::compiled_cpu_capabilities();
+  info["cpu_capability"] = megatron_ext::kernels::cpu_capability_name(megatron_ext::kernels::cpu_capability());
   return info;
 }
 
@@ -88,5 +100,14 @@ pybind11::dict build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megatron_ext C++ extension: ops are registered under torch.ops.megatron_ext";
   m.def("build_info", &build_info,
-        "How the extension was built: torch version, whether CUDA was compiled, CUDA archs.");
+        "How the extension was built: torch version, whether CUDA was compiled, CUDA archs, the CPU "
+        "instruction sets the CPU kernels were compiled for and the one in use.");
+  m.def(
+      "cpu_capability",
+      [] { return megatron_ext::kernels::cpu_capability_name(megatron_ext::kernels::cpu_capability()); },
+      "The instruction set the CPU kernels use: default, avx2 or avx512.");
+  m.def("supported_cpu_capabilities", &megatron_ext::kernels::supported_cpu_capabilities,
+        "The compiled instruction sets the running CPU supports.");
+  m.def("_set_cpu_capability", &megatron_ext::kernels::set_cpu_capability,
+        "Forces the CPU kernels' instruction set (for tests); ValueError if the CPU or build lacks it.");
 }

@@ -368,3 +368,24 @@ def test_global_names_of_interleaved_chunks():
     assert specs["chunk1.decoder.layers.0.linear.bias"].global_name == "decoder.layers.5.linear.bias"
     with pytest.raises(RuntimeError, match="map to the same global name 'decoder.layers.1.linear.weight'"):
         param_specs([Chunk([2]), Chunk([2])])
+
+
+def _distributed_optimizer_worker(save_dir: str):
+    dist_opt = "--use-distributed-optimizer"
+    full = _run((2, 1, 2), dist_opt, "--save", save_dir, "--save-interval", "2")
+    ckpt = os.path.join(save_dir, "iter_0000002")
+    resumed = {
+        layout: _run(layout[:3], "--load", ckpt, *layout[3:])
+        for layout in [(2, 1, 2, dist_opt), (1, 2, 2, dist_opt), (1, 1, 4, dist_opt), (1, 4, 1)]
+    }
+    return full["losses"], {k: (v["start_step"], v["losses"]) for k, v in resumed.items()}
+
+
+def test_distributed_optimizer_state_reshards(saved_at_tp2_pp2, tmp_path):
+    # The Adam state sharded over dp 2 is stored gathered (per TP shard) and re-sliced over dp 4,
+    # or loaded into the plain optimizer at dp 1.
+    _, full, _ = saved_at_tp2_pp2
+    (losses, resumed), *_ = run_distributed(4, _distributed_optimizer_worker, str(tmp_path / "run"))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(full["losses"]), rtol=1e-9, atol=0)
+    for start_and_losses in resumed.values():
+        _assert_resumed_equal(full["losses"], *start_and_losses)

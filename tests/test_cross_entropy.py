@@ -62,7 +62,7 @@ def _ours(local: torch.Tensor, target: torch.Tensor, grad: torch.Tensor, **kwarg
     before = x.detach().clone()
     loss = tp_.vocab_parallel_cross_entropy(x, target, **kwargs)
     loss.backward(grad.to(loss.dtype))
-    assert torch.equal(x.detach(), before), "the logits were modified"
+    assert_close(x.detach(), before, rtol=0, atol=0, equal_nan=True, msg="the logits were modified")
     return loss.detach(), x.grad
 
 
@@ -177,6 +177,111 @@ def _check_errors():
     assert_close(tp_.vocab_parallel_cross_entropy(local, target), ref_loss, **TIGHT)
 
 
+def _check_unequal_slices():
+    """Slices of different sizes are found inside the MAX all-reduce: every rank raises the same
+    error, and a valid call afterwards proves no rank was left waiting."""
+    n, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    if n == 1:
+        return
+    full, target, _ = _inputs(45)
+    for widths in ([VOCAB // n + (1 if i == 0 else 0) for i in range(n)], [0] + [VOCAB // n] * (n - 1)):
+        local = full[..., : widths[r]].contiguous()
+        with pytest.raises(ValueError, match=rf"vocabulary slices of different sizes \(from {min(widths)} to "
+                           rf"{max(widths)}\); each of the {n} ranks must hold vocab_size / {n} logits"):
+            tp_.vocab_parallel_cross_entropy(local, target)
+    ref_loss, _ = _reference(full, target, torch.ones(5, 3), 0.0, None)
+    assert_close(tp_.vocab_parallel_cross_entropy(_local(full), target), ref_loss, **TIGHT)
+
+
+def _check_non_finite():
+    """±inf, NaN and huge logits give what torch.nn.functional.cross_entropy gives."""
+    n = ps.get_tensor_model_parallel_world_size()
+    slice_ = VOCAB // n
+    for dtype in (torch.float64, torch.float32):
+        full, target, grad = _inputs(60, shape=(8,))
+        full = full.to(dtype)
+        last = VOCAB - 1
+        # The last rank's whole slice (a quarter of the row at TP 1) is -inf and holds the target.
+        full[0, -(slice_ if n > 1 else VOCAB // 4):] = -torch.inf
+        target[0] = last
+        full[1, 0] = -torch.inf  # a -inf first logit (label smoothing makes the loss +inf)
+        full[2, 5] = torch.nan
+        full[3, 7] = torch.inf
+        full[4, :] = -torch.inf  # a row with no finite logit
+        full[5, 3] = torch.finfo(dtype).max / 1000  # huge logits, with the target far below
+        full[5, 9] = -torch.finfo(dtype).max / 1000
+        target[5] = 9
+        full[6, 11] = -torch.inf  # a -inf logit that is not the target
+        target[6] = 12
+        full[7, 1:3] = torch.inf
+        for smoothing in (0.0, 0.1):
+            loss, dx = _ours(_local(full), target, grad, label_smoothing=smoothing)
+            ref_loss, ref_dx = _reference(full, target, grad, smoothing, None)
+            tol = TIGHT if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+            assert_close(loss.double(), ref_loss, equal_nan=True, **tol)
+            assert_close(dx.double(), _local(ref_dx), equal_nan=True, **tol)
+            assert loss[0] == torch.inf and torch.isfinite(dx[0]).all()
+
+
+def _check_double_backward():
+    full, target, grad = _inputs(70)
+    x = _local(full).requires_grad_(True)
+    loss = tp_.vocab_parallel_cross_entropy(x, target, label_smoothing=0.1)
+    (dx,) = torch.autograd.grad(loss, x, grad, create_graph=True)
+    _, ref_dx = _reference(full, target, grad, 0.1, None)
+    assert_close(dx, _local(ref_dx), **TIGHT)
+    assert dx.requires_grad
+    with pytest.raises(RuntimeError, match="vocab_parallel_cross_entropy is not twice differentiable"):
+        dx.sum().backward()
+
+
+def _check_overwrite_logits():
+    """overwrite_logits: the same loss and gradient, the gradient written over the logits."""
+    for dtype in (torch.float64, torch.bfloat16):
+        full, target, grad = _inputs(80, ignore_index=7)
+        local = _local(full).to(dtype)
+        ref_loss, ref_dx = _ours(local, target, grad, label_smoothing=0.1, ignore_index=7)
+        x = local.clone().requires_grad_(True)
+        logits = x * 1  # an intermediate, as a GPT's logits are
+        loss = tp_.vocab_parallel_cross_entropy(logits, target, 0.1, None, 7, overwrite_logits=True)
+        assert torch.equal(logits.detach(), local), "the forward modified the logits"
+        grads = []
+        logits.register_hook(lambda g: grads.append(g))
+        loss.backward(grad.to(loss.dtype))
+        assert_close(loss, ref_loss, rtol=0, atol=0)
+        assert_close(x.grad, ref_dx, rtol=0, atol=0)
+        assert grads[0].data_ptr() == logits.data_ptr(), "the gradient did not reuse the logits buffer"
+    # A node that saved the logits sees autograd's version error, not a wrong gradient.
+    x = _local(full).requires_grad_(True)
+    logits = x.exp()
+    loss = tp_.vocab_parallel_cross_entropy(logits, target, overwrite_logits=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.sum().backward()
+
+
+def _check_fakes():
+    """The fake kernels give the real ops' shapes, strides, devices and errors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    full, target, _ = _inputs(90)
+    local = _local(full)
+    for logits, tgt in ((local, target.to("meta")), (local.to("meta"), target)):
+        with pytest.raises(ValueError, match=r"target is on (meta|cpu) but vocab_parallel_logits are on (cpu|meta)"):
+            tp_.vocab_parallel_cross_entropy(logits, tgt)
+    mode = FakeTensorMode()
+    fx = mode.from_tensor(local.transpose(0, 1))
+    ft = mode.from_tensor(target.t())
+    with mode:
+        loss = tp_.vocab_parallel_cross_entropy(fx, ft)
+        assert loss.shape == (3, 5) and loss.stride() == (5, 1) and loss.dtype == torch.float64
+        with pytest.raises(ValueError, match="label_smoothing must be in"):
+            tp_.vocab_parallel_cross_entropy(fx, ft, label_smoothing=-0.5)
+        with pytest.raises(ValueError, match="target must hold integer token ids"):
+            tp_.vocab_parallel_cross_entropy(fx, ft.float())
+    real = tp_.vocab_parallel_cross_entropy(local.transpose(0, 1), target.t())
+    assert real.stride() == (5, 1)
+
+
 def _cross_entropy_worker(tp_sizes: list[int]) -> bool:
     for tp in tp_sizes:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -185,6 +290,11 @@ def _cross_entropy_worker(tp_sizes: list[int]) -> bool:
         _check_low_precision()
         _check_api_variants()
         _check_errors()
+        _check_unequal_slices()
+        _check_non_finite()
+        _check_double_backward()
+        _check_overwrite_logits()
+        _check_fakes()
         ps.destroy_model_parallel()
     return True
 
@@ -193,20 +303,30 @@ def test_parallel_equals_serial_world4():
     assert run_distributed(4, _cross_entropy_worker, [1, 2, 4]) == [True] * 4
 
 
-def _one_rank_worker() -> bool:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    ps.initialize_model_parallel()
-    group_name = ps.get_tensor_model_parallel_group().group_name
+def _opcheck_worker(tp: int) -> bool:
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    group = ps.get_tensor_model_parallel_group()
+    group_name, n = group.group_name, tp
     full, target, grad = _inputs(50)
+    local = _local(full)
     ops = torch.ops.megatron_ext
-    x = full.clone().requires_grad_(True)
-    torch.library.opcheck(ops.vocab_parallel_cross_entropy.default, (x, target, 0.1, 7, group_name))
-    torch.library.opcheck(ops.vocab_parallel_cross_entropy_forward.default, (full, target, 0.0, None, group_name))
-    torch.library.opcheck(ops.vocab_parallel_cross_entropy_row_stats.default, (full, target, 0, None))
-    _, row_max, lse = ops.vocab_parallel_cross_entropy_forward(full, target, 0.0, None, group_name)
-    torch.library.opcheck(ops.vocab_parallel_cross_entropy_backward.default,
-                          (grad, full, target, row_max, lse, 0.0, None, 0, VOCAB))
+    x = local.clone().requires_grad_(True)
+    torch.library.opcheck(ops.vocab_parallel_cross_entropy.default, (x, target, 0.1, 7, group_name, n))
+    torch.library.opcheck(ops.vocab_parallel_cross_entropy_forward.default, (local, target, 0.0, None, group_name, n))
+    torch.library.opcheck(ops.vocab_parallel_cross_entropy_row_stats.default, (local, target, 0, None))
+    _, row_max, lse, local_target = ops.vocab_parallel_cross_entropy_forward(local, target, 0.0, None, group_name, n)
+    args = (grad, local, local_target, row_max, lse, 0.0, VOCAB)
+    torch.library.opcheck(ops.vocab_parallel_cross_entropy_backward.default, args)
+    torch.library.opcheck(ops.vocab_parallel_cross_entropy_backward_.default, (grad, local.clone(), *args[2:]))
+    with pytest.raises(ValueError, match=rf"group_size {n + 1} does not match the size {n} of process group"):
+        ops.vocab_parallel_cross_entropy(local, target, 0.0, None, group_name, n + 1)
+
+    # local_target: the target's column in this rank's slice, -1 elsewhere, -2 when ignored.
+    r = ps.get_tensor_model_parallel_rank()
+    start, width = r * (VOCAB // n), VOCAB // n
+    local_target = ops.vocab_parallel_cross_entropy_forward(local, target, 0.0, 20, group_name, n)[3]
+    expected = torch.where((target >= start) & (target < start + width), target - start, -1)
+    assert torch.equal(local_target, torch.where(target == 20, -2, expected))
 
     # Row statistics of one rank holding ids [16, 32) of a 48-id vocabulary.
     local = full[..., 16:32].contiguous()
@@ -219,17 +339,73 @@ def _one_rank_worker() -> bool:
     picked = local.gather(-1, (target - 16).clamp(0, 15).unsqueeze(-1)).squeeze(-1) - m
     assert_close(stats[..., 4], holds.double(), rtol=0, atol=0)
     assert_close(stats[..., 3], torch.where(holds, picked, 0.0), **TIGHT)
-
-    with FakeTensorMode():
-        fx = torch.empty(7, 2, VOCAB, dtype=torch.bfloat16, requires_grad=True)
-        ft = torch.empty(7, 2, dtype=torch.long)
-        loss = tp_.vocab_parallel_cross_entropy(fx, ft)
-        assert loss.shape == (7, 2) and loss.dtype == torch.float32
     return True
 
 
 def test_opcheck_and_row_stats_world1():
-    assert run_distributed(1, _one_rank_worker) == [True]
+    assert run_distributed(1, _opcheck_worker, 1) == [True]
+
+
+def test_opcheck_world2():
+    assert run_distributed(2, _opcheck_worker, 2) == [True, True]
+
+
+def _compiled_matches_eager(tag: str, compile_here: bool) -> int:
+    """Compiles (or runs eagerly) fwd+bwd of the loss; returns this rank's AOT-cache hits."""
+    from torch._dynamo.utils import counters
+
+    n, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    width = 16  # the same local shape at every TP size, as a cache would see it
+    g = torch.Generator().manual_seed(100)
+    full = torch.randn(6, width * n, generator=g, dtype=torch.float64)
+    target = torch.randint(0, width * n, (6,), generator=g)
+
+    def step(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = logits.clone().requires_grad_(True)
+        loss = fn(x, target, 0.1)
+        loss.sum().backward()
+        return loss.detach(), x.grad
+
+    local = full[:, r * width : (r + 1) * width]
+    fn = tp_.vocab_parallel_cross_entropy
+    eager = step(local)
+    if compile_here:
+        torch._dynamo.reset()
+        fn = torch.compile(tp_.vocab_parallel_cross_entropy, backend="inductor", fullgraph=True)
+    before = counters["aot_autograd"]["autograd_cache_hit"]
+    got = step(local)
+    assert_close(got[0], eager[0], **TIGHT, msg=f"{tag}: compiled loss differs from eager")
+    assert_close(got[1], eager[1], **TIGHT, msg=f"{tag}: compiled gradient differs from eager")
+    return counters["aot_autograd"]["autograd_cache_hit"] - before
+
+
+def _compile_cache_worker(cache_dir: str) -> list[int]:
+    import torch._functorch.config
+    import torch._inductor.config
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    torch._functorch.config.enable_autograd_cache = True
+    torch._inductor.config.fx_graph_cache = True
+    r = dist.get_rank()
+    hits = []
+    # TP 1 on each rank, then TP 2 with rank 0 compiling first and rank 1 reusing its artifacts
+    # (the other rank joins the collectives eagerly meanwhile).
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    hits.append(_compiled_matches_eager("tp1", True))
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    for turn in (0, 1):
+        dist.barrier()
+        hits.append(_compiled_matches_eager(f"tp2 rank {r} turn {turn}", r == turn))
+    ps.destroy_model_parallel()
+    return hits
+
+
+def test_compile_shared_cache_tp1_tp2(tmp_path):
+    hits = run_distributed(2, _compile_cache_worker, str(tmp_path / "inductor"), timeout=600)
+    # Rank 1 compiled the TP-2 graph after rank 0 had stored it: the shared cache was used, and
+    # its gradient (rank-dependent) still equals eager.
+    assert hits[1][2] > 0, hits
 
 
 def test_kernels_registered():
@@ -243,3 +419,49 @@ def test_kernels_registered():
     assert _has_kernel("vocab_parallel_cross_entropy", "Autograd")
     assert _has_kernel("vocab_parallel_cross_entropy", "CompositeExplicitAutograd")
     assert _has_kernel("vocab_parallel_cross_entropy_forward", "CompositeExplicitAutograd")
+    assert _has_kernel("vocab_parallel_cross_entropy_backward_", "CPU")
+
+
+def test_cpu_capability_variants_agree():
+    """Every instruction-set variant the CPU supports gives the torch reference's numbers."""
+    assert run_distributed(1, _cpu_capability_worker) == [True]
+
+
+def _cpu_capability_worker() -> bool:
+    from megatron_ext import _C
+
+    ps.initialize_model_parallel()
+
+    info = megatron_ext.build_info()
+    supported = _C.supported_cpu_capabilities()
+    assert info["cpu_capability"] == _C.cpu_capability() == supported[-1]
+    assert set(supported) <= set(info["cpu_capabilities"]) and "default" in supported
+    with pytest.raises(ValueError, match="unknown CPU capability 'sse9'"):
+        _C._set_cpu_capability("sse9")
+    g = torch.Generator().manual_seed(5)
+    rows, width = 7, 2048 + 64 + 5  # two blocks, a vector body and a scalar tail
+    full = torch.randn(rows, width, generator=g, dtype=torch.float64) * 4
+    full[0, 3] = -torch.inf
+    target = torch.randint(0, width, (rows,), generator=g)
+    target[1] = -100
+    grad = torch.rand(rows, generator=g, dtype=torch.float64)
+    chosen = _C.cpu_capability()
+    try:
+        for capability in supported:
+            _C._set_cpu_capability(capability)
+            assert _C.cpu_capability() == capability
+            for dtype, tol in ((torch.float64, TIGHT), (torch.float32, dict(rtol=2e-6, atol=2e-6)),
+                               (torch.bfloat16, dict(rtol=1e-5, atol=1e-5))):
+                rounded = full.to(dtype)
+                x = rounded.detach().clone().requires_grad_(True)
+                loss = tp_.vocab_parallel_cross_entropy(x, target, 0.1, None, -100)
+                loss.backward(grad.to(loss.dtype))
+                ref = rounded.detach().double().clone().requires_grad_(True)
+                ref_loss = F.cross_entropy(ref, target, reduction="none", ignore_index=-100,
+                                           label_smoothing=0.1 * width / (width - 1))
+                ref_loss.backward(grad)
+                assert_close(loss.double(), ref_loss.detach(), **tol, msg=f"{capability} {dtype}")
+                assert_close(x.grad.double(), ref.grad.to(dtype).double(), **tol, msg=f"{capability} {dtype}")
+    finally:
+        _C._set_cpu_capability(chosen)
+    return True

@@ -382,7 +382,9 @@ def _ddp_config_worker() -> dict:
             torch.manual_seed(10)
             model = Toy()
             reference = copy.deepcopy(model)
-            config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, use_distributed_optimizer=distributed)
+            config = DistributedDataParallelConfig(
+                overlap_grad_reduce=overlap, use_distributed_optimizer=distributed
+            )
             ddp = DistributedDataParallel(model, bucket_size_bytes=200, ddp_config=config)
             batches = _data(model, 2, seed=1000 + rank)
             expected = _average(_local_grads(reference, batches))

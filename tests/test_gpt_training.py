@@ -189,11 +189,12 @@ def test_sequence_parallel_layouts_match_serial(serial_losses, world, layouts, d
 
 
 def test_sequence_parallel_recompute_and_dropout():
+    sp = ["--sequence-parallel", "--dropout", "0.1"]
     plain, recomputed = (
-        run_distributed(4, _layouts_worker, [(2, 2, 1)], ["float64"], ["1f1b"], ["--sequence-parallel"] + extra)[0][
+        run_distributed(4, _layouts_worker, [(2, 2, 1)], ["float64"], ["1f1b"], sp + extra)[0][
             (2, 2, 1, "float64", "1f1b")
         ]
-        for extra in (["--dropout", "0.1"], ["--dropout", "0.1", "--recompute"])
+        for extra in ([], ["--recompute"])
     )
     torch.testing.assert_close(torch.tensor(recomputed), torch.tensor(plain), rtol=1e-12, atol=0)
 
@@ -206,8 +207,9 @@ def _sequence_parallel_rng_worker():
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     tensor_parallel.model_parallel_cuda_manual_seed(7)
     config = TransformerConfig(
-        tensor_model_parallel_size=2, num_layers=2, hidden_size=16, num_attention_heads=2, hidden_dropout=0.5,
-        attention_dropout=0.0, params_dtype=torch.float64, use_cpu_initialization=True, sequence_parallel=True,
+        tensor_model_parallel_size=2, num_layers=2, hidden_size=16, num_attention_heads=2,
+        hidden_dropout=0.5, attention_dropout=0.0, params_dtype=torch.float64,
+        use_cpu_initialization=True, sequence_parallel=True,
     )
     model = GPTModel(config, vocab_size=64, max_sequence_length=8, post_process=False, init_seed=3)
     marked = sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False))

@@ -48,8 +48,8 @@ def _build(train_gpt, args, distributed: bool, clip_grad: float = 0.0, bucket_by
         ),
     )
     ddp.module.config.no_sync_func = ddp.no_sync
-    config = OptimizerConfig(lr=args.lr, weight_decay=0.1, bf16=args.bf16, fp16=args.fp16, clip_grad=clip_grad,
-                             use_distributed_optimizer=distributed)
+    config = OptimizerConfig(lr=args.lr, weight_decay=0.1, bf16=args.bf16, fp16=args.fp16,
+                             clip_grad=clip_grad, use_distributed_optimizer=distributed)
     return ddp, get_megatron_optimizer(config, [ddp])
 
 
@@ -134,8 +134,9 @@ def _clip_worker(layouts, extra):
     train_gpt = _train_gpt()
     out = {}
     for tp, pp, dp in layouts:
-        args = train_gpt.parse_args(SMALL + ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--dtype", "float64",
-                                             "--steps", "3", "--clip-grad", "0.05"] + extra)
+        args = train_gpt.parse_args(SMALL + ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
+                                             "--dtype", "float64", "--steps", "3",
+                                             "--clip-grad", "0.05"] + extra)
         log = train_gpt.train(args)
         out[(tp, pp, dp)] = (log["losses"], log["grad_norms"])
     return out
@@ -151,7 +152,8 @@ def _serial_clip_reference():
     ddp, optimizer = _build(train_gpt, args, False, clip_grad=0.05)
     optimizer.zero_grad()
     get_forward_backward_func()(
-        forward_step_func=train_gpt.forward_step, data_iterator=iter(train_gpt.step_microbatches(corpus, 0, args)),
+        forward_step_func=train_gpt.forward_step,
+        data_iterator=iter(train_gpt.step_microbatches(corpus, 0, args)),
         model=ddp, num_microbatches=4, seq_length=args.seq_len, micro_batch_size=2, forward_only=False)
     params = list(ddp.parameters())
     reference = [p.main_grad.clone() for p in params]
@@ -173,7 +175,8 @@ def test_clipping_equals_serial_clip_grad_norm():
     (serial,) = run_distributed(1, _clip_worker, [(1, 1, 1)], [])
     (losses, norms) = serial[(1, 1, 1)]
     assert abs(norms[0] - torch_norm) <= 1e-12 * torch_norm
-    results = run_distributed(4, _clip_worker, [(2, 2, 1), (2, 1, 2), (1, 1, 4)], ["--use-distributed-optimizer"])
+    layouts = [(2, 2, 1), (2, 1, 2), (1, 1, 4)]
+    results = run_distributed(4, _clip_worker, layouts, ["--use-distributed-optimizer"])
     for layout, (got_losses, got_norms) in results[0].items():
         torch.testing.assert_close(torch.tensor(got_norms), torch.tensor(norms), rtol=1e-10, atol=0,
                                    msg=lambda m: f"{layout}: {m}")
@@ -248,8 +251,8 @@ def _bf16_worker(extra):
 
 def test_bf16_run_tracks_float32_run():
     (fp32,) = run_distributed(1, _bf16_worker, ["--tp", "1", "--pp", "1"])
-    bf16 = run_distributed(4, _bf16_worker, ["--tp", "2", "--pp", "1", "--bf16", "--use-distributed-optimizer",
-                                            "--sequence-parallel"])[0]
+    extra = ["--tp", "2", "--pp", "1", "--bf16", "--use-distributed-optimizer", "--sequence-parallel"]
+    bf16 = run_distributed(4, _bf16_worker, extra)[0]
     fp32, bf16 = torch.tensor(fp32), torch.tensor(bf16)
     assert fp32[-1] < fp32[0] - 0.5 and bf16[-1] < bf16[0] - 0.5  # both train
     torch.testing.assert_close(bf16, fp32, rtol=3e-2, atol=0)
@@ -262,9 +265,9 @@ def test_bf16_run_tracks_float32_run():
 def _state_bytes(optimizer) -> int:
     """Bytes of optimizer state on this rank: the main parameters that are copies and every
     tensor of the torch optimizer's per-parameter state."""
-    total = sum(s.main.numel() * s.main.element_size() for s in optimizer._slots if s.main is not s.model_param)
+    total = sum(s.main.nbytes for s in optimizer._slots if s.main is not s.model_param)
     for state in optimizer.optimizer.state.values():
-        total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
+        total += sum(t.nbytes for t in state.values() if torch.is_tensor(t) and t.dim() > 0)
     return total
 
 
@@ -348,7 +351,8 @@ def test_distributed_optimizer_checkpoint_resumes_at_another_layout(tmp_path):
     # Uninterrupted 6 steps at tp 2 x dp 2; saved after 3 at that layout; resumed at pp 2 x dp 2.
     full, first, resumed = run_distributed(
         4, _ckpt_worker, d,
-        [(2, 1, ["--steps", "6"]), (2, 1, ["--steps", "3", "--save", d]), (1, 2, ["--steps", "6", "--load", d])],
+        [(2, 1, ["--steps", "6"]), (2, 1, ["--steps", "3", "--save", d]),
+         (1, 2, ["--steps", "6", "--load", d])],
     )[0]
     torch.testing.assert_close(torch.tensor(first), torch.tensor(full[:3]), rtol=1e-12, atol=0)
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(full[3:]), rtol=1e-9, atol=0)

@@ -2,6 +2,10 @@
 // Per-row arithmetic of the vocabulary-parallel cross-entropy, shared by the CPU loops and the
 // CUDA kernels so that CPU tests exercise the arithmetic the GPU runs. ``acc_t`` is float for
 // 16-bit and float32 logits, double for float64 ones.
+//
+// Non-finite logits follow torch.nn.functional.cross_entropy: a NaN or +inf logit makes the row's
+// loss and gradient NaN; -inf logits have probability 0, so a -inf target logit (or, with label
+// smoothing, any -inf logit) gives loss +inf with a finite gradient.
 #include <math.h>
 
 #include <cstdint>
@@ -26,38 +30,52 @@ enum RowStat : int64_t {
   kNumRowStats = 5,
 };
 
-// A running (max, sum of exp relative to max) pair: the online-softmax state.
+// Values of the per-token ``local_target`` tensor the forward hands to the backward besides a
+// column of this rank's slice.
+constexpr int64_t kTargetElsewhere = -1;  // another rank holds the target
+constexpr int64_t kIgnoredToken = -2;     // target == ignore_index: loss and gradient 0
+
+// A running summary of part of a row: max, sum of exp relative to the max, sum of (x - max) and
+// the element count. Sums relative to the max keep large logits from cancelling.
 template <typename acc_t>
-struct MaxSumExp {
+struct RowState {
   acc_t max;
   acc_t sum_exp;
+  acc_t sum_shift;
+  acc_t count;
 };
 
 template <typename acc_t>
-MEGATRON_EXT_HOST_DEVICE MaxSumExp<acc_t> max_sum_exp_init() {
-  return {-std::numeric_limits<acc_t>::infinity(), acc_t(0)};
+MEGATRON_EXT_HOST_DEVICE RowState<acc_t> row_state_init() {
+  return {-std::numeric_limits<acc_t>::infinity(), acc_t(0), acc_t(0), acc_t(0)};
 }
 
-// Merges two partial states; a side that has seen only -inf (or nothing) contributes nothing,
-// which also keeps exp(-inf - -inf) = NaN out of the sum.
+// The summary of one logit. A -inf logit has exp 0 and makes the shifted sum -inf.
 template <typename acc_t>
-MEGATRON_EXT_HOST_DEVICE MaxSumExp<acc_t> max_sum_exp_merge(MaxSumExp<acc_t> a, MaxSumExp<acc_t> b) {
+MEGATRON_EXT_HOST_DEVICE RowState<acc_t> row_state_of(acc_t x) {
+  const bool minus_inf = x == -std::numeric_limits<acc_t>::infinity();
+  return {x, minus_inf ? acc_t(0) : acc_t(1),
+          minus_inf ? -std::numeric_limits<acc_t>::infinity() : acc_t(0), acc_t(1)};
+}
+
+// A part's shifted sum moved onto the max ``m`` of the merged parts.
+template <typename acc_t>
+MEGATRON_EXT_HOST_DEVICE acc_t shifted_sum_onto(const RowState<acc_t>& a, acc_t m) {
+  if (a.count == acc_t(0)) return acc_t(0);
+  if (a.max == -std::numeric_limits<acc_t>::infinity()) return -std::numeric_limits<acc_t>::infinity();
+  return a.max == m ? a.sum_shift : a.sum_shift + a.count * (a.max - m);
+}
+
+// Merges two summaries. NaN maxima propagate into the sums (the comparison below is false for
+// NaN, so the other side's max is taken and exp(NaN - m) poisons the sum).
+template <typename acc_t>
+MEGATRON_EXT_HOST_DEVICE RowState<acc_t> row_state_merge(const RowState<acc_t>& a, const RowState<acc_t>& b) {
+  if (a.count == acc_t(0)) return b;
+  if (b.count == acc_t(0)) return a;
   const acc_t m = a.max > b.max ? a.max : b.max;
-  if (m == -std::numeric_limits<acc_t>::infinity()) return a;
   const acc_t sa = a.max == m ? a.sum_exp : a.sum_exp * exp_acc(a.max - m);
   const acc_t sb = b.max == m ? b.sum_exp : b.sum_exp * exp_acc(b.max - m);
-  return {m, sa + sb};
-}
-
-// Adds one logit to the state; rescales the sum only when the max moves, so it costs one exp.
-template <typename acc_t>
-MEGATRON_EXT_HOST_DEVICE void max_sum_exp_add(MaxSumExp<acc_t>& s, acc_t x) {
-  if (x > s.max) {
-    s.sum_exp = s.sum_exp * exp_acc(s.max - x) + acc_t(1);
-    s.max = x;
-  } else if (x != -std::numeric_limits<acc_t>::infinity()) {
-    s.sum_exp += exp_acc(x - s.max);
-  }
+  return {m, sa + sb, shifted_sum_onto(a, m) + shifted_sum_onto(b, m), a.count + b.count};
 }
 
 // The column of ``target`` in a rank holding vocabulary rows [vocab_start, vocab_start +
@@ -70,19 +88,17 @@ MEGATRON_EXT_HOST_DEVICE int64_t local_target_index(int64_t target, int64_t voca
   return (local >= 0 && local < local_vocab) ? local : -1;
 }
 
-// Writes a row's statistics (RowStat order). The sum of logits is accumulated relative to the
-// row's first logit, a shift known before the max is, so that large logits do not cancel.
-template <typename scalar_t, typename acc_t>
-MEGATRON_EXT_HOST_DEVICE void write_row_stats(const scalar_t* row, int64_t local_vocab,
-                                              MaxSumExp<acc_t> state, acc_t sum_minus_first,
-                                              int64_t local_target, acc_t* out) {
-  const acc_t first = static_cast<acc_t>(row[0]);
+// Writes a row's statistics (RowStat order) from its summary and its target logit.
+template <typename acc_t>
+MEGATRON_EXT_HOST_DEVICE void write_row_stats(const RowState<acc_t>& state, bool holds_target,
+                                              acc_t target_logit, acc_t* out) {
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
   out[kLocalMax] = state.max;
-  out[kLocalSumExp] = state.sum_exp;
-  out[kLocalSumShift] = sum_minus_first + static_cast<acc_t>(local_vocab) * (first - state.max);
-  const bool holds = local_target >= 0;
-  out[kTargetShift] = holds ? static_cast<acc_t>(row[local_target]) - state.max : acc_t(0);
-  out[kHoldsTarget] = holds ? acc_t(1) : acc_t(0);
+  // exp(x - max) is exp(inf - inf) = NaN for a +inf logit, as torch's log_softmax computes it.
+  out[kLocalSumExp] = state.max == inf ? std::numeric_limits<acc_t>::quiet_NaN() : state.sum_exp;
+  out[kLocalSumShift] = state.sum_shift;
+  out[kTargetShift] = !holds_target ? acc_t(0) : (state.max == -inf ? -inf : target_logit - state.max);
+  out[kHoldsTarget] = holds_target ? acc_t(1) : acc_t(0);
 }
 
 // d loss / d x_j = softmax_j - q_j, with q the smoothed one-hot: ``target_weight`` (1 - a) at

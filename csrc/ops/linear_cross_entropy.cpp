@@ -48,17 +48,18 @@ using ForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
 
 // The signatures of the ops this op is built from: the cross-entropy's forward and backward
 // (ops/cross_entropy.cpp, kernels/cross_entropy*).
-using CeForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, double,
-                                                                   std::optional<int64_t>, c10::string_view);
+using CeForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, double, std::optional<int64_t>, c10::string_view, int64_t);
 using CeBackwardFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, double, std::optional<int64_t>, int64_t, int64_t);
+                                const at::Tensor&, double, int64_t);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ce_forward(const at::Tensor& logits, const at::Tensor& target,
                                                           double label_smoothing,
                                                           std::optional<int64_t> ignore_index,
                                                           const std::string& group) {
   static const auto op = typed_op<CeForwardFn>("vocab_parallel_cross_entropy_forward");
-  return op.call(logits, target, label_smoothing, ignore_index, group);
+  const auto out = op.call(logits, target, label_smoothing, ignore_index, group, comm::group_size(group));
+  return {std::get<0>(out), std::get<1>(out), std::get<2>(out)};
 }
 
 // (softmax(logits) - q) * grad_loss per row, in the logits' dtype; zero rows for ignored tokens.
@@ -66,8 +67,14 @@ at::Tensor ce_backward(const at::Tensor& grad_loss, const at::Tensor& logits, co
                        const at::Tensor& row_max, const at::Tensor& log_sum_exp, double label_smoothing,
                        std::optional<int64_t> ignore_index, int64_t vocab_start, int64_t vocab_size) {
   static const auto op = typed_op<CeBackwardFn>("vocab_parallel_cross_entropy_backward");
-  return op.call(grad_loss, logits, target, row_max, log_sum_exp, label_smoothing, ignore_index,
-                 vocab_start, vocab_size);
+  // The cross-entropy's backward takes each token's column in this rank's slice (-1 when another
+  // rank holds it, -2 when ignored), as its forward returns it.
+  const int64_t local_vocab = logits.size(-1);
+  const auto ids = target.to(at::kLong);
+  const auto column = ids - vocab_start;
+  auto local_target = at::where(column.ge(0).logical_and_(column.lt(local_vocab)), column, -1);
+  if (ignore_index.has_value()) local_target.masked_fill_(ids == *ignore_index, -2);
+  return op.call(grad_loss, logits, local_target, row_max, log_sum_exp, label_smoothing, vocab_size);
 }
 
 // Every check depends only on shapes, dtypes and arguments that all ranks share, so bad input

@@ -159,7 +159,9 @@ class DistributedDataParallel(torch.nn.Module):
                 f"ddp_config must be a DistributedDataParallelConfig, got {type(ddp_config).__name__}"
             )
         if bucket_size_bytes is not None and (
-            isinstance(bucket_size_bytes, bool) or not isinstance(bucket_size_bytes, int) or bucket_size_bytes < 1
+            isinstance(bucket_size_bytes, bool)
+            or not isinstance(bucket_size_bytes, int)
+            or bucket_size_bytes < 1
         ):
             raise ValueError(f"bucket_size_bytes must be an integer >= 1, got {bucket_size_bytes!r}")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]

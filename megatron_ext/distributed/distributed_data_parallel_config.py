@@ -69,7 +69,9 @@ class DistributedDataParallelConfig:
                     f"megatron_ext (only {default!r})"
                 )
         if self.bucket_size is not None and (
-            isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int) or self.bucket_size < 1
+            isinstance(self.bucket_size, bool)
+            or not isinstance(self.bucket_size, int)
+            or self.bucket_size < 1
         ):
             raise ValueError(f"DistributedDataParallelConfig.bucket_size must be None or an integer >= 1, "
                              f"got {self.bucket_size!r}")

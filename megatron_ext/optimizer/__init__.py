@@ -7,7 +7,11 @@ from typing import Any
 
 import torch
 
-from megatron_ext.optimizer.clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
+from megatron_ext.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+)
 from megatron_ext.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_ext.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron_ext.optimizer.optimizer import (
@@ -61,7 +65,9 @@ def get_megatron_optimizer(
     for name, value in (("config_overrides", config_overrides), ("pg_collection", pg_collection),
                         ("dump_param_to_param_group_map", dump_param_to_param_group_map)):
         if value is not None:
-            raise NotImplementedError(f"get_megatron_optimizer: {name} is not supported by megatron_ext (pass None)")
+            raise NotImplementedError(
+                f"get_megatron_optimizer: {name} is not supported by megatron_ext (pass None)"
+            )
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     model_chunks = list(model_chunks)

@@ -71,7 +71,8 @@ def clip_grad_by_total_norm_fp32(
 
 
 def count_zeros_fp32(
-    grads: Iterable[torch.Tensor], grad_stats_parallel_group: dist.ProcessGroup | list[dist.ProcessGroup] | None = None
+    grads: Iterable[torch.Tensor],
+    grad_stats_parallel_group: dist.ProcessGroup | list[dist.ProcessGroup] | None = None,
 ) -> int:
     """How many gradient elements are exactly zero, summed over the group(s)."""
     groups = _groups(grad_stats_parallel_group)

@@ -54,7 +54,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     @classmethod
     def create(
-        cls, config: OptimizerConfig, model_chunks: list[torch.nn.Module], grad_scaler: MegatronGradScaler | None
+        cls,
+        config: OptimizerConfig,
+        model_chunks: list[torch.nn.Module],
+        grad_scaler: MegatronGradScaler | None,
     ) -> DistributedOptimizer:
         names = {id(p): n for n, p in named_model_parameters(model_chunks)}
         slots: list[_Slot] = []
@@ -87,7 +90,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             slots_by_param.setdefault(id(s.model_param), []).append(s)
         pending = []
         for ddp, bucket in self._buckets:
-            dtype = max((p.dtype for p in bucket.params), key=lambda t: torch.empty(0, dtype=t).element_size())
+            dtype = max((p.dtype for p in bucket.params), key=lambda t: t.itemsize)
             lo, hi = ddp.shard_range(bucket)
             full = torch.empty(bucket.padded_numel, dtype=dtype, device=bucket.device)
             mine = full[lo:hi]
@@ -111,7 +114,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             slots_by_param.setdefault(id(s.model_param), []).append(s)
         out = {}
         for ddp, bucket in self._buckets:
-            main_dtype = torch.float32 if any(p.dtype in SIXTEEN_BIT for p in bucket.params) else bucket.params[0].dtype
+            sixteen = any(p.dtype in SIXTEEN_BIT for p in bucket.params)
+            main_dtype = torch.float32 if sixteen else bucket.params[0].dtype
             lo, hi = ddp.shard_range(bucket)
             mine = torch.zeros(hi - lo, dtype=main_dtype, device=bucket.device)
             for p, offset in zip(bucket.params, bucket.offsets):
@@ -139,7 +143,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for key in ("param",) + self._state_keys:
                 if key not in d[name] or tuple(d[name][key].shape) != tuple(p.shape):
                     got = tuple(d[name][key].shape) if key in d[name] else None
-                    raise ValueError(f"optimizer state {name!r}[{key!r}] has shape {got}, the parameter {tuple(p.shape)}")
+                    raise ValueError(
+                        f"optimizer state {name!r}[{key!r}] has shape {got}, the parameter {tuple(p.shape)}"
+                    )
 
     def load_param_state_by_name(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
         super().load_param_state_by_name(d)

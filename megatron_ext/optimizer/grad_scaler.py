@@ -63,7 +63,10 @@ class DynamicGradScaler(MegatronGradScaler):
     ) -> None:
         super().__init__(initial_scale)
         checks = [
-            (0.0 < min_scale <= initial_scale, f"min_scale must be in (0, initial_scale={initial_scale}], got {min_scale}"),
+            (
+                0.0 < min_scale <= initial_scale,
+                f"min_scale must be in (0, initial_scale={initial_scale}], got {min_scale}",
+            ),
             (growth_factor > 1.0, f"growth_factor must be > 1, got {growth_factor}"),
             (0.0 < backoff_factor < 1.0, f"backoff_factor must be in (0, 1), got {backoff_factor}"),
             (growth_interval > 0, f"growth_interval must be > 0, got {growth_interval}"),

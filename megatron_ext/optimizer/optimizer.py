@@ -48,10 +48,6 @@ class _Slot:
     main: torch.Tensor
     grad_source: Callable[[], torch.Tensor | None]
 
-    @property
-    def is_whole(self) -> bool:
-        return self.start == 0 and self.end == self.model_param.numel() and self.main.shape == self.model_param.shape
-
 
 def model_grad(param: torch.Tensor) -> torch.Tensor | None:
     """The model gradient the optimizer reads: ``main_grad`` if the parameter has one."""
@@ -127,7 +123,9 @@ class MegatronOptimizer:
         self._state_keys = _state_keys(optimizer)
         self._steps = 0  # successful updates: Adam's step count
         if config.fp16 and grad_scaler is None:
-            raise ValueError("fp16 training needs a grad scaler (OptimizerConfig.loss_scale or the dynamic one)")
+            raise ValueError(
+                "fp16 training needs a grad scaler (OptimizerConfig.loss_scale or the dynamic one)"
+            )
 
     # Groups over which gradient statistics are reduced -----------------------------------------
 
@@ -282,12 +280,16 @@ class MegatronOptimizer:
         if "main_params" in state_dict:
             mains = state_dict["main_params"]
             if len(mains) != len(self._slots):
-                raise ValueError(f"state_dict has {len(mains)} main parameters, this optimizer {len(self._slots)}")
+                raise ValueError(
+                    f"state_dict has {len(mains)} main parameters, this optimizer {len(self._slots)}"
+                )
             with torch.no_grad():
                 for s, value in zip(self._slots, mains):
                     if tuple(value.shape) != tuple(s.main.shape):
-                        raise ValueError(f"main parameter {s.name!r}: shape {tuple(value.shape)} in the state_dict, "
-                                         f"expected {tuple(s.main.shape)}")
+                        raise ValueError(
+                            f"main parameter {s.name!r}: shape {tuple(value.shape)} in the state_dict, "
+                            f"expected {tuple(s.main.shape)}"
+                        )
                     s.main.copy_(value)
             self._sync_model_params_from_main()
         if "grad_scaler" in state_dict and self.grad_scaler is not None:
@@ -321,14 +323,17 @@ class MegatronOptimizer:
         names = {s.name: s.model_param for s in self._slots}
         missing = sorted(set(names) - set(d))
         if missing:
-            raise ValueError(f"optimizer state is missing parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            more = " ..." if len(missing) > 5 else ""
+            raise ValueError(f"optimizer state is missing parameters {missing[:5]}{more}")
         for name, param in names.items():
             for key in ("param",) + self._state_keys:
                 if key not in d[name]:
                     raise ValueError(f"optimizer state of {name!r} has no {key!r}")
                 if tuple(d[name][key].shape) != tuple(param.shape):
-                    raise ValueError(f"optimizer state {name!r}[{key!r}] has shape {tuple(d[name][key].shape)}, "
-                                     f"the parameter {tuple(param.shape)}")
+                    raise ValueError(
+                        f"optimizer state {name!r}[{key!r}] has shape {tuple(d[name][key].shape)}, "
+                        f"the parameter {tuple(param.shape)}"
+                    )
 
     def load_param_state_by_name(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
         """Loads ``param_state_by_name()``'s output (from any layout whose local shapes match):
@@ -338,9 +343,11 @@ class MegatronOptimizer:
             for s in self._slots:
                 entry = d[s.name]
                 s.main.copy_(entry["param"].reshape(-1)[s.start : s.end].view_as(s.main))
-                state = {"step": _scalar_step(self._steps)} if self._state_keys != ("momentum_buffer",) else {}
+                has_step = self._state_keys != ("momentum_buffer",)
+                state = {"step": _scalar_step(self._steps)} if has_step else {}
                 for key in self._state_keys:
-                    state[key] = entry[key].reshape(-1)[s.start : s.end].view_as(s.main).to(s.main.dtype).clone()
+                    piece = entry[key].reshape(-1)[s.start : s.end].view_as(s.main)
+                    state[key] = piece.to(s.main.dtype).clone()
                 self.optimizer.state[s.main] = state
                 s.model_param.copy_(entry["param"])
 

@@ -91,10 +91,13 @@ class OptimizerConfig:
         }
         for name, default in unsupported.items():
             if getattr(self, name) != default:
-                raise NotImplementedError(f"OptimizerConfig.{name}={getattr(self, name)!r} is not supported by "
-                                          "megatron_ext")
+                raise NotImplementedError(
+                    f"OptimizerConfig.{name}={getattr(self, name)!r} is not supported by megatron_ext"
+                )
         if self.clip_grad < 0:
-            raise ValueError(f"OptimizerConfig.clip_grad must be >= 0 (0 = no clipping), got {self.clip_grad}")
+            raise ValueError(
+                f"OptimizerConfig.clip_grad must be >= 0 (0 = no clipping), got {self.clip_grad}"
+            )
 
 
 @dataclass

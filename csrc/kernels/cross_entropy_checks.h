@@ -23,6 +23,12 @@ inline void check_cross_entropy_kernel_args(const at::Tensor& logits, const at::
                     " but logits are on ", logits.device());
 }
 
+// The in-place backward writes the gradient over the logits, row by row.
+inline void check_cross_entropy_inplace(const at::Tensor& logits) {
+  TORCH_CHECK_VALUE(logits.is_contiguous(), "vocab_parallel_cross_entropy_backward_: the logits the "
+                    "gradient overwrites must be contiguous, got strides ", logits.strides());
+}
+
 // The dtype statistics and losses are accumulated in: float for 16-bit and float32 logits.
 inline at::ScalarType cross_entropy_acc_type(at::ScalarType logits) {
   return logits == at::kDouble ? at::kDouble : at::kFloat;
@@ -30,21 +36,23 @@ inline at::ScalarType cross_entropy_acc_type(at::ScalarType logits) {
 
 // The backward kernels' inputs, contiguous, statistics in the accumulation dtype.
 struct CrossEntropyBackwardInputs {
-  at::Tensor logits, target, grad_loss, row_max, log_sum_exp;
-  int64_t vocab;  // this rank's vocabulary slice
-  int64_t rows;   // tokens
+  at::Tensor logits, local_target, grad_loss, row_max, log_sum_exp;
+  int64_t vocab;        // this rank's vocabulary slice
+  int64_t rows;         // tokens
   double other_weight;  // label_smoothing / (V - 1): what each non-target class gets
 };
 
 inline CrossEntropyBackwardInputs prepare_cross_entropy_backward(
-    const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
+    const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& local_target,
     const at::Tensor& row_max, const at::Tensor& log_sum_exp, double label_smoothing,
     int64_t vocab_size) {
-  check_cross_entropy_kernel_args(logits, target, "vocab_parallel_cross_entropy_backward");
+  check_cross_entropy_kernel_args(logits, local_target, "vocab_parallel_cross_entropy_backward");
+  TORCH_CHECK_VALUE(vocab_size >= logits.size(-1), "vocab_parallel_cross_entropy_backward: vocab_size ",
+                    vocab_size, " is smaller than the local vocabulary ", logits.size(-1));
   const auto acc = cross_entropy_acc_type(logits.scalar_type());
-  CrossEntropyBackwardInputs in{logits.contiguous(), target.contiguous(),
+  CrossEntropyBackwardInputs in{logits.contiguous(), local_target.contiguous(),
                                 grad_loss.to(acc).contiguous(), row_max.to(acc).contiguous(),
-                                log_sum_exp.to(acc).contiguous(), logits.size(-1), target.numel(),
+                                log_sum_exp.to(acc).contiguous(), logits.size(-1), local_target.numel(),
                                 vocab_size > 1 ? label_smoothing / static_cast<double>(vocab_size - 1)
                                                : 0.0};
   TORCH_CHECK_VALUE(in.grad_loss.numel() == in.rows && in.row_max.numel() == in.rows &&
@@ -52,6 +60,10 @@ inline CrossEntropyBackwardInputs prepare_cross_entropy_backward(
                     "vocab_parallel_cross_entropy_backward: expected one gradient, max and "
                     "log-sum-exp per token (", in.rows, "), got ", in.grad_loss.numel(), ", ",
                     in.row_max.numel(), ", ", in.log_sum_exp.numel());
+  TORCH_CHECK_VALUE(in.grad_loss.device() == in.logits.device() && in.row_max.device() == in.logits.device() &&
+                        in.log_sum_exp.device() == in.logits.device(),
+                    "vocab_parallel_cross_entropy_backward: every tensor must be on the logits' device ",
+                    in.logits.device());
   return in;
 }
 
