@@ -170,8 +170,9 @@ def test_linear_with_gradient_accumulation_fusion_on_nccl(nccl_group, dtype):
     start = _randn(32, 64, dtype=torch.float32, seed=19).cuda()
     main_grad = start.clone()
     g = _randn(16, 2, 32, dtype=dtype, seed=20).cuda()
-    out = ops.linear_with_grad_accumulation_and_async_allreduce(
-        x, w, b, main_grad, True, False, False, nccl_group
+    w.main_grad = main_grad
+    out = tensor_parallel.linear_with_grad_accumulation_and_async_allreduce(
+        x, w, b, gradient_accumulation_fusion=True, allreduce_dgrad=False, sequence_parallel=False
     )
     assert_close(out, F.linear(x, w, b), **TOL[dtype])
     out.backward(g)

@@ -183,8 +183,9 @@ def _weight_grad_checks(group_name: str) -> None:
         start = torch.randn(8, 16, generator=g)
         main_grad = start.clone()
         grad = torch.randn(4, 3, 8, generator=g).to(dtype)
-        out = ops.linear_with_grad_accumulation_and_async_allreduce(
-            x, w, None, main_grad, True, False, False, group_name
+        w.main_grad = main_grad
+        out = tensor_parallel.linear_with_grad_accumulation_and_async_allreduce(
+            x, w, None, gradient_accumulation_fusion=True, allreduce_dgrad=False, sequence_parallel=False
         )
         out.backward(grad)
         expected = start + grad.reshape(-1, 8).float().t() @ x.detach().reshape(-1, 16).float()
