@@ -208,6 +208,14 @@ SUBMODULES = {
 # Parameters, in order, of the tensor_parallel functions this project mirrors from Megatron-core.
 TENSOR_PARALLEL_SIGNATURES = {
     "param_is_not_tensor_parallel_duplicate": ("param", "tp_group"),
+    "gather_from_sequence_parallel_region": (
+        "input_",
+        "tensor_parallel_output_grad",
+        "group",
+        "output_split_sizes",
+        "use_global_buffer",
+    ),
+    "reduce_scatter_to_sequence_parallel_region": ("input_", "group", "input_split_sizes", "use_global_buffer"),
     "all_to_all": ("group", "input_", "output_split_sizes_", "input_split_sizes"),
     "all_to_all_sp2hp": ("input_", "group"),
     "all_to_all_hp2sp": ("input_", "group"),

@@ -427,3 +427,36 @@ def test_ddp_config_main_grads_and_reduce_scatter():
             assert buckets > 1
             # With overlap_grad_reduce the collectives start during the backward, else in finish.
             assert launched == (buckets if overlap else 0), (overlap, distributed, launched)
+
+
+def _finalize_tokens_worker() -> None:
+    from megatron_ext.process_groups_config import ProcessGroupCollection
+
+    ps.initialize_model_parallel()  # two data-parallel replicas
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    # Every rank draws every rank's gradients, so each can form the expected result itself.
+    grads = [[torch.randn(p.shape, dtype=torch.float64, generator=gen) for p in model.parameters()] for _ in range(2)]
+    tokens = [5, 3]
+
+    def check(expected_divisor: float | None, **kwargs) -> None:
+        for p, g in zip(model.parameters(), grads[rank]):
+            p.grad = g.clone()
+        finalize_model_grads([model], **kwargs)
+        for i, p in enumerate(model.parameters()):
+            divisor = expected_divisor if expected_divisor is not None else 2.0
+            torch.testing.assert_close(p.grad, (grads[0][i] + grads[1][i]) / divisor, rtol=1e-12, atol=0)
+
+    check(None)  # the data-parallel average
+    # Per-token loss: the data-parallel sum over the global token count.
+    check(float(sum(tokens)), num_tokens=torch.tensor(tokens[rank]))
+    # The same groups passed explicitly.
+    check(float(sum(tokens)), num_tokens=torch.tensor(tokens[rank]), pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    partial = ProcessGroupCollection(tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group())
+    with pytest.raises(AssertionError, match=r"pg_collection lacks \['embd', 'pos_embd', 'dp_cp'\]"):
+        finalize_model_grads([model], pg_collection=partial)
+
+
+def test_finalize_per_token_scaling_and_pg_collection():
+    run_distributed(2, _finalize_tokens_worker)

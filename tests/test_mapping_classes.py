@@ -106,6 +106,12 @@ def _worker():
     assert_close(out, torch.cat(rows, 0), **EXACT)
     offsets = [0, 2, 2, 7]
     assert_close(grad, sum(ups)[offsets[r] : offsets[r + 1]], **EXACT)
+    # The function takes Megatron-core's output_split_sizes too, with the class's result.
+    out_f, grad_f = _run(
+        lambda x: tp_.gather_from_sequence_parallel_region(x, True, group, sizes), rows[r], ups[r], False
+    )
+    assert_close(out_f, torch.cat(rows, 0), **EXACT)
+    assert_close(grad_f, grad, **EXACT)
     out, grad = _run(lambda x: tp_.gather_from_sequence_parallel_region(x, True, group), seq[r], gs[r])
     assert_close(out, torch.cat(seq, 0), **EXACT)
     with pytest.raises(AssertionError, match="tensor_parallel_output_grad=True"):
@@ -122,6 +128,11 @@ def _worker():
     )
     assert_close(out, sum(full)[offsets[r] : offsets[r + 1]], **EXACT)
     assert_close(grad, torch.cat(mine, 0), **EXACT)
+    out_f, grad_f = _run(
+        lambda x: tp_.reduce_scatter_to_sequence_parallel_region(x, group, sizes), full[r], mine[r], False
+    )
+    assert_close(out_f, sum(full)[offsets[r] : offsets[r + 1]], **EXACT)
+    assert_close(grad_f, torch.cat(mine, 0), **EXACT)
     with pytest.raises(ValueError, match="sum to 7, but the input has 6 rows"):
         mappings._ReduceScatterToSequenceParallelRegion.apply(xs[r], group, sizes)
 

@@ -52,15 +52,27 @@ def allreduce_gradients(
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
 
 
-def allreduce_embedding_grads(model_chunks: list[torch.nn.Module]) -> None:
-    """Sums the gradients of the tied word embedding over the first and last pipeline stage."""
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+def allreduce_embedding_grads(
+    model_chunks: list[torch.nn.Module],
+    embd_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Sums the gradients of the tied word embedding over the first and last pipeline stage.
+
+    ``embd_group`` / ``pp_group`` default to parallel_state's; a rank outside ``embd_group`` (an
+    inner stage, or ``None``) has nothing to do."""
+    if pp_group is None:
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        embd_group = parallel_state.get_embedding_group(check_initialized=False)
+    pp_size = dist.get_world_size(pp_group)
+    if pp_size == 1 or embd_group is None:
         return
-    if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+    if dist.get_rank() not in dist.get_process_group_ranks(embd_group):
         return
-    if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+    pp_rank = dist.get_rank(pp_group)
+    if pp_rank == 0:
         model = model_chunks[0]
-    elif parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    elif pp_rank == pp_size - 1:
         model = model_chunks[-1]
     else:
         return
@@ -74,15 +86,19 @@ def allreduce_embedding_grads(model_chunks: list[torch.nn.Module]) -> None:
     grad = _grad(weight)
     if grad is None:
         grad = weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(grad, group=parallel_state.get_embedding_group())
+    dist.all_reduce(grad, group=embd_group)
 
 
-def allreduce_layernorm_grads(model_chunks: list[torch.nn.Module]) -> None:
+def allreduce_layernorm_grads(
+    model_chunks: list[torch.nn.Module], tp_group: dist.ProcessGroup | None = None
+) -> None:
     """Sums over the tensor-parallel group the gradients of the parameters marked
     ``sequence_parallel`` (LayerNorms and row-parallel biases): under sequence parallelism each
     rank computed them from its own part of the sequence (Megatron-core's
-    ``_allreduce_layernorm_grads``)."""
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+    ``_allreduce_layernorm_grads``). ``tp_group`` defaults to parallel_state's."""
+    if tp_group is None:
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(tp_group) == 1:
         return
     params = []
     for chunk in model_chunks:
@@ -96,7 +112,7 @@ def allreduce_layernorm_grads(model_chunks: list[torch.nn.Module]) -> None:
             p for p in chunk.parameters() if p.requires_grad and getattr(p, "sequence_parallel", False)
         )
     if params:
-        allreduce_gradients(params, parallel_state.get_tensor_model_parallel_group(), average=False)
+        allreduce_gradients(params, tp_group, average=False)
 
 
 def _find_ddp(model: torch.nn.Module) -> DistributedDataParallel | None:
@@ -109,7 +125,15 @@ def _find_ddp(model: torch.nn.Module) -> DistributedDataParallel | None:
     return None
 
 
-def finalize_model_grads(model_chunks: list[torch.nn.Module], num_tokens: torch.Tensor | None = None) -> None:
+_PG_COLLECTION_FIELDS = ("tp", "pp", "embd", "pos_embd", "dp_cp")
+
+
+def finalize_model_grads(
+    model_chunks: list[torch.nn.Module],
+    num_tokens: torch.Tensor | None = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool | None = False,
+) -> None:
     """Averages gradients over the data-parallel group, sums the sequence-parallel LayerNorm and
     bias gradients over the tensor-parallel group and the tied embedding's over the embedding
     group: what must happen after every backward and before every optimizer step.
@@ -117,15 +141,65 @@ def finalize_model_grads(model_chunks: list[torch.nn.Module], num_tokens: torch.
     A chunk that is (or wraps) a ``DistributedDataParallel`` has started its reductions during
     the backward: its ``finish_grad_sync()`` completes them. The gradients of other chunks are
     all-reduced here, after the backward.
+
+    ``num_tokens`` (the schedules pass it under ``config.calculate_per_token_loss``) is this
+    pipeline's count of loss tokens, known on the last stage: it is broadcast over the pipeline,
+    summed over the data-parallel group, and every gradient becomes the data-parallel *sum*
+    divided by that global count, as in Megatron-core. ``pg_collection`` (a
+    ``ProcessGroupCollection`` with ``tp``, ``pp``, ``embd``, ``pos_embd`` and ``dp_cp``) replaces
+    parallel_state's groups.
     """
+    if pg_collection is not None:
+        missing = [f for f in _PG_COLLECTION_FIELDS if not hasattr(pg_collection, f)]
+        if missing:
+            raise parallel_state.ParallelStateError(
+                f"finalize_model_grads: pg_collection lacks {missing}; it needs {list(_PG_COLLECTION_FIELDS)} "
+                "(set embd / pos_embd to None when there is no such group)"
+            )
+        tp_group, pp_group, embd_group = pg_collection.tp, pg_collection.pp, pg_collection.embd
+        dp_group = pg_collection.dp_cp
+    else:
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        embd_group = parallel_state.get_embedding_group(check_initialized=False)
+        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+
     params = []
     for chunk in model_chunks:
         ddp = _find_ddp(chunk)
         if ddp is not None:
-            ddp.finish_grad_sync()
+            ddp.finish_grad_sync(force_all_reduce=bool(force_all_reduce))
         else:
             params.extend(p for p in chunk.parameters() if p.requires_grad)
     if params:
-        allreduce_gradients(params, parallel_state.get_data_parallel_group())
-    allreduce_layernorm_grads(model_chunks)
-    allreduce_embedding_grads(model_chunks)
+        allreduce_gradients(params, dp_group)
+    allreduce_layernorm_grads(model_chunks, tp_group)
+    allreduce_embedding_grads(model_chunks, embd_group, pp_group)
+
+    if num_tokens is not None:
+        _scale_by_global_tokens(model_chunks, num_tokens, pp_group, dp_group)
+
+
+def _scale_by_global_tokens(
+    model_chunks: list[torch.nn.Module],
+    num_tokens: torch.Tensor,
+    pp_group: dist.ProcessGroup,
+    dp_group: dist.ProcessGroup,
+) -> None:
+    if not isinstance(num_tokens, torch.Tensor):
+        raise TypeError(f"finalize_model_grads: num_tokens must be a tensor, got {type(num_tokens).__name__}")
+    # Only the last stage counted the tokens. The reductions above averaged over the data-parallel
+    # group, so multiplying by its size gives back the sum Megatron-core divides by the count.
+    total = num_tokens.detach().to(torch.float64).reshape(1).clone()
+    pp_ranks = dist.get_process_group_ranks(pp_group)
+    dist.broadcast(total, src=pp_ranks[-1], group=pp_group)
+    dist.all_reduce(total, group=dp_group)
+    count = float(total.item())
+    if count <= 0:
+        return
+    scale = dist.get_world_size(dp_group) / count
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            grad = _grad(p)
+            if grad is not None:
+                grad.mul_(scale)

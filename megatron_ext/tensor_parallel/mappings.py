@@ -148,14 +148,24 @@ _register_fake("scatter_to_sequence_parallel_region", "split", 0)
 
 
 def gather_from_sequence_parallel_region(
-    input_: torch.Tensor, tensor_parallel_output_grad: bool = True, group=None
+    input_: torch.Tensor,
+    tensor_parallel_output_grad: bool = True,
+    group=None,
+    output_split_sizes: list[int] | None = None,
+    use_global_buffer: bool = False,
 ) -> torch.Tensor:
     """Forward: all-gather along the first dim.
 
     Backward: reduce-scatter along the first dim when the consumer of the output is
-    tensor-parallel (each rank holds a partial gradient), else this rank's chunk of it.
+    tensor-parallel (each rank holds a partial gradient), else this rank's chunk of it. With
+    ``output_split_sizes``, rank r contributes ``output_split_sizes[r]`` rows.
+    ``use_global_buffer`` is Megatron-core's allocation hint and changes nothing here.
     """
     _check_tensor(input_, "gather_from_sequence_parallel_region")
+    if output_split_sizes is not None:
+        return _GatherFromSequenceParallelRegion.apply(
+            input_, group, tensor_parallel_output_grad, output_split_sizes, use_global_buffer
+        )
     return _ops.gather_from_sequence_parallel_region(
         input_, bool(tensor_parallel_output_grad), *group_args(group)
     )
@@ -169,9 +179,17 @@ def _(input_, tensor_parallel_output_grad, group_name, group_size, rank):
     return _gather_seq_fake(input_, group_name, group_size, rank)
 
 
-def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group=None) -> torch.Tensor:
-    """Forward: reduce-scatter along the first dim. Backward: all-gather along the first dim."""
+def reduce_scatter_to_sequence_parallel_region(
+    input_: torch.Tensor,
+    group=None,
+    input_split_sizes: list[int] | None = None,
+    use_global_buffer: bool = False,
+) -> torch.Tensor:
+    """Forward: reduce-scatter along the first dim (rank r receiving ``input_split_sizes[r]`` rows
+    when given). Backward: all-gather along the first dim."""
     _check_tensor(input_, "reduce_scatter_to_sequence_parallel_region")
+    if input_split_sizes is not None:
+        return _ReduceScatterToSequenceParallelRegion.apply(input_, group, input_split_sizes, use_global_buffer)
     return _ops.reduce_scatter_to_sequence_parallel_region(input_, *group_args(group))
 
 
