@@ -168,7 +168,8 @@ def finalize_model_grads(
     for chunk in model_chunks:
         ddp = _find_ddp(chunk)
         if ddp is not None:
-            ddp.finish_grad_sync(force_all_reduce=bool(force_all_reduce))
+            # Passed only when set: wrappers written for the older signature take no keyword.
+            ddp.finish_grad_sync(force_all_reduce=True) if force_all_reduce else ddp.finish_grad_sync()
         else:
             params.extend(p for p in chunk.parameters() if p.requires_grad)
     if params:
