@@ -125,14 +125,18 @@ def test_interleaved_pipeline_checkpoints(saved_at_tp2_pp2, tmp_path):
         _assert_resumed_equal(full["losses"], *start_and_losses)
 
 
-def _strided_worker(save_dir: str):
+def _strided_worker(save_dir: str, dcp_hooks: bool):
     """Layers split with a stride (e.g. a fused QKV weight) reshard exactly: a column- and a
     row-parallel layer with stride 3 saved at TP 2 load as the serial master weights, and back
-    into TP 2 shards."""
+    into TP 2 shards. ``dcp_hooks``: through the DTensor-style hooks that torch before 2.14 needs,
+    whatever torch runs."""
     import torch.distributed.checkpoint as dcp
 
     from megatron_ext import ModelParallelConfig, parallel_state, tensor_parallel
-    from megatron_ext.dist_checkpointing import replicated, tp_partitioned
+    from megatron_ext.dist_checkpointing import replicated, sharding, tp_partitioned
+
+    if dcp_hooks:
+        sharding._DCP_READS_SHARD_FIELDS = False
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     config = ModelParallelConfig(
@@ -179,8 +183,9 @@ def _strided_worker(save_dir: str):
     assert rank != 0 or torch.equal(column.weight.detach()[2:4], column.master_weight[4:6])
 
 
-def test_strided_partitions_reshard_exactly(tmp_path):
-    run_distributed(2, _strided_worker, str(tmp_path / "strided"))
+@pytest.mark.parametrize("dcp_hooks", [False, True], ids=["fields", "hooks"])
+def test_strided_partitions_reshard_exactly(tmp_path, dcp_hooks):
+    run_distributed(2, _strided_worker, str(tmp_path / "strided"), dcp_hooks)
 
 
 def _killed_mid_save_worker(save_dir: str):

@@ -22,11 +22,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+import torch.distributed.checkpoint
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from megatron_ext import parallel_state
 
 TIED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
+# torch 2.14 added DCP's CheckpointableTensor protocol (the four fields below); older DCP learns a
+# tensor's chunks only through the hooks DTensor implements.
+_DCP_READS_SHARD_FIELDS = hasattr(torch.distributed.checkpoint, "CheckpointableTensor")
 _LAYER_PREFIX = re.compile(r"^(?P<head>(?:.*\.)?layers)\.(?P<index>\d+)$")
 
 
@@ -39,14 +49,61 @@ def sharded_tensor(
 
     ``pieces``: (global offset, local offset, size) of each part of ``local``. The alias carries
     DCP's ``CheckpointableTensor`` fields: saving writes each part at its global offset, loading
-    copies whatever overlaps a part from the stored chunks into ``local`` itself.
+    copies whatever overlaps a part from the stored chunks into ``local`` itself. Before torch 2.14
+    the alias also carries the hooks that DCP reads there, and its ``size()`` is the global shape.
     """
     alias = local.detach()
     alias.global_shape = tuple(global_shape)
     alias.global_offsets = tuple(tuple(g) for g, _, _ in pieces)
     alias.local_offsets = tuple(tuple(o) for _, o, _ in pieces)
     alias.local_sizes = tuple(tuple(n) for _, _, n in pieces)
+    if not _DCP_READS_SHARD_FIELDS:
+        _add_dcp_hooks(alias)
     return alias
+
+
+def _add_dcp_hooks(alias: torch.Tensor) -> None:
+    """Makes DCP before torch 2.14 save and load ``alias`` as the fields above describe.
+
+    That DCP asks a tensor for its write items, its chunks and the piece at a global offset
+    through the hooks DTensor implements (``__create_write_items__``, ``__create_chunk_list__``,
+    ``__get_tensor_shard__``), and compares ``size()`` with the stored global shape before loading.
+    The hooks close over a second view of the data, not over ``alias``, so no reference cycle
+    keeps it alive.
+    """
+    local = alias.detach()
+    global_size = torch.Size(alias.global_shape)
+    chunks = [
+        ChunkStorageMetadata(offsets=torch.Size(g), sizes=torch.Size(n))
+        for g, n in zip(alias.global_offsets, alias.local_sizes)
+    ]
+    pieces = {
+        chunk.offsets: local[tuple(slice(o, o + n) for o, n in zip(offset, chunk.sizes))]
+        for chunk, offset in zip(chunks, alias.local_offsets)
+    }
+    properties = TensorProperties.create_from_tensor(local)
+
+    def write_items(fqn: str, _obj: Any) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets, i),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=global_size),
+            )
+            for i, chunk in enumerate(chunks)
+        ]
+
+    def piece_at(index: MetadataIndex) -> torch.Tensor:
+        if index.offset is None and len(pieces) == 1:
+            return next(iter(pieces.values()))
+        if index.offset not in pieces:
+            raise ValueError(f"{index.fqn}: this rank holds no piece at global offset {index.offset}")
+        return pieces[index.offset]
+
+    alias.__create_write_items__ = write_items
+    alias.__create_chunk_list__ = lambda: list(chunks)
+    alias.__get_tensor_shard__ = piece_at
+    alias.size = lambda dim=None: global_size if dim is None else global_size[dim]
 
 
 def replicated(tensor: torch.Tensor) -> torch.Tensor:
