@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include "torch_compat.h"
+
 namespace megatron_ext::comm {
 
 c10::intrusive_ptr<c10d::ProcessGroup> resolve(const std::string& group_name) {
@@ -66,7 +68,11 @@ std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>> all_gather_first_dim_async
   auto sizes = local.sizes().vec();
   sizes[0] *= group->getSize();
   auto gathered = at::empty(sizes, local.options());
+#if MEGATRON_EXT_TORCH_2_13
   auto work = group->all_gather_single(gathered, local);
+#else
+  auto work = group->_allgather_base(gathered, local);
+#endif
   return {gathered, work};
 }
 
@@ -86,7 +92,11 @@ c10::intrusive_ptr<c10d::Work> reduce_scatter_first_dim_async(at::Tensor& output
                                                               const std::string& group_name) {
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
+#if MEGATRON_EXT_TORCH_2_13
   return resolve(group_name)->reduce_scatter_single(output, input, opts);
+#else
+  return resolve(group_name)->_reduce_scatter_base(output, input, opts);
+#endif
 }
 
 at::Tensor reduce_scatter(const at::Tensor& input, int64_t dim, const std::string& group_name) {

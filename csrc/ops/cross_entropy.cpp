@@ -31,6 +31,7 @@
 #include "kernels/cross_entropy.h"
 #include "kernels/cross_entropy_checks.h"
 #include "ops/dispatch.h"
+#include "torch_compat.h"
 
 namespace megatron_ext {
 namespace {
@@ -206,7 +207,8 @@ struct VocabParallelCrossEntropyFunction : public Function<VocabParallelCrossEnt
         // for its own gradient raises instead of silently returning nothing.
         grad_logits = torch::autograd::wrap_outputs(
             {grads[0], logits}, {grad_logits}, [](torch::autograd::edge_list&& next_edges) {
-              return c10::make_intrusive<torch::autograd::Error>(kNotTwiceDifferentiable, std::move(next_edges));
+              return make_autograd_node<torch::autograd::Error>(kNotTwiceDifferentiable,
+                                                             std::move(next_edges));
             })[0];
       }
     }

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state
+from megatron_ext._torch_compat import reduce_scatter_single
 from megatron_ext.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron_ext.model_parallel_config import ModelParallelConfig
 
@@ -292,7 +293,7 @@ class DistributedDataParallel(torch.nn.Module):
                     chunk.copy_(p.grad.reshape(-1))
         if self._reduce_scatter:
             shard = self._shard(bucket)
-            work = dist.reduce_scatter_single(shard, flat, group=self.data_parallel_group, async_op=True)
+            work = reduce_scatter_single(shard, flat, group=self.data_parallel_group, async_op=True)
             self._works.append((work, shard))
         else:
             work = dist.all_reduce(flat, group=self.data_parallel_group, async_op=True)

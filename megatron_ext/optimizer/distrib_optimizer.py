@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state
+from megatron_ext._torch_compat import all_gather_single
 from megatron_ext.optimizer.grad_scaler import MegatronGradScaler
 from megatron_ext.optimizer.optimizer import (
     SIXTEEN_BIT,
@@ -98,7 +99,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for p, offset in zip(bucket.params, bucket.offsets):
                 for s in slots_by_param.get(id(p), ()):
                     mine[offset + s.start - lo : offset + s.end - lo].copy_(s.main)
-            work = dist.all_gather_single(full, mine.clone(), group=ddp.data_parallel_group, async_op=True)
+            work = all_gather_single(full, mine.clone(), group=ddp.data_parallel_group, async_op=True)
             pending.append((work, bucket, full))
         with torch.no_grad():
             for work, bucket, full in pending:
@@ -123,7 +124,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     value = s.main if key == "param" else self._slot_state(s, key)
                     mine[offset + s.start - lo : offset + s.end - lo].copy_(value.detach())
             full = torch.empty(bucket.padded_numel, dtype=main_dtype, device=bucket.device)
-            dist.all_gather_single(full, mine, group=ddp.data_parallel_group)
+            all_gather_single(full, mine, group=ddp.data_parallel_group)
             for p, offset in zip(bucket.params, bucket.offsets):
                 out[id(p)] = full[offset : offset + p.numel()].view_as(p).clone()
         return out

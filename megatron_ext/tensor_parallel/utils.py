@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state
+from megatron_ext._torch_compat import all_gather_single
 
 
 def ensure_divisibility(numerator: int, denominator: int) -> None:
@@ -64,7 +65,7 @@ def gather_split_1d_tensor(tensor: torch.Tensor, tp_group: dist.ProcessGroup | N
     group = resolve_tp_group(tp_group)
     world = dist.get_world_size(group)
     gathered = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_into_tensor(gathered, tensor.contiguous().reshape(-1), group=group)
+    all_gather_single(gathered, tensor.contiguous().reshape(-1), group=group)
     return gathered
 
 
