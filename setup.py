@@ -46,8 +46,20 @@ from torch.utils.cpp_extension import (  # noqa: E402
 )
 
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
-# The oldest torch the extension is built and tested against; newer ones are accepted.
-MIN_TORCH = "2.14"
+# The oldest torch whose full test suite has passed with this extension; newer ones are accepted.
+MIN_TORCH = "2.11"
+TESTED_TORCH = "2.11.0, 2.13.0 and 2.14.1"
+
+
+def _check_torch_version() -> None:
+    """Refuses, before compiling anything, a torch older than MIN_TORCH."""
+    have = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    need = tuple(int(part) for part in MIN_TORCH.split("."))
+    if have < need:
+        raise RuntimeError(
+            f"megatron_ext builds against torch {MIN_TORCH} or newer (tested with {TESTED_TORCH}); "
+            f"this python has torch {torch.__version__}"
+        )
 
 
 def _flag(name: str) -> bool:
@@ -131,6 +143,7 @@ def _pip_cuda_include_dirs() -> list[str]:
 
 
 def _extension():
+    _check_torch_version()
     here = os.path.dirname(os.path.abspath(__file__))
     cpp_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     cuda_sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
