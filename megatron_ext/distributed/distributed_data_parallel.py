@@ -148,6 +148,11 @@ class DistributedDataParallel(torch.nn.Module):
     none on this rank contributes zeros, so all ranks reduce the same buffers and a parameter
     used only on some ranks gets the correct average. The reduction is a SUM followed by a
     division by the group size (gloo has no AVG).
+
+    With ``use_distributed_optimizer``, ``start_param_sync()`` gathers the optimizer's updated
+    slices back into the parameters; under ``overlap_param_gather`` it leaves the gathers in
+    flight, forward pre-hooks wait for them module by module (``disable_forward_pre_hook()`` /
+    ``enable_forward_pre_hook()`` as in Megatron-core) and ``finish_param_sync()`` waits for all.
     """
 
     def __init__(
