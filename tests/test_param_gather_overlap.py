@@ -17,7 +17,12 @@ import torch.distributed as dist
 from megatron_ext import parallel_state as ps
 from megatron_ext.dist_checkpointing import load_checkpoint, save_checkpoint
 from megatron_ext.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron_ext.optimizer import DistributedOptimizer, FP32Optimizer, OptimizerConfig, get_megatron_optimizer
+from megatron_ext.optimizer import (
+    DistributedOptimizer,
+    FP32Optimizer,
+    OptimizerConfig,
+    get_megatron_optimizer,
+)
 from megatron_ext.pipeline_parallel import get_forward_backward_func
 from tests.distributed import run_distributed
 from tests.test_optimizer import SMALL, _train_gpt
@@ -177,8 +182,10 @@ def test_small_model_gathers_are_deferred_and_exact(dtype):
 
 
 def test_config_fields():
-    assert DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True).overlap_param_gather
-    assert OptimizerConfig(lr=1.0, use_distributed_optimizer=True, overlap_param_gather=True).overlap_param_gather
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True)
+    assert ddp_config.overlap_param_gather
+    config = OptimizerConfig(lr=1.0, use_distributed_optimizer=True, overlap_param_gather=True)
+    assert config.overlap_param_gather
     with pytest.raises(NotImplementedError, match="overlap_param_gather_with_optimizer_step"):
         OptimizerConfig(lr=1.0, overlap_param_gather_with_optimizer_step=True)
     with pytest.raises(NotImplementedError, match="align_param_gather"):
@@ -196,8 +203,8 @@ def _gpt_build(train_gpt, args, distributed: bool, overlap: bool, fused: bool):
                                       overlap_grad_reduce=True, use_distributed_optimizer=distributed,
                                       overlap_param_gather=overlap))
     model.config.no_sync_func = ddp.no_sync
-    config = OptimizerConfig(lr=args.lr, weight_decay=0.1, clip_grad=0.05, use_distributed_optimizer=distributed,
-                             overlap_param_gather=overlap)
+    config = OptimizerConfig(lr=args.lr, weight_decay=0.1, clip_grad=0.05,
+                             use_distributed_optimizer=distributed, overlap_param_gather=overlap)
     return ddp, get_megatron_optimizer(config, [ddp])
 
 
@@ -235,7 +242,7 @@ def _gpt_worker(directory, layouts):
 
         # Records, when the first module with parameters of the first transformer layer starts its
         # forward, whether its own bucket is done while the bucket gathered last is in flight.
-        owner = next(m for m in ddp.module.decoder.layers[0].modules() if any(True for _ in m.parameters(recurse=False)))
+        owner = next(m for m in ddp.module.decoder.layers[0].modules() if list(m.parameters(recurse=False)))
         own = [ddp._bucket_of[id(p)] for p in owner.parameters(recurse=False)]
         last = ddp._param_gather_order()[-1]
         assert all(b is not last for b in own)
@@ -263,7 +270,7 @@ def _gpt_worker(directory, layouts):
             for p, old in zip(ddp.parameters(), before):
                 outside = masks[id(p)]
                 assert torch.equal(p.detach().view(-1)[outside], old.view(-1)[outside])
-            r["stale"] += sum(int((p.detach() != q.detach()).sum()) for p, q in zip(ddp.parameters(), ref.parameters()))
+            r["stale"] += sum(int((p != q).sum()) for p, q in zip(ddp.parameters(), ref.parameters()))
             if step == 1:
                 # Saved right after step(): the checkpoint holds the updated parameters.
                 save_checkpoint(ckpt, 2, ddp, opt)
@@ -305,15 +312,16 @@ def test_gpt_overlap_equals_no_overlap_and_plain(tmp_path):
 
 def _train_gpt_worker(extra):
     train_gpt = _train_gpt()
-    args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "2", "--virtual-pipeline", "2", "--dtype", "float64",
-                                         "--use-distributed-optimizer", "--grad-bucket-bytes", "3000",
-                                         "--steps", "3"] + extra)
+    args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "2", "--virtual-pipeline", "2",
+                                         "--dtype", "float64", "--use-distributed-optimizer",
+                                         "--grad-bucket-bytes", "3000", "--steps", "3"] + extra)
     return train_gpt.train(args)["losses"]
 
 
 def test_train_gpt_overlap_param_gather_flag(tmp_path):
     without = run_distributed(4, _train_gpt_worker, [])[0]
-    with_overlap = run_distributed(4, _train_gpt_worker, ["--overlap-param-gather", "--save", str(tmp_path)])[0]
+    extra = ["--overlap-param-gather", "--save", str(tmp_path)]  # the save follows a step: gathers in flight
+    with_overlap = run_distributed(4, _train_gpt_worker, extra)[0]
     assert with_overlap == without  # bitwise
     train_gpt = _train_gpt()
     args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "1", "--overlap-param-gather"])

@@ -475,8 +475,8 @@ class DistributedDataParallel(torch.nn.Module):
         parameters (on by default with ``overlap_param_gather``)."""
         if not self.use_forward_hook:
             raise RuntimeError(
-                "enable_forward_pre_hook needs DistributedDataParallelConfig(use_distributed_optimizer=True, "
-                "overlap_param_gather=True)"
+                "enable_forward_pre_hook needs "
+                "DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True)"
             )
         if self.remove_forward_pre_hook_handles:
             raise RuntimeError("the forward pre-hooks are already enabled")
@@ -489,8 +489,8 @@ class DistributedDataParallel(torch.nn.Module):
         the forwards without hooks read the updated values."""
         if not self.use_forward_hook:
             raise RuntimeError(
-                "disable_forward_pre_hook needs DistributedDataParallelConfig(use_distributed_optimizer=True, "
-                "overlap_param_gather=True)"
+                "disable_forward_pre_hook needs "
+                "DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True)"
             )
         if not self.remove_forward_pre_hook_handles:
             raise RuntimeError("the forward pre-hooks are already disabled")
