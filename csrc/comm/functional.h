@@ -14,10 +14,14 @@ namespace megatron_ext::comm {
 // True for a tensor no Python subclass or functionalization wraps: eager code.
 bool is_plain(const at::Tensor& x);
 
-// A started collective: its output, and the work to wait on (null when traced).
+// A started collective: its output, and the work to wait on (null when traced). A two-rank sum
+// is an exchange: ``work`` receives the peer's tensor into ``tensor`` while ``send`` sends
+// ``addend``, this rank's own, which ``wait`` then adds.
 struct Pending {
   at::Tensor tensor;
   c10::intrusive_ptr<c10d::Work> work;
+  c10::intrusive_ptr<c10d::Work> send = {};
+  at::Tensor addend = {};
 };
 
 // Sum over the group into a new contiguous tensor; the input is left as it was.
