@@ -52,10 +52,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="cuda: one GPU per process over NCCL; cpu: gloo; auto: cuda when a GPU is present")
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     p.add_argument("--virtual-pipeline", type=int, default=None,
                    help="model chunks per pipeline stage: the interleaved 1F1B schedule (needs --pp >= 2)")
+    p.add_argument("--no-bias-gelu-fusion", action="store_true", help="bias + GeLU as two torch ops, not one kernel")
+    p.add_argument("--no-bias-dropout-fusion", action="store_true",
+                   help="bias + dropout + residual add as torch ops, not one kernel")
     p.add_argument("--recompute", action="store_true", help="recompute each layer's activations in backward")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="shard LayerNorm/dropout activations along the sequence over the tensor-parallel group")
@@ -137,6 +142,18 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--save-interval {args.save_interval} needs --save and must be >= 1")
     if not 0.0 <= args.dropout < 1.0:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch sees no CUDA GPU")
+
+
+def device_of(args: argparse.Namespace) -> torch.device:
+    """Where this rank's model and batches live: its GPU when the process group runs on NCCL."""
+    backend = dist.get_backend()
+    if args.device == "cuda" and backend != "nccl":
+        raise ValueError(f"--device cuda needs an NCCL process group, this one runs on {backend}")
+    if args.device == "cpu" and backend == "nccl":
+        raise ValueError("--device cpu needs a gloo process group, this one runs on nccl")
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def load_corpus(path: str | None, min_bytes: int) -> torch.Tensor:
@@ -159,7 +176,8 @@ def load_corpus(path: str | None, min_bytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
-def step_microbatches(corpus: torch.Tensor, step: int, args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
+def step_microbatches(corpus: torch.Tensor, step: int, args: argparse.Namespace,
+                      device: torch.device | str = "cpu") -> list[dict[str, torch.Tensor]]:
     """This data-parallel rank's micro-batches of the global batch of ``step``.
 
     The global batch is the same set of samples in every layout: its sample offsets depend only
@@ -171,7 +189,7 @@ def step_microbatches(corpus: torch.Tensor, step: int, args: argparse.Namespace)
     dp_rank = parallel_state.get_data_parallel_rank()
     mine = offsets[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     window = torch.arange(args.seq_len + 1)
-    samples = corpus[mine[:, None] + window]  # [per_rank, s + 1]
+    samples = corpus[mine[:, None] + window].to(device)  # [per_rank, s + 1]
     return [
         {"tokens": mb[:, :-1].contiguous(), "labels": mb[:, 1:].contiguous()}
         for mb in samples.split(args.micro_batch_size)
@@ -188,7 +206,7 @@ def forward_step(data_iterator, model: DistributedDataParallel):
     if batch is None:
         return model(None, None), loss_func
     tokens, labels = batch["tokens"], batch["labels"]
-    position_ids = torch.arange(tokens.size(1)).expand_as(tokens)
+    position_ids = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
     return model(tokens, position_ids, labels=labels), loss_func
 
 
@@ -196,7 +214,7 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else DTYPES[args.dtype]
 
 
-def build_model(args: argparse.Namespace) -> list[GPTModel]:
+def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") -> list[GPTModel]:
     """This rank's model chunks: one GPTModel, or one per virtual pipeline stage."""
     dtype = params_dtype(args)
     config = TransformerConfig(
@@ -213,6 +231,8 @@ def build_model(args: argparse.Namespace) -> list[GPTModel]:
         fp16=args.fp16,
         use_cpu_initialization=True,
         recompute_granularity="full" if args.recompute else None,
+        bias_activation_fusion=not args.no_bias_gelu_fusion,
+        bias_dropout_fusion=not args.no_bias_dropout_fusion,
         sequence_parallel=args.sequence_parallel,
         finalize_model_grads_func=finalize_model_grads,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline,
@@ -222,14 +242,14 @@ def build_model(args: argparse.Namespace) -> list[GPTModel]:
     stages = [None] if args.virtual_pipeline is None else range(args.virtual_pipeline)
     return [
         GPTModel(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_len, init_seed=args.seed,
-                 vp_stage=vp_stage)
+                 vp_stage=vp_stage).to(device)
         for vp_stage in stages
     ]
 
 
-def global_mean_loss(losses: list[dict[str, torch.Tensor]]) -> float:
+def global_mean_loss(losses: list[dict[str, torch.Tensor]], device: torch.device | str = "cpu") -> float:
     """The mean loss of the step's global batch, known on every rank."""
-    value = torch.zeros(1, dtype=torch.float64)
+    value = torch.zeros(1, dtype=torch.float64, device=device)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         value += torch.stack([d["lm loss"].double() for d in losses]).mean()
         dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
@@ -257,6 +277,7 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
+    device = device_of(args)
     # Gradients accumulate in float32 main_grad buffers (16-bit runs) and are averaged over the
     # data-parallel group (reduce-scattered for the distributed optimizer) in buckets that start
     # during the last micro-batch's backward; the earlier micro-batches only accumulate (no_sync).
@@ -273,7 +294,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
             bucket_size_bytes=args.grad_bucket_bytes,
             ddp_config=ddp_config,
         )
-        for chunk in build_model(args)
+        for chunk in build_model(args, device)
     ]
     # One chunk: a plain model, as before; several: the list the interleaved schedule takes.
     model = chunks[0] if len(chunks) == 1 else chunks
@@ -315,7 +336,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
         chunk.train()
     for step in range(start_step, args.steps):
         start = time.perf_counter()
-        microbatches = step_microbatches(corpus, step, args)
+        microbatches = step_microbatches(corpus, step, args, device)
         optimizer.zero_grad(set_to_none=True)
         iterators = [iter(microbatches) if needed else None for needed in needs_data]
         step_losses = forward_backward(
@@ -330,7 +351,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
         update_successful, grad_norm, _ = optimizer.step()
         skipped += not update_successful
         grad_norms.append(grad_norm)
-        losses.append(global_mean_loss(step_losses))
+        losses.append(global_mean_loss(step_losses, device))
         tokens_per_s.append(tokens_per_step / (time.perf_counter() - start))
         if progress is not None:
             progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s[-1]:.0f}")
@@ -402,7 +423,10 @@ def write_outputs(log: dict, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch sees no CUDA GPU")
+    use_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    backend = "nccl" if use_gpu else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))

@@ -3,13 +3,18 @@
 * every CUDA kernel against its CPU twin in float32, bfloat16 and float16;
 * the regions, the linear (with gradient-accumulation fusion) and the cross-entropy on a
   one-rank NCCL group;
-* the GPT model trained at tp 1 on one GPU equal to its CPU run in float32.
+* the GPT training example (``examples/train_gpt.py``) at tp 1 on one GPU equal to its CPU run in
+  float32.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,6 +27,7 @@ from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel
 
 HAS_GPU = torch.cuda.is_available()
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")]
 
 ops = torch.ops.megatron_ext
@@ -195,39 +201,22 @@ def test_cross_entropy_on_nccl(nccl_group, dtype):
     assert_close(logits.grad.float(), ref_logits.grad, **TOL[dtype])
 
 
-def _train_gpt(device: str, steps: int = 4) -> list[float]:
-    from megatron_ext.models import GPTModel
-    from megatron_ext.transformer import TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=torch.float32,
-        use_cpu_initialization=True,
-    )
-    for flag in ("bias_activation_fusion", "bias_dropout_fusion"):
-        setattr(config, flag, True)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    model = GPTModel(config, vocab_size=256, max_sequence_length=32, init_seed=1234).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(5)
-    losses = []
-    for _ in range(steps):
-        data = torch.randint(0, 256, (4, 33), generator=g)
-        tokens, labels = data[:, :-1].to(device), data[:, 1:].to(device)
-        positions = torch.arange(32, device=device).expand(4, 32)
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(tokens, positions, labels=labels).mean()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+def _run_train_gpt(device: str, tmp_path) -> list[float]:
+    """``examples/train_gpt.py`` at tp 1 x pp 1, one process under torchrun, fused epilogues on."""
+    log = tmp_path / f"{device}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           str(ROOT / "examples" / "train_gpt.py"), "--device", device, "--tp", "1", "--pp", "1",
+           "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--micro-batch-size", "4",
+           "--global-batch-size", "8", "--steps", "6", "--no-progress", "--plot", "", "--log-json", str(log)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(log.read_text())["losses"]
 
 
-def test_gpt_training_on_gpu_equals_cpu(nccl_group):
-    cuda_losses = _train_gpt("cuda")
-    cpu_losses = _train_gpt("cpu")
+def test_train_gpt_example_on_gpu_equals_cpu(tmp_path):
+    cuda_losses = _run_train_gpt("cuda", tmp_path)
+    cpu_losses = _run_train_gpt("cpu", tmp_path)
+    assert len(cuda_losses) == 6 and cuda_losses[-1] < cuda_losses[0]
+    # float32 on both; the GPU's GEMM and reduction orders differ from the CPU's.
     assert_close(torch.tensor(cuda_losses), torch.tensor(cpu_losses), rtol=1e-4, atol=1e-4)

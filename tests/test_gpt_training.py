@@ -128,6 +128,16 @@ def test_bad_arguments_raise_before_training(argv, world, message):
         train_gpt.check_args(args, world)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_device_cuda_without_a_gpu_is_refused():
+    train_gpt = _train_gpt()
+    args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "1", "--device", "cuda"])
+    with pytest.raises(ValueError, match="--device cuda: this torch sees no CUDA GPU"):
+        train_gpt.check_args(args, 1)
+    with pytest.raises(ValueError, match="--device cuda: this torch sees no CUDA GPU"):
+        train_gpt.main(SMALL + ["--device", "cuda"])
+
+
 def _bad_arguments_worker(cases):
     train_gpt = _train_gpt()
     messages = []
@@ -153,10 +163,10 @@ def _dying_rank_worker():
     if dist.get_rank() == 1:
         original = train_gpt.step_microbatches
 
-        def die_at_step_3(corpus, step, a):
+        def die_at_step_3(corpus, step, a, device):
             if step == 3:
                 os._exit(17)
-            return original(corpus, step, a)
+            return original(corpus, step, a, device)
 
         train_gpt.step_microbatches = die_at_step_3
     train_gpt.train(args)
