@@ -3,8 +3,8 @@ and each module's forward pre-hook waits for its own parameters. Checked in floa
 gathers are deferred (after step() the parameters outside this rank's slice still hold their old
 values, and a later bucket is still in flight when an earlier layer's forward starts); training
 with the overlap equals training without it (bitwise) and the plain optimizer (1e-12) at
-(tp, pp, dp) = (1, 1, 4), (1, 2, 2) and (1, 2, 2) with the fused output layer + cross-entropy
-(the tied word embedding's last-stage copy read outside the output layer's forward); state dicts,
+(tp, pp, dp) = (1, 1, 4), (1, 2, 2), and (1, 2, 2) and (2, 1, 2) with the fused output layer +
+cross-entropy (the tied word embedding's last-stage copy read outside the output layer's forward); state dicts,
 checkpoints saved right after step() and loads over gathers in flight see the updated values;
 examples/train_gpt.py --overlap-param-gather gives the same losses as without."""
 
@@ -295,7 +295,7 @@ def _gpt_worker(directory, layouts):
 
 
 def test_gpt_overlap_equals_no_overlap_and_plain(tmp_path):
-    layouts = [(1, 1, 4, False), (1, 2, 2, False), (1, 2, 2, True)]
+    layouts = [(1, 1, 4, False), (1, 2, 2, False), (1, 2, 2, True), (2, 1, 2, True)]
     results = run_distributed(4, _gpt_worker, str(tmp_path), layouts, timeout=600)
     for out in results:
         for layout, r in out.items():
