@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fp16 model parameters, float32 main parameters and gradients, dynamic loss scaling")
     p.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the main parameters and Adam state over the data-parallel group")
+    p.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: overlap the all-gather of the updated parameters "
+                        "with the next forward")
     p.add_argument("--clip-grad", type=float, default=0.0, help="clip gradients to this global norm (0: off)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases/LayerNorms)")
     p.add_argument("--data", default=None, help="a text file (byte-level); default: Python's standard library sources")
@@ -127,6 +130,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--bf16 and --fp16 cannot be combined")
     if (args.bf16 or args.fp16) and args.dtype != "float32":
         raise ValueError(f"--{'bf16' if args.bf16 else 'fp16'} sets the parameter dtype; drop --dtype {args.dtype}")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
     if args.clip_grad < 0:
         raise ValueError(f"--clip-grad must be >= 0, got {args.clip_grad}")
     if args.sequence_parallel and args.seq_len % args.tp != 0:
@@ -280,6 +285,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
         grad_reduce_in_fp32=args.bf16 or args.fp16,
         overlap_grad_reduce=True,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather,
     )
     chunks = [
         DistributedDataParallel(
@@ -303,6 +309,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
             params_dtype=params_dtype(args),
             clip_grad=args.clip_grad,
             use_distributed_optimizer=args.use_distributed_optimizer,
+            overlap_param_gather=args.overlap_param_gather,
         ),
         chunks,
     )

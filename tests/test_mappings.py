@@ -263,30 +263,31 @@ def _copies(fn, also=()) -> int:
 def _check_copies(tp):
     # copy_to -> reduce_from, forward and backward, as a tensor-parallel MLP uses them. Megatron-core
     # all-reduces the caller's tensors in place; here the caller's input and gradient are never
-    # written. At two ranks a sum is an exchange and copies nothing; at more, reduce_from's
-    # forward copies its input once and copy_to's backward copies a gradient the caller still
-    # holds once. A gradient autograd owns is reduced in place: no new buffer at all.
-    g = torch.Generator().manual_seed(11 + dist.get_rank())
-    x = torch.randn(6, 8, dtype=torch.float64, generator=g).requires_grad_(True)
-    held = torch.randn(6, 8, dtype=torch.float64, generator=g)
-    x0, held0 = x.detach().clone(), held.clone()
-    out = []
-    copies = [_copies(lambda: out.append(tp_.reduce_from_tensor_model_parallel_region(x))),
-              _copies(lambda: tp_.copy_to_tensor_model_parallel_region(x).backward(held))]
-    grad_held, x.grad = x.grad, None
-    z = tp_.copy_to_tensor_model_parallel_region(x) * 3.0
-    copies.append(_copies(lambda: z.backward(held), also=("aten::empty", "aten::empty_like")))
-    grad_owned, x.grad = x.grad, None
-    # Every collective has run on every rank before anything is asserted.
-    sums = [torch.empty_like(out[0]) for _ in range(tp)]
-    dist.all_gather(sums, out[0].detach(), group=ps.get_tensor_model_parallel_group())
-    reduced = _all_reduced(held)
+    # written. A sum of at least 1 MiB over two ranks is an exchange and copies nothing; otherwise
+    # reduce_from's forward copies its input once and copy_to's backward copies a gradient the
+    # caller still holds once. A gradient autograd owns is reduced in place: no new buffer at all.
+    for rows in (6, 256):  # 384 B and 2 MiB of float64
+        g = torch.Generator().manual_seed(11 + dist.get_rank())
+        x = torch.randn(rows, 1024 if rows > 6 else 8, dtype=torch.float64, generator=g).requires_grad_(True)
+        held = torch.randn(x.shape, dtype=torch.float64, generator=g)
+        x0, held0 = x.detach().clone(), held.clone()
+        out = []
+        copies = [_copies(lambda: out.append(tp_.reduce_from_tensor_model_parallel_region(x))),
+                  _copies(lambda: tp_.copy_to_tensor_model_parallel_region(x).backward(held))]
+        grad_held, x.grad = x.grad, None
+        z = tp_.copy_to_tensor_model_parallel_region(x) * 3.0
+        copies.append(_copies(lambda: z.backward(held), also=("aten::empty", "aten::empty_like")))
+        grad_owned, x.grad = x.grad, None
+        # Every collective has run on every rank before anything is asserted.
+        sums = [torch.empty_like(out[0]) for _ in range(tp)]
+        dist.all_gather(sums, out[0].detach(), group=ps.get_tensor_model_parallel_group())
+        reduced = _all_reduced(held)
 
-    assert copies == ([0, 0, 0] if tp == 2 else [1, 1, 0]), copies
-    assert torch.equal(x.detach(), x0) and torch.equal(held, held0)
-    assert all(torch.equal(s, sums[0]) for s in sums)  # every rank holds the same sum, bit for bit
-    assert_close(grad_held, reduced, **EXACT)
-    assert_close(grad_owned, reduced * 3.0, **EXACT)
+        assert copies == ([0, 0, 0] if tp == 2 and rows > 6 else [1, 1, 0]), (rows, copies)
+        assert torch.equal(x.detach(), x0) and torch.equal(held, held0)
+        assert all(torch.equal(s, sums[0]) for s in sums)  # every rank holds the same sum, bit for bit
+        assert_close(grad_held, reduced, **EXACT)
+        assert_close(grad_owned, reduced * 3.0, **EXACT)
 
 
 def _all_reduced(t):

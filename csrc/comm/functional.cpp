@@ -46,13 +46,17 @@ c10::impl::ExcludeDispatchKeyGuard hide_from_modes() {
 
 // A sum over two CPU ranks into a new tensor, without first copying the input: each rank sends
 // its tensor to the other, receives the other's into the output and adds its own. One round
-// moves the whole tensor each way, as much as the ring's two rounds of half, with no copy before
-// and no second round trip. Both ranks compute the same two-operand sum, so they agree bitwise.
+// moves the whole tensor each way, as much as the ring's two rounds of half, with no copy before.
+// Both ranks compute the same two-operand sum, so they agree bitwise. Only from kExchangeBytes
+// on: below, a copy costs next to nothing, and gloo's point-to-point wake-ups make a small
+// exchange slower than its all-reduce when the ranks share cores with other work.
 constexpr int kExchangeTag = 0x4d45;
+constexpr int64_t kExchangeBytes = int64_t{1} << 20;
 
 bool exchanges(const at::Tensor& input, const c10d::ProcessGroup& pg) {
   const auto t = input.scalar_type();
-  return pg.getSize() == 2 && input.device().is_cpu() && input.numel() > 0 &&
+  return pg.getSize() == 2 && input.device().is_cpu() &&
+         input.numel() * input.element_size() >= kExchangeBytes &&
          (at::isFloatingType(t) || at::isIntegralType(t, /*includeBool=*/false));
 }
 

@@ -32,7 +32,14 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
 from megatron_ext import parallel_state
-from megatron_ext.dist_checkpointing.sharding import ParamSpec, param_specs, stored_shape, unique_specs
+from megatron_ext.distributed.finalize_model_grads import _find_ddp
+from megatron_ext.dist_checkpointing.sharding import (
+    ParamSpec,
+    model_chunks,
+    param_specs,
+    stored_shape,
+    unique_specs,
+)
 from megatron_ext.tensor_parallel.random import get_cuda_rng_tracker
 
 FORMAT = "megatron_ext.dist_checkpointing/1"
@@ -139,6 +146,15 @@ def _hash_my_share(directory: str, names: list[str]) -> dict[str, str]:
     return {name: _sha256(os.path.join(directory, name)) for name in names[rank::world]}
 
 
+def _finish_param_gathers(model: torch.nn.Module | list[torch.nn.Module]) -> None:
+    """Waits for the parameter all-gathers a distributed optimizer left in flight
+    (``overlap_param_gather``): a save must read, and a load must not be overwritten by, them."""
+    for chunk in model_chunks(model):
+        ddp = _find_ddp(chunk)
+        if ddp is not None:
+            ddp.finish_param_sync()
+
+
 def _all_gather(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -155,6 +171,7 @@ def save_checkpoint(
     """Saves parameters, optimizer state, RNG states and ``metadata`` (JSON: e.g. the data
     position) as ``<save_dir>/iter_<iteration>``; collective over the world group. Returns the
     checkpoint's directory."""
+    _finish_param_gathers(model)
     specs = param_specs(model)
     state: dict[str, Any] = {"model": {s.global_name: s.sharded() for s in unique_specs(specs)}}
     if optimizer is not None:
@@ -311,6 +328,7 @@ def load_checkpoint(
     Raises :class:`CheckpointingException` on every rank if anything does not fit.
     """
     resolved = find_checkpoint(path)
+    _finish_param_gathers(model)
     specs = param_specs(model)
     unique = unique_specs(specs)
     all_names = set().union(*_all_gather([s.global_name for s in unique]))

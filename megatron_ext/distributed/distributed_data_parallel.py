@@ -17,6 +17,13 @@ Two modes:
   ``param.grad`` is cleared, as Megatron-core does. With ``use_distributed_optimizer`` a
   bucket is reduce-scattered: data-parallel rank r receives the average of the r-th of ``dp``
   equal slices of the (padded) bucket, which is the part the distributed optimizer updates.
+
+With ``use_distributed_optimizer`` the wrapper also gathers the parameters back: after the
+optimizer has written its updated slices into each parameter, ``start_param_sync()`` all-gathers
+every bucket's slices over the data-parallel group into the parameters. Under
+``overlap_param_gather`` the all-gathers are left running when the optimizer step returns and a
+forward pre-hook on each module waits for the bucket(s) of that module's own parameters, so the
+gathers overlap the next forward pass (Megatron-core's design).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state
-from megatron_ext._torch_compat import reduce_scatter_single
+from megatron_ext._torch_compat import all_gather_single, reduce_scatter_single
 from megatron_ext.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron_ext.model_parallel_config import ModelParallelConfig
 
@@ -57,6 +64,8 @@ class _Bucket:
     grad_data: torch.Tensor | None = None
     # Per-step state: ids of the parameters whose gradient is complete.
     ready: set[int] = field(default_factory=set)
+    # An all-gather of the parameters in flight: (work, gathered flat buffer).
+    param_gather: tuple[Any, torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -140,6 +149,11 @@ class DistributedDataParallel(torch.nn.Module):
     none on this rank contributes zeros, so all ranks reduce the same buffers and a parameter
     used only on some ranks gets the correct average. The reduction is a SUM followed by a
     division by the group size (gloo has no AVG).
+
+    With ``use_distributed_optimizer``, ``start_param_sync()`` gathers the optimizer's updated
+    slices back into the parameters; under ``overlap_param_gather`` it leaves the gathers in
+    flight, forward pre-hooks wait for them module by module (``disable_forward_pre_hook()`` /
+    ``enable_forward_pre_hook()`` as in Megatron-core) and ``finish_param_sync()`` waits for all.
     """
 
     def __init__(
@@ -213,6 +227,24 @@ class DistributedDataParallel(torch.nn.Module):
         if self._dp_size > 1 or self._main_grads:
             for _, p in named:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+        # Parameter all-gathers (distributed optimizer): each module's forward pre-hook waits
+        # for the buckets of the parameters that module owns.
+        self._overlap_param_gather = self._reduce_scatter and ddp_config.overlap_param_gather
+        self.use_forward_hook = self._overlap_param_gather
+        self._own_params: dict[torch.nn.Module, list[torch.Tensor]] = {}
+        for m in module.modules():
+            params = [p for p in m.parameters(recurse=False) if id(p) in self._bucket_of]
+            if params or isinstance(getattr(m, "output_layer", None), torch.nn.Module):
+                self._own_params[m] = params
+        self.remove_forward_pre_hook_handles: dict[torch.nn.Module, Any] = {}
+        if self.use_forward_hook:
+            self.enable_forward_pre_hook()
+        if self._overlap_param_gather:
+            # Nothing reads or overwrites parameters through a state dict while a gather is in flight.
+            for m in module.modules():
+                m.register_state_dict_pre_hook(lambda *unused: self.finish_param_sync())
+                m.register_load_state_dict_pre_hook(lambda *unused: self.finish_param_sync())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -340,6 +372,134 @@ class DistributedDataParallel(torch.nn.Module):
                         p.grad.copy_(value)
         finally:
             self._reset()
+
+    # Parameter synchronisation (distributed optimizer) ---------------------------------------
+
+    def _require_param_gather(self, what: str) -> None:
+        if not self._reduce_scatter:
+            raise RuntimeError(
+                f"DistributedDataParallel.{what} gathers the distributed optimizer's parameter "
+                "slices: build the wrapper with DistributedDataParallelConfig(use_distributed_optimizer=True)"
+            )
+
+    def _param_dtype(self, bucket: _Bucket) -> torch.dtype:
+        # The widest parameter dtype of the bucket: the gather loses nothing.
+        return max((p.dtype for p in bucket.params), key=lambda t: t.itemsize)
+
+    def _start_bucket_param_sync(self, bucket: _Bucket) -> None:
+        """Starts the asynchronous all-gather of ``bucket``'s parameter slices: this rank sends
+        the part of each parameter that lies in its slice of the bucket."""
+        lo, hi = self.shard_range(bucket)
+        dtype = self._param_dtype(bucket)
+        mine = torch.zeros(hi - lo, dtype=dtype, device=bucket.device)  # zeros: the padding
+        for p, offset in zip(bucket.params, bucket.offsets):
+            a, b = max(offset, lo), min(offset + p.numel(), hi)
+            if a < b:
+                mine[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - offset : b - offset])
+        full = torch.empty(bucket.padded_numel, dtype=dtype, device=bucket.device)
+        work = all_gather_single(full, mine, group=self.data_parallel_group, async_op=True)
+        bucket.param_gather = (work, full)
+
+    def _finish_bucket_param_sync(self, bucket: _Bucket) -> None:
+        """Waits for ``bucket``'s all-gather, if one is in flight, and writes the gathered values
+        into its parameters."""
+        if bucket.param_gather is None:
+            return
+        work, full = bucket.param_gather
+        bucket.param_gather = None
+        work.wait()
+        with torch.no_grad():
+            for p, offset in zip(bucket.params, bucket.offsets):
+                p.view(-1).copy_(full[offset : offset + p.numel()])
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
+        """All-gathers every bucket's parameter slices over the data-parallel group into the
+        parameters (the distributed optimizer calls it after writing its updated slices).
+
+        With ``overlap_param_gather`` the all-gathers are started and left running (a bucket
+        whose gather is already in flight is not started again); the forward pre-hooks, or
+        ``finish_param_sync()``, wait for them. Otherwise, or with ``force_sync``, it returns
+        with the parameters gathered: gathers in flight are waited for, the other buckets
+        gathered now. ``force_dispatch`` is accepted for Megatron-core's signature (it only
+        matters with ``overlap_param_gather_with_optimizer_step``, which is not supported)."""
+        self._require_param_gather("start_param_sync")
+        if self._dp_size == 1:
+            return  # every parameter is whole on the one rank
+        order = self._param_gather_order()
+        pending = [b for b in order if b.param_gather is not None]
+        started = [b for b in order if b.param_gather is None]
+        for bucket in started:
+            self._start_bucket_param_sync(bucket)
+        if force_sync or not self._overlap_param_gather:
+            for bucket in pending + started:
+                self._finish_bucket_param_sync(bucket)
+
+    def finish_param_sync(self) -> None:
+        """Waits for every parameter all-gather in flight and writes the gathered values into
+        the parameters; nothing to do when none is in flight. Reading parameters outside the
+        forward (evaluation with the hooks off, a checkpoint) needs it first; the optimizer
+        step, the state-dict methods and ``megatron_ext.dist_checkpointing`` call it."""
+        for bucket in self._buckets:
+            self._finish_bucket_param_sync(bucket)
+
+    @property
+    def param_gather_in_flight(self) -> bool:
+        """True while an all-gather of parameters has started and not been waited for."""
+        return any(b.param_gather is not None for b in self._buckets)
+
+    def _params_read_outside_owner(self, module: torch.nn.Module) -> list[torch.Tensor]:
+        """Parameters ``module``'s forward reads without calling the module that owns them:
+        GPTModel's fused output layer + cross-entropy reads the output layer's weight."""
+        output_layer = getattr(module, "output_layer", None)
+        if isinstance(output_layer, torch.nn.Module) and getattr(
+            getattr(module, "config", None), "fused_output_cross_entropy", False
+        ):
+            return [p for p in output_layer.parameters(recurse=False) if id(p) in self._bucket_of]
+        return []
+
+    def _param_gather_order(self) -> list[_Bucket]:
+        """The order in which the forward needs the buckets: those read at the top of a forward
+        first, then by reverse index (the first layers' parameters are in the last buckets)."""
+        first = [self._bucket_of[id(p)] for m in self._own_params for p in self._params_read_outside_owner(m)]
+        order: list[_Bucket] = []
+        for bucket in first + self._buckets[::-1]:
+            if all(bucket is not b for b in order):
+                order.append(bucket)
+        return order
+
+    def _forward_pre_hook(self, module: torch.nn.Module, *unused: Any) -> None:
+        for p in self._own_params.get(module, []) + self._params_read_outside_owner(module):
+            self._finish_bucket_param_sync(self._bucket_of[id(p)])
+
+    def enable_forward_pre_hook(self) -> None:
+        """Registers the forward pre-hooks that wait for the all-gather of each module's
+        parameters (on by default with ``overlap_param_gather``)."""
+        if not self.use_forward_hook:
+            raise RuntimeError(
+                "enable_forward_pre_hook needs "
+                "DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True)"
+            )
+        if self.remove_forward_pre_hook_handles:
+            raise RuntimeError("the forward pre-hooks are already enabled")
+        for m in self._own_params:
+            self.remove_forward_pre_hook_handles[m] = m.register_forward_pre_hook(self._forward_pre_hook)
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        """Removes the forward pre-hooks (e.g. for an evaluation); with ``param_sync`` the
+        parameters are then gathered synchronously (``start_param_sync(force_sync=True)``), so
+        the forwards without hooks read the updated values."""
+        if not self.use_forward_hook:
+            raise RuntimeError(
+                "disable_forward_pre_hook needs "
+                "DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_param_gather=True)"
+            )
+        if not self.remove_forward_pre_hook_handles:
+            raise RuntimeError("the forward pre-hooks are already disabled")
+        for handle in self.remove_forward_pre_hook_handles.values():
+            handle.remove()
+        self.remove_forward_pre_hook_handles.clear()
+        if param_sync:
+            self.start_param_sync(force_sync=True)
 
     def zero_grad_buffer(self) -> None:
         """Clears every gradient (``param.grad`` to None, ``main_grad`` buffers to zero) and

@@ -15,7 +15,10 @@ class DistributedDataParallelConfig:
     ``use_distributed_optimizer`` (reduce-scatter instead of all-reduce, buckets padded to a
     multiple of the data-parallel size), ``bucket_size`` (elements per bucket; None: Megatron's
     ``max(40_000_000, 1_000_000 * dp)``), ``check_for_nan_in_grad`` and ``average_in_collective``
-    (accepted; the average is always a SUM followed by a division, gloo having no AVG).
+    (accepted; the average is always a SUM followed by a division, gloo having no AVG),
+    ``overlap_param_gather`` (with ``use_distributed_optimizer``: the optimizer step leaves the
+    parameter all-gathers in flight and each module's forward pre-hook waits for its own
+    parameters; without it the flag has no effect, as in Megatron-core).
     The remaining fields are accepted at their defaults and refused otherwise.
     """
 
@@ -48,7 +51,6 @@ class DistributedDataParallelConfig:
 
     def __post_init__(self) -> None:
         unsupported = {
-            "overlap_param_gather": False,
             "align_param_gather": False,
             "num_distributed_optimizer_instances": 1,
             "check_for_large_grads": False,

@@ -54,7 +54,8 @@ class GPTModel(torch.nn.Module):
     The first stage (``pre_process``) embeds tokens; the last (``post_process``) applies the final
     LayerNorm and computes vocab-parallel logits with the word-embedding matrix, never gathering
     them: with ``labels`` the forward returns the per-token loss ``[b, s]`` from
-    ``vocab_parallel_cross_entropy`` (or, with ``config.fused_output_cross_entropy``, from
+    ``vocab_parallel_cross_entropy`` with ``overwrite_logits=True``, whose backward writes the
+    gradient over the logits nobody else reads (or, with ``config.fused_output_cross_entropy``, from
     ``vocab_parallel_linear_cross_entropy``, which never holds the logits), without them the logits
     ``[b, s, vocab / tp]``. When the
     first and last stages differ, the last stage holds its own copy of the word embedding, made
@@ -177,7 +178,8 @@ class GPTModel(torch.nn.Module):
                 tp_group=group,
             )
             return loss.transpose(0, 1).contiguous()  # [b, s]
-        # The loss reads vocab-parallel logits whatever parallel_output says.
+        # The loss reads vocab-parallel logits whatever parallel_output says. Nothing else reads
+        # them, so the loss's backward writes the gradient over them (no second logits buffer).
         logits, _ = self.output_layer(hidden, weight=weight, runtime_gather_output=False)
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1))
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), overwrite_logits=True)
         return loss.transpose(0, 1).contiguous()  # [b, s]

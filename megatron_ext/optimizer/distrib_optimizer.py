@@ -8,8 +8,10 @@ r-th of ``dp`` equal slices of each bucket. The backward reduce-scatters every b
 with the backward when ``overlap_grad_reduce``), so rank r receives exactly the averaged
 gradients of its slice. This rank's slots are the pieces of parameters that fall into its slices;
 each has a main parameter (a float32 copy for 16-bit parameters, else a view of the parameter
-itself) and optimizer state of the piece's size only. After the update every bucket's slices are
-all-gathered back into the model parameters.
+itself) and optimizer state of the piece's size only. After the update each rank writes its
+pieces into the model parameters and every chunk's ``DistributedDataParallel.start_param_sync()``
+all-gathers the buckets' slices: at once, or, with ``DistributedDataParallelConfig.overlap_param_gather``,
+left in flight for the forward pre-hooks of the next forward to wait for.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         buckets = []  # (ddp, bucket)
         for i, chunk in enumerate(model_chunks):
             ddp = _ddp_of(chunk, i)
+            ddp.finish_param_sync()  # the main parameters start from the gathered values
             for bucket in ddp.grad_buckets:
                 buckets.append((ddp, bucket))
                 lo, hi = ddp.shard_range(bucket)
@@ -84,28 +87,33 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def get_grad_stats_parallel_group(self) -> list[dist.ProcessGroup]:
         return [self._data_parallel_group, parallel_state.get_model_parallel_group()]
 
-    def _copy_main_params_to_model_params(self) -> None:
-        """All-gathers every bucket's updated slices into the model parameters."""
-        slots_by_param: dict[int, list[_Slot]] = {}
-        for s in self._slots:
-            slots_by_param.setdefault(id(s.model_param), []).append(s)
-        pending = []
-        for ddp, bucket in self._buckets:
-            dtype = max((p.dtype for p in bucket.params), key=lambda t: t.itemsize)
-            lo, hi = ddp.shard_range(bucket)
-            full = torch.empty(bucket.padded_numel, dtype=dtype, device=bucket.device)
-            mine = full[lo:hi]
-            mine.zero_()  # padding
-            for p, offset in zip(bucket.params, bucket.offsets):
-                for s in slots_by_param.get(id(p), ()):
-                    mine[offset + s.start - lo : offset + s.end - lo].copy_(s.main)
-            work = all_gather_single(full, mine.clone(), group=ddp.data_parallel_group, async_op=True)
-            pending.append((work, bucket, full))
+    def _ddps(self) -> list:
+        return list({id(ddp): ddp for ddp, _ in self._buckets}.values())
+
+    def _finish_param_sync(self) -> None:
+        for ddp in self._ddps():
+            ddp.finish_param_sync()
+
+    def _copy_main_params_to_model_params(self, force_sync: bool = False) -> None:
+        """Writes this rank's updated pieces into the model parameters and starts the
+        all-gather of every bucket (left in flight under ``overlap_param_gather`` unless
+        ``force_sync``)."""
         with torch.no_grad():
-            for work, bucket, full in pending:
-                work.wait()
-                for p, offset in zip(bucket.params, bucket.offsets):
-                    p.view(-1).copy_(full[offset : offset + p.numel()])
+            for s in self._slots:
+                if s.main.dtype != s.model_param.dtype:  # else the main parameter is a view of it
+                    s.model_param.view(-1)[s.start : s.end].copy_(s.main)
+        for ddp in self._ddps():
+            ddp.start_param_sync(force_sync=force_sync)
+
+    def _sync_model_params_from_main(self) -> None:
+        self._finish_param_sync()
+        self._copy_main_params_to_model_params(force_sync=True)
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, int | None]:
+        # A gather still in flight (parameters no forward used) would later overwrite this update.
+        self._finish_param_sync()
+        return super().step()
 
     def _gather_flat(self, key: str) -> dict[int, torch.Tensor]:
         """Per model parameter, its full ``key`` tensor (``param`` or an optimizer state),
@@ -149,6 +157,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     )
 
     def load_param_state_by_name(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
+        self._finish_param_sync()  # a gather in flight would overwrite the loaded values
         super().load_param_state_by_name(d)
         with torch.no_grad():  # the parameters without a slice on this rank
             for name, p in named_model_parameters(self.model_chunks):

@@ -18,8 +18,10 @@ class OptimizerConfig:
     ``adam_beta1/2``, ``adam_eps``, ``decoupled_weight_decay`` (AdamW), ``sgd_momentum``,
     ``use_distributed_optimizer``, ``clip_grad`` and ``log_num_zeros_in_grad``. Learning-rate
     schedules (``min_lr``, ``decoupled_lr``) belong to the training loop, as in Megatron-core.
-    Options of features megatron_ext lacks (precision-aware optimizer, CPU offload, fp8, Muon,
-    overlapped parameter gather) are refused when set.
+    ``overlap_param_gather`` is accepted and meant to equal the ``DistributedDataParallelConfig``
+    field of that name, which is what turns the overlap on (as in Megatron-core). Options of
+    features megatron_ext lacks (precision-aware optimizer, CPU offload, fp8, Muon,
+    ``overlap_param_gather_with_optimizer_step``) are refused when set.
     """
 
     lr: float | None = None
@@ -85,7 +87,6 @@ class OptimizerConfig:
         unsupported = {
             "use_precision_aware_optimizer": False,
             "optimizer_cpu_offload": False,
-            "overlap_param_gather": False,
             "overlap_param_gather_with_optimizer_step": False,
             "fp8_recipe": None,
         }
