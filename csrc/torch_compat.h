@@ -1,6 +1,7 @@
 #pragma once
 // C++ APIs of torch that changed between the releases this project builds against (2.11 and
-// newer). Each difference is bridged here, by torch's version, and nowhere else.
+// newer): the version test is defined here, once; the two renamed ProcessGroup calls branch on it
+// where they are made (comm/process_group.cpp), the Node pointer type below.
 #include <c10/util/intrusive_ptr.h>
 #include <torch/version.h>
 

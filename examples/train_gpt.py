@@ -142,8 +142,14 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--save-interval {args.save_interval} needs --save and must be >= 1")
     if not 0.0 <= args.dropout < 1.0:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    uses_gpu(args)
+
+
+def uses_gpu(args: argparse.Namespace) -> bool:
+    """Whether this run puts its model on a GPU (NCCL); refuses --device cuda without one."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: this torch sees no CUDA GPU")
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
 
 
 def device_of(args: argparse.Namespace) -> torch.device:
@@ -423,10 +429,7 @@ def write_outputs(log: dict, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: this torch sees no CUDA GPU")
-    use_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    backend = "nccl" if use_gpu else "gloo"
+    backend = "nccl" if uses_gpu(args) else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
