@@ -6,7 +6,8 @@ with the overlap equals training without it (bitwise) and the plain optimizer (1
 (tp, pp, dp) = (1, 1, 4), (1, 2, 2), and (1, 2, 2) and (2, 1, 2) with the fused output layer +
 cross-entropy (the tied word embedding's last-stage copy read outside the output layer's forward); state dicts,
 checkpoints saved right after step() and loads over gathers in flight see the updated values;
-examples/train_gpt.py --overlap-param-gather gives the same losses as without."""
+examples/train_gpt.py --overlap-param-gather gives the same losses as without, in float64, fp16 (dynamic
+loss scaling) and bf16 with sequence parallelism."""
 
 from __future__ import annotations
 
@@ -310,19 +311,31 @@ def test_gpt_overlap_equals_no_overlap_and_plain(tmp_path):
 # --- examples/train_gpt.py --overlap-param-gather -------------------------------------------------
 
 
-def _train_gpt_worker(extra):
+def _train_gpt_worker(layout, extra):
     train_gpt = _train_gpt()
-    args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "2", "--virtual-pipeline", "2",
-                                         "--dtype", "float64", "--use-distributed-optimizer",
-                                         "--grad-bucket-bytes", "3000", "--steps", "3"] + extra)
-    return train_gpt.train(args)["losses"]
+    args = train_gpt.parse_args(SMALL + layout + ["--use-distributed-optimizer", "--grad-bucket-bytes", "3000"]
+                                + extra)
+    out = train_gpt.train(args)
+    return out["losses"], out["skipped_steps"]
 
 
-def test_train_gpt_overlap_param_gather_flag(tmp_path):
-    without = run_distributed(4, _train_gpt_worker, [])[0]
+@pytest.mark.parametrize("layout", [
+    ["--tp", "1", "--pp", "2", "--virtual-pipeline", "2", "--dtype", "float64", "--steps", "3"],
+    # fp16 with dynamic loss scaling (the first steps overflow and are skipped: no gathers; the
+    # later ones update) and bf16 with sequence parallelism: the 16-bit parameters are gathered in
+    # flight while the fp32 main parameters stay sharded.
+    ["--tp", "1", "--pp", "2", "--fp16", "--steps", "24"],
+    ["--tp", "2", "--pp", "1", "--bf16", "--sequence-parallel", "--steps", "3"],
+], ids=["float64-interleaved", "fp16", "bf16-sequence-parallel"])
+def test_train_gpt_overlap_param_gather_flag(tmp_path, layout):
+    without, skipped = run_distributed(4, _train_gpt_worker, layout, [])[0]
     extra = ["--overlap-param-gather", "--save", str(tmp_path)]  # the save follows a step: gathers in flight
-    with_overlap = run_distributed(4, _train_gpt_worker, extra)[0]
-    assert with_overlap == without  # bitwise
+    with_overlap = run_distributed(4, _train_gpt_worker, layout, extra)[0]
+    assert with_overlap == (without, skipped)  # bitwise, and the same steps skipped
+    assert skipped < len(without) - 2, skipped  # some steps did update (and gather)
+
+
+def test_train_gpt_overlap_param_gather_needs_distributed_optimizer():
     train_gpt = _train_gpt()
     args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "1", "--overlap-param-gather"])
     with pytest.raises(ValueError, match="--overlap-param-gather needs --use-distributed-optimizer"):
