@@ -9,7 +9,8 @@
 #   ./dev.sh setup             set-up only
 #   ./dev.sh gpu               on a GPU machine, with the python and torch already there (no venv,
 #                              no downloads): build in place, run the `cuda` tests, then the GPU
-#                              benchmark (benchmarks/gpu.py -> runs/gpu_bench.json)
+#                              benchmark against megatron-core (benchmarks/gpu.py ->
+#                              runs/gpu_bench.json; megatron-core from .whl/ if not installed)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${MEGATRON_EXT_VENV:-.venv}
@@ -81,6 +82,12 @@ PY
     echo "[gpu] pytest -m cuda"
     "$GPU_PY" -m pytest -m cuda -q -p no:cacheprovider tests "$@"
     echo "[gpu] benchmark"
+    # The comparison needs megatron-core; a machine without internet takes its wheel from .whl/.
+    if ! "$GPU_PY" -c "import megatron.core" 2>/dev/null && ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
+      echo "[gpu] installing megatron-core from .whl/ (without its dependencies) into build/gpu_site"
+      "$GPU_PY" -m pip install --quiet --no-index --no-deps --target build/gpu_site .whl/megatron_core-*.whl
+      export PYTHONPATH="$PWD/build/gpu_site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
     exec "$GPU_PY" benchmarks/gpu.py --json runs/gpu_bench.json
     ;;
   *)

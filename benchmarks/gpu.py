@@ -1,14 +1,24 @@
-"""GPU benchmark of the cross-entropy and the fused epilogue kernels against megatron-core's torch-op
-equivalents.
+"""GPU benchmark of the fused epilogue kernels and the cross-entropy against megatron-core 0.16.1.
 
-For each kernel: the median time, the bytes it must move (each input read once, each output written
-once) divided by that time, and that figure as a share of the device's memory bandwidth (measured
-here with a device-to-device copy; the nominal peak is shown where the device is known). The
-megatron-core columns are its code paths written inline as the same torch ops (run eagerly),
-because megatron-core may be absent on the GPU machine; megatron-core itself may wrap them in
-torch.compile / TorchScript (``jit_fuser``), which is not done here.
+Each row is one operation; its variants run in the same process, interleaved rep by rep in a
+rotating order (the first rep a warm-up, which also compiles megatron-core's ``torch.compile``d
+fusions), each rep timed with CUDA events around one call after a device synchronize. Reported per
+variant: min / median / max milliseconds, the bytes the operation must move (each input read once,
+each output written once) divided by the median time, that figure as a share of the device's
+memory bandwidth (measured here with a device-to-device copy), and the peak extra device memory of
+a call (``max_memory_allocated`` minus what was allocated before it).
 
-    python benchmarks/gpu.py [--tokens 8192] [--hidden 4096] [--vocab 32000] [--json runs/gpu_bench.json]
+megatron-core is the real package (``megatron.core.fusions`` and
+``megatron.core.tensor_parallel.vocab_parallel_cross_entropy``, on a one-rank process group, with
+its own parallel_state), compiled as megatron-core compiles it (``jit_fuser`` is ``torch.compile``
+on torch >= 2.2). Rows megatron-core has no code for compare with the torch ops it would run.
+Without megatron-core importable the script stops, unless ``--without-megatron-core``.
+
+``--device cpu`` runs the same code on the CPU twins with small sizes, to check the script itself
+(wall-clock timing, no bandwidth share, no memory figure); its numbers are not GPU figures.
+
+    python benchmarks/gpu.py [--tokens 8192] [--hidden 4096] [--vocab 32000] [--reps 30]
+                             [--json runs/gpu_bench.json]
 """
 
 from __future__ import annotations
@@ -18,258 +28,291 @@ import json
 import os
 import statistics
 import sys
-from typing import Callable
+import time
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import megatron_ext  # noqa: E402
+from common import MEGATRON_CORE_VERSION, import_megatron_core, megatron_core_version  # noqa: E402
+from megatron_ext import fusions  # noqa: E402
+from megatron_ext import parallel_state as ps  # noqa: E402
+from megatron_ext import tensor_parallel  # noqa: E402
 
 ops = torch.ops.megatron_ext
 
-# Nominal HBM bandwidth in GB/s, for the table only (the share is taken against the measured copy).
-NOMINAL_GBPS = {
-    "H100 80GB HBM3": 3350,
-    "H100 PCIe": 2000,
-    "H200": 4800,
-    "A100-SXM4-80GB": 2039,
-    "A100-SXM4-40GB": 1555,
-    "A100 80GB PCIe": 1935,
-}
+# A variant: (prepare, run). prepare() runs outside the timed region and its result is run's
+# argument (fresh inputs for an operation that overwrites them).
+Variant = tuple[Callable[[], Any], Callable[[Any], Any]]
 
 
-def time_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _nothing() -> None:
+    return None
 
 
-def copy_bandwidth_gbps() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() / ms / 1e6
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-# megatron-core's torch-op paths, written inline.
-
-
-def mcore_bias_gelu(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    x = bias + y
-    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
-
-
-def mcore_bias_gelu_back(g: torch.Tensor, bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    x = bias + y
-    tanh_out = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
-    ff = 0.5 * x * ((1 - tanh_out * tanh_out) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + tanh_out)
-    return ff * g
-
-
-def mcore_bias_dropout_add(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float):
-    return residual + F.dropout(x + bias, p=p, training=True)
-
-
-def mcore_cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor):
-    # VocabParallelCrossEntropy at one rank: max, shift, gather the target, exp, sum, log.
-    logits = logits.float()
-    logits_max = logits.max(dim=-1)[0]
-    logits = logits - logits_max.unsqueeze(-1)
-    predicted = logits.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    exp_logits = logits.exp()
-    sum_exp = exp_logits.sum(dim=-1)
-    loss = torch.log(sum_exp) - predicted
-    softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
-    return loss, softmax
-
-
-def mcore_cross_entropy_backward(softmax: torch.Tensor, target: torch.Tensor, grad: torch.Tensor):
-    grad_input = softmax.clone()
-    rows = torch.arange(grad_input.size(0), device=grad_input.device)
-    grad_input[rows, target] -= 1.0
-    return grad_input.mul_(grad.unsqueeze(-1))
-
-
-def run(args: argparse.Namespace) -> dict:
-    dtype = getattr(torch, args.dtype)
-    esize = torch.empty((), dtype=dtype).element_size()
-    props = torch.cuda.get_device_properties(0)
-    copy_gbps = copy_bandwidth_gbps()
-    n, ffn = args.tokens, 4 * args.hidden
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
-
-    rows = []
-
-    def add(name: str, bytes_moved: float, ours: Callable, mcore: Callable | None):
-        ours_ms = time_ms(ours)
-        mcore_ms = time_ms(mcore) if mcore is not None else None
-        gbps = bytes_moved / ours_ms / 1e6
-        rows.append(
-            {
-                "kernel": name,
-                "bytes": bytes_moved,
-                "ours_ms": ours_ms,
-                "ours_gbps": gbps,
-                "ours_share_of_copy_bw": gbps / copy_gbps,
-                "mcore_torch_ops_ms": mcore_ms,
-                "speedup": (mcore_ms / ours_ms) if mcore_ms else None,
-            }
-        )
-
-    y, bias, g = randn(n, ffn), randn(ffn), randn(n, ffn)
-    elems = n * ffn
-    add(
-        "bias_gelu fwd (tanh)",
-        2 * elems * esize,
-        lambda: ops.bias_gelu_forward(y, bias, True),
-        lambda: mcore_bias_gelu(bias, y),
-    )
-    add(
-        "bias_gelu bwd (tanh)",
-        3 * elems * esize,
-        lambda: ops.bias_gelu_backward(g, y, bias, True),
-        lambda: mcore_bias_gelu_back(g, bias, y),
-    )
-    add(
-        "bias_gelu fwd (erf)",
-        2 * elems * esize,
-        lambda: ops.bias_gelu_forward(y, bias, False),
-        lambda: F.gelu(y + bias),
-    )
-    del y, g
-
-    x, r, hb, gh = randn(n, args.hidden), randn(n, args.hidden), randn(args.hidden), randn(n, args.hidden)
-    elems = n * args.hidden
-    add(
-        "bias_dropout_add fwd",
-        3 * elems * esize,
-        lambda: ops.bias_dropout_add(x, hb, r, 0.1, True),
-        lambda: mcore_bias_dropout_add(x, hb, r, 0.1),
-    )
-    add(
-        "dropout bwd",
-        2 * elems * esize,
-        lambda: ops.dropout_backward(gh, 0.1, 1, 0),
-        lambda: gh * (torch.rand_like(gh) > 0.1) * (1 / 0.9),
-    )
-    del x, r, gh
-
-    logits = randn(n, args.vocab)
-    target = torch.randint(0, args.vocab, (n,), device="cuda", generator=gen)
-    grad_loss = torch.rand(n, device="cuda", generator=gen)
-    stats = ops.vocab_parallel_cross_entropy_row_stats(logits, target, 0, None)
-    row_max, lse = stats[:, 0].contiguous(), stats[:, 1].log().contiguous()
-    elems = n * args.vocab
-    _, softmax = mcore_cross_entropy_forward(logits, target)
-    add(
-        "cross_entropy row stats (fwd)",
-        elems * esize,
-        lambda: ops.vocab_parallel_cross_entropy_row_stats(logits, target, 0, None),
-        lambda: mcore_cross_entropy_forward(logits, target),
-    )
-    add(
-        "cross_entropy bwd",
-        2 * elems * esize,
-        lambda: ops.vocab_parallel_cross_entropy_backward(
-            grad_loss, logits, target, row_max, lse, 0.0, None, 0, args.vocab
-        ),
-        lambda: mcore_cross_entropy_backward(softmax, target, grad_loss),
-    )
-    del logits, softmax
-
-    # The weight-gradient GEMM of gradient_accumulation_fusion as accumulate_weight_grad_ runs it
-    # (16-bit operands, fp32 main_grad) against the fp32 copies it replaced; TFLOP/s, not bytes.
-    go, inp = randn(n, args.hidden), randn(n, ffn)
-    main_grad = torch.zeros(args.hidden, ffn, device="cuda", dtype=torch.float32)
-    flops = 2 * n * args.hidden * ffn
-    gemm = []
-    if dtype in (torch.bfloat16, torch.float16):
-        fused_ms = time_ms(
-            lambda: torch.addmm(main_grad, go.t(), inp, out_dtype=torch.float32, out=main_grad)
-        )
-        copies_ms = time_ms(lambda: main_grad.addmm_(go.t().float(), inp.float()))
-        gemm.append(
-            {
-                "kernel": "wgrad into fp32 main_grad",
-                "ours_ms": fused_ms,
-                "ours_tflops": flops / fused_ms / 1e9,
-                "fp32_copies_ms": copies_ms,
-                "fp32_copies_tflops": flops / copies_ms / 1e9,
-            }
-        )
-
+def time_variants(variants: dict[str, Variant], reps: int, device: torch.device) -> dict[str, dict]:
+    """Every variant once per rep, in a rotating order; the first rep is not counted."""
+    names = list(variants)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    peaks: dict[str, list[int]] = {n: [] for n in names}
+    cuda = device.type == "cuda"
+    for rep in range(reps + 1):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            prepare, run = variants[name]
+            arg = prepare()
+            _sync(device)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run(arg)
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end)
+                peak = torch.cuda.max_memory_allocated(device) - before
+            else:
+                t0 = time.perf_counter()
+                run(arg)
+                ms, peak = (time.perf_counter() - t0) * 1e3, None
+            del arg
+            if rep > 0:
+                times[name].append(ms)
+                peaks[name].append(peak)
     return {
-        "device": props.name,
-        "torch": torch.__version__,
-        "megatron_ext_build": megatron_ext.build_info(),
-        "dtype": args.dtype,
-        "tokens": n,
-        "hidden": args.hidden,
-        "vocab": args.vocab,
-        "copy_bandwidth_gbps": copy_gbps,
-        "nominal_bandwidth_gbps": NOMINAL_GBPS.get(props.name),
-        "kernels": rows,
-        "gemm": gemm,
-        "note": "megatron-core columns: its torch-op code paths written inline, run eagerly (megatron-core "
-        "is not needed on the GPU machine)",
+        n: {
+            "min_ms": min(times[n]),
+            "median_ms": statistics.median(times[n]),
+            "max_ms": max(times[n]),
+            "peak_extra_mib": None if peaks[n][0] is None else max(peaks[n]) / 2**20,
+        }
+        for n in names
     }
 
 
+def copy_bandwidth_gbps(device: torch.device) -> float | None:
+    """Bytes read plus written per second by a 1 GiB device-to-device copy (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    stats = time_variants({"copy": (_nothing, lambda _: dst.copy_(src))}, 10, device)["copy"]
+    return 2 * src.numel() / stats["median_ms"] / 1e6
+
+
+def _megatron_core(device: torch.device):
+    """megatron-core's functions used here, its parallel_state initialized at tp 1, or None."""
+    if import_megatron_core() is None:
+        return None
+    from megatron.core import parallel_state as mps
+    from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_fused_train
+    from megatron.core.fusions.fused_bias_gelu import bias_gelu, bias_gelu_back
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    mps.initialize_model_parallel(1, 1)
+    return {
+        "bias_gelu": bias_gelu,
+        "bias_gelu_back": bias_gelu_back,
+        "bias_dropout_add_fused_train": bias_dropout_add_fused_train,
+        "vocab_parallel_cross_entropy": vocab_parallel_cross_entropy,
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    es = torch.empty((), dtype=dtype).element_size()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    mcore = None if args.without_megatron_core else _megatron_core(device)
+    copy_gbps = copy_bandwidth_gbps(device)
+    n, h, ffn, vocab = args.tokens, args.hidden, 4 * args.hidden, args.vocab
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, grad: bool = False):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen).requires_grad_(grad)
+
+    rows = []
+
+    def row(name: str, bytes_moved: float, variants: dict[str, Variant]) -> None:
+        variants = {k: v for k, v in variants.items() if v is not None}
+        stats = time_variants(variants, args.reps, device)
+        for s in stats.values():
+            s["gbps"] = bytes_moved / s["median_ms"] / 1e6
+            s["share_of_copy_bw"] = s["gbps"] / copy_gbps if copy_gbps else None
+        rows.append({"op": name, "bytes": bytes_moved, "variants": stats})
+
+    def plain(fn: Callable[[], Any]) -> Variant:
+        return _nothing, lambda _: fn()
+
+    def mc(name: str, make: Callable[[Callable], Variant]) -> Variant | None:
+        return make(mcore[name]) if mcore else None
+
+    # bias + GeLU on the first MLP linear's output [tokens, 4h].
+    y, b, g = randn(n, ffn), randn(ffn), randn(n, ffn)
+    with torch.no_grad():
+        row("bias_gelu fwd (tanh)", (2 * n * ffn + ffn) * es, {
+            "megatron_ext": plain(lambda: ops.bias_gelu_forward(y, b, True)),
+            "megatron-core": mc("bias_gelu", lambda f: plain(lambda: f(b, y))),
+        })
+        row("bias_gelu bwd (tanh)", (3 * n * ffn + ffn) * es, {
+            "megatron_ext": plain(lambda: ops.bias_gelu_backward(g, y, b, True)),
+            "megatron-core": mc("bias_gelu_back", lambda f: plain(lambda: f(g, b, y))),
+        })
+        # megatron-core fuses only the tanh form; the erf form is its unfused torch path.
+        row("bias_gelu fwd (erf)", (2 * n * ffn + ffn) * es, {
+            "megatron_ext": plain(lambda: ops.bias_gelu_forward(y, b, False)),
+            "torch F.gelu(y + b)": plain(lambda: F.gelu(y + b)),
+        })
+    del y, g
+
+    # bias + dropout + residual on the attention / MLP output [tokens, h].
+    x, hb, r, gh = randn(n, h), randn(h), randn(n, h), randn(n, h)
+    with torch.no_grad():
+        row("bias_dropout_add fwd (p 0.1)", (3 * n * h + h) * es, {
+            "megatron_ext": plain(lambda: fusions.bias_dropout_add_fused_train((x, hb), r, 0.1)),
+            "megatron-core": mc("bias_dropout_add_fused_train", lambda f: plain(lambda: f((x, hb), r, 0.1))),
+        })
+
+    def dropout_fwd_bwd(f: Callable) -> Variant:
+        def prepare():
+            return x.detach().requires_grad_(), hb.detach().requires_grad_(), r.detach().requires_grad_()
+
+        def go(leaves):
+            f((leaves[0], leaves[1]), leaves[2], 0.1).backward(gh)
+
+        return prepare, go
+
+    # Forward 3 reads/writes of [n, h], backward: read the gradient, write the input's (the
+    # residual's gradient is the incoming one); the bias gradient's reduction is not counted.
+    row("bias_dropout_add fwd+bwd (p 0.1)", 5 * n * h * es, {
+        "megatron_ext": dropout_fwd_bwd(fusions.bias_dropout_add_fused_train),
+        "megatron-core": mc("bias_dropout_add_fused_train", dropout_fwd_bwd),
+    })
+    del x, r, gh
+
+    # Vocab-parallel cross-entropy forward + backward at tp 1 on [tokens, vocab] logits: each rep
+    # starts from a fresh copy (megatron-core overwrites float32 logits in place).
+    logits = randn(n, vocab)
+    target = torch.randint(0, vocab, (n,), device=device, generator=gen)
+    grad_loss = torch.rand(n, device=device, generator=gen)
+
+    def cross_entropy(f: Callable) -> Variant:
+        return (lambda: logits.detach().clone().requires_grad_(),
+                lambda z: f(z, target).backward(grad_loss))
+
+    # Logits read in the forward and again in the backward, their gradient written.
+    row("cross_entropy fwd+bwd", 3 * n * vocab * es, {
+        "megatron_ext": cross_entropy(tensor_parallel.vocab_parallel_cross_entropy),
+        "megatron_ext overwrite_logits": cross_entropy(
+            lambda z, t: tensor_parallel.vocab_parallel_cross_entropy(z, t, overwrite_logits=True)),
+        "megatron-core": mc("vocab_parallel_cross_entropy", cross_entropy),
+    })
+    del logits
+
+    # The weight-gradient GEMM of gradient_accumulation_fusion ([h, 4h] += go^T inp) as the linear
+    # layers run it: 16-bit operands into the fp32 main_grad in one cuBLAS call, against a 16-bit
+    # GEMM followed by an fp32 add (the path without the fusion) and against fp32 operand copies.
+    gemm = None
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        go, inp = randn(n, h), randn(n, ffn)
+        main_grad = torch.zeros(h, ffn, device=device, dtype=torch.float32)
+        flops = 2 * n * h * ffn
+        stats = time_variants({
+            "megatron_ext (addmm into fp32)": plain(
+                lambda: torch.addmm(main_grad, go.t(), inp, out_dtype=torch.float32, out=main_grad)),
+            "16-bit GEMM, then fp32 add": plain(lambda: main_grad.add_(go.t() @ inp)),
+            "fp32 operand copies": plain(lambda: main_grad.addmm_(go.t().float(), inp.float())),
+        }, args.reps, device)
+        for s in stats.values():
+            s["tflops"] = flops / s["median_ms"] / 1e9
+        gemm = {"op": f"wgrad [{h}, {ffn}] += [{n}, {h}]^T [{n}, {ffn}]", "flops": flops, "variants": stats}
+
+    props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    result = {
+        "device": props.name if props else "cpu",
+        "torch": torch.__version__,
+        "megatron_core": megatron_core_version() if mcore else None,
+        "megatron_ext_build": megatron_ext.build_info(),
+        "dtype": args.dtype,
+        "tokens": n,
+        "hidden": h,
+        "vocab": vocab,
+        "reps": args.reps,
+        "copy_bandwidth_gbps": copy_gbps,
+        "rows": rows,
+        "gemm": gemm,
+        "method": "variants interleaved rep by rep in a rotating order, first rep a warm-up; CUDA events "
+                  "around one call; min/median/max over reps; GB/s = bytes the op must move / median",
+    }
+    ps.destroy_model_parallel()
+    if mcore:
+        from megatron.core import parallel_state as mps
+
+        mps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return result
+
+
 def print_table(result: dict) -> None:
-    nominal = result["nominal_bandwidth_gbps"]
-    print(
-        f"{result['device']}, torch {result['torch']}, {result['dtype']}, tokens {result['tokens']}, "
-        f"hidden {result['hidden']}, vocab {result['vocab']}"
-    )
-    print(
-        f"device-to-device copy: {result['copy_bandwidth_gbps']:.0f} GB/s"
-        + (f" (nominal {nominal} GB/s)" if nominal else "")
-    )
-    header = (
-        f"{'kernel':32s} {'ours ms':>9s} {'GB/s':>7s} {'% copy':>7s} {'mcore ops ms':>13s} {'speed-up':>9s}"
-    )
+    print(f"{result['device']}, torch {result['torch']}, megatron-core {result['megatron_core']}, "
+          f"{result['dtype']}, tokens {result['tokens']}, hidden {result['hidden']}, vocab {result['vocab']}")
+    if result["copy_bandwidth_gbps"]:
+        print(f"device-to-device copy: {result['copy_bandwidth_gbps']:.0f} GB/s (read + write)")
+    header = (f"{'op':34s} {'variant':30s} {'min':>8s} {'median':>8s} {'max':>8s} {'GB/s':>7s} "
+              f"{'% copy':>7s} {'peak MiB':>9s} {'vs first':>9s}")
     print(header)
     print("-" * len(header))
-    for r in result["kernels"]:
-        mc = f"{r['mcore_torch_ops_ms']:13.3f}" if r["mcore_torch_ops_ms"] is not None else f"{'-':>13s}"
-        sp = f"{r['speedup']:8.2f}x" if r["speedup"] else f"{'-':>9s}"
-        print(
-            f"{r['kernel']:32s} {r['ours_ms']:9.3f} {r['ours_gbps']:7.0f} "
-            f"{100 * r['ours_share_of_copy_bw']:6.1f}% {mc} {sp}"
-        )
-    for gm in result["gemm"]:
-        print(
-            f"{gm['kernel']}: {gm['ours_ms']:.3f} ms ({gm['ours_tflops']:.0f} TFLOP/s); "
-            f"with fp32 operand copies {gm['fp32_copies_ms']:.3f} ms ({gm['fp32_copies_tflops']:.0f} TFLOP/s)"
-        )
+    for r in result["rows"]:
+        first = next(iter(r["variants"].values()))
+        for i, (name, s) in enumerate(r["variants"].items()):
+            share = f"{100 * s['share_of_copy_bw']:6.1f}%" if s["share_of_copy_bw"] else f"{'-':>7s}"
+            peak = f"{s['peak_extra_mib']:9.1f}" if s["peak_extra_mib"] is not None else f"{'-':>9s}"
+            print(f"{r['op'] if i == 0 else '':34s} {name:30s} {s['min_ms']:8.3f} {s['median_ms']:8.3f} "
+                  f"{s['max_ms']:8.3f} {s['gbps']:7.0f} {share} {peak} "
+                  f"{s['median_ms'] / first['median_ms']:8.2f}x")
+    if result["gemm"]:
+        print(result["gemm"]["op"])
+        for name, s in result["gemm"]["variants"].items():
+            print(f"  {name:32s} {s['min_ms']:8.3f} {s['median_ms']:8.3f} {s['max_ms']:8.3f} ms "
+                  f"{s['tflops']:6.0f} TFLOP/s")
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tokens", type=int, default=8192, help="sequence x micro-batch rows")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary columns on this rank")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--without-megatron-core", action="store_true", help="only megatron_ext's rows")
     p.add_argument("--json", default="runs/gpu_bench.json")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/gpu.py needs a CUDA GPU")
-    if not megatron_ext.build_info()["cuda_compiled"]:
-        raise SystemExit("megatron_ext was built without CUDA: rebuild with FORCE_CUDA=1")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("benchmarks/gpu.py needs a CUDA GPU (or --device cpu to check the script)")
+        if not megatron_ext.build_info()["cuda_compiled"]:
+            raise SystemExit("megatron_ext was built without CUDA: rebuild with FORCE_CUDA=1")
+    if not args.without_megatron_core and import_megatron_core() is None:
+        raise SystemExit(
+            f"megatron-core is not importable. Install it beside this torch with `pip install --no-deps "
+            f"megatron-core=={MEGATRON_CORE_VERSION}`; on a machine without internet, download its wheel "
+            f"elsewhere into .whl/ (README, GPU path) and ./dev.sh gpu installs it; or pass "
+            f"--without-megatron-core")
     result = run(args)
     print_table(result)
     if args.json:
