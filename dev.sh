@@ -80,7 +80,9 @@ PY
     echo "[gpu] building the extension in place against this torch"
     MAX_JOBS=${MAX_JOBS:-$(nproc)} FORCE_CUDA=1 "$GPU_PY" setup.py --quiet build_ext --inplace
     echo "[gpu] pytest -m cuda"
-    "$GPU_PY" -m pytest -m cuda -q -p no:cacheprovider tests "$@"
+    # A failing test does not stop the benchmark; the command exits with the tests' status.
+    tests_rc=0
+    "$GPU_PY" -m pytest -m cuda -q -p no:cacheprovider tests "$@" || tests_rc=$?
     echo "[gpu] benchmark"
     # The comparison needs megatron-core; a machine without internet takes its wheel from .whl/.
     if ! "$GPU_PY" -c "import megatron.core" 2>/dev/null && ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
@@ -88,7 +90,8 @@ PY
       "$GPU_PY" -m pip install --quiet --no-index --no-deps --target build/gpu_site .whl/megatron_core-*.whl
       export PYTHONPATH="$PWD/build/gpu_site${PYTHONPATH:+:$PYTHONPATH}"
     fi
-    exec "$GPU_PY" benchmarks/gpu.py --json runs/gpu_bench.json
+    "$GPU_PY" benchmarks/gpu.py --json runs/gpu_bench.json
+    exit "$tests_rc"
     ;;
   *)
     echo "usage: ./dev.sh {train|test|bench NAME|setup|gpu} [ARGS...]" >&2

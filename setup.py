@@ -48,7 +48,7 @@ from torch.utils.cpp_extension import (  # noqa: E402
 DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
 # The oldest torch whose full test suite has passed with this extension; newer ones are accepted.
 MIN_TORCH = "2.11"
-TESTED_TORCH = "2.11.0, 2.13.0 and 2.14.1"
+TESTED_TORCH = "2.11.0, 2.12.1, 2.13.0 and 2.14.1"
 
 
 def _check_torch_version() -> None:
@@ -83,6 +83,9 @@ def _write_build_config(cuda: bool) -> str:
     generated = os.path.join(here, "build", "generated")
     os.makedirs(generated, exist_ok=True)
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if cuda else ""
+    if cuda and not archs:  # torch builds for the visible GPUs
+        archs = ";".join(sorted({"%d.%d" % torch.cuda.get_device_capability(i)
+                                 for i in range(torch.cuda.device_count())}))
     header = (
         "#pragma once\n"
         f"#define MEGATRON_EXT_BUILT_WITH_TORCH {json.dumps(torch.__version__)}\n"

@@ -318,6 +318,11 @@ def _opcheck_worker(tp: int) -> bool:
     args = (grad, local, local_target, row_max, lse, 0.0, VOCAB)
     torch.library.opcheck(ops.vocab_parallel_cross_entropy_backward.default, args)
     torch.library.opcheck(ops.vocab_parallel_cross_entropy_backward_.default, (grad, local.clone(), *args[2:]))
+    for bad in (local.size(-1), -3):  # a column past the slice, or no meaning at all: refused, nothing written
+        wrong = local_target.clone()
+        wrong[1] = bad
+        with pytest.raises(ValueError, match=rf"local_target must hold columns in \[0, {local.size(-1)}\).*{bad}"):
+            ops.vocab_parallel_cross_entropy_backward(grad, local, wrong, row_max, lse, 0.0, VOCAB)
     with pytest.raises(ValueError, match=rf"group_size {n + 1} does not match the size {n} of process group"):
         ops.vocab_parallel_cross_entropy(local, target, 0.0, None, group_name, n + 1)
 

@@ -1,8 +1,8 @@
 """The GPU path (marked ``cuda``; skipped without a GPU; ``./dev.sh gpu`` runs it):
 
 * every CUDA kernel against its CPU twin in float32, bfloat16 and float16;
-* the regions, the linear (with gradient-accumulation fusion) and the cross-entropy on a
-  one-rank NCCL group;
+* the regions, the linear (with gradient-accumulation fusion), the cross-entropy and the per-token
+  gradient scaling of ``finalize_model_grads`` on a one-rank NCCL group;
 * the GPT training example (``examples/train_gpt.py``) at tp 1 on one GPU equal to its CPU run in
   float32.
 """
@@ -90,7 +90,12 @@ def test_fused_dropout_replays_the_cuda_generator():
     b = _randn(256, dtype=torch.float32, seed=9).cuda().requires_grad_()
     r = _randn(64, 4, 256, dtype=torch.float32, seed=10).cuda()
     state = torch.cuda.get_rng_state()
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    start = gen.get_offset()
     first = ops.bias_dropout_add(x, b, r, 0.2, True)
+    # One Philox counter per four elements, each counting four 32-bit numbers of the generator's
+    # offset: the next draw (ours or torch's) starts past every counter this one used.
+    assert gen.get_offset() - start == 4 * (x.numel() // 4)
     second = ops.bias_dropout_add(x, b, r, 0.2, True)
     assert not torch.equal(first, second)
     torch.cuda.set_rng_state(state)
@@ -117,10 +122,15 @@ def test_cross_entropy_kernels_equal_cpu_twin(dtype):
     row_max = stats_cpu[:, 0].contiguous()
     lse = stats_cpu[:, 1].log().contiguous()
     grad_loss = torch.rand(37, generator=torch.Generator().manual_seed(13), dtype=stats_cpu.dtype)
-    args = (0.1, -100, 1000, 2000)
-    cpu = ops.vocab_parallel_cross_entropy_backward(grad_loss, logits, target, row_max, lse, *args)
+    # This rank holds vocabulary rows [1000, 2000): the backward takes each token's local column,
+    # -1 for a target another rank holds, -2 for an ignored one.
+    column = target - 1000
+    local = torch.where((column >= 0) & (column < 1000), column, -1)
+    local[target == -100] = -2
+    assert (local >= 0).any() and (local == -1).any()
+    cpu = ops.vocab_parallel_cross_entropy_backward(grad_loss, logits, local, row_max, lse, 0.1, 2000)
     gpu = ops.vocab_parallel_cross_entropy_backward(
-        grad_loss.cuda(), logits.cuda(), target.cuda(), row_max.cuda(), lse.cuda(), *args
+        grad_loss.cuda(), logits.cuda(), local.cuda(), row_max.cuda(), lse.cuda(), 0.1, 2000
     )
     assert_close(gpu.cpu(), cpu, **TOL[dtype])
 
@@ -199,6 +209,18 @@ def test_cross_entropy_on_nccl(nccl_group, dtype):
     loss.sum().backward()
     ref.sum().backward()
     assert_close(logits.grad.float(), ref_logits.grad, **TOL[dtype])
+
+
+def test_finalize_model_grads_per_token_on_nccl(nccl_group):
+    # The schedules count the tokens in a CPU tensor; NCCL reduces only CUDA tensors.
+    from megatron_ext.distributed import finalize_model_grads
+
+    model = torch.nn.Linear(3, 2).cuda()
+    model(_randn(5, 3, dtype=torch.float32, seed=23).cuda()).sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    finalize_model_grads([model], num_tokens=torch.tensor(4))
+    for p, g in zip(model.parameters(), before):
+        assert_close(p.grad, g / 4)  # one data-parallel rank: the sum over tokens / 4 tokens
 
 
 def _run_train_gpt(device: str, tmp_path) -> list[float]:

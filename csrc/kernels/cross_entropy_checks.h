@@ -3,7 +3,10 @@
 // validates user input with friendlier messages before any kernel or collective runs
 // (ops/cross_entropy.cpp); these guard direct calls of the internal ops.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/aminmax.h>
 #include <c10/util/Exception.h>
+
+#include "kernels/cross_entropy.h"
 
 namespace megatron_ext {
 
@@ -64,6 +67,16 @@ inline CrossEntropyBackwardInputs prepare_cross_entropy_backward(
                         in.log_sum_exp.device() == in.logits.device(),
                     "vocab_parallel_cross_entropy_backward: every tensor must be on the logits' device ",
                     in.logits.device());
+  // The backward writes at each token's column: out-of-range columns are refused (on CPU here, one
+  // pass over the tokens; the CUDA kernel asserts on the device rather than synchronise).
+  if (in.local_target.is_cpu() && in.rows > 0) {
+    const auto [lo, hi] = at::aminmax(in.local_target);
+    const int64_t min = lo.item<int64_t>(), max = hi.item<int64_t>();
+    TORCH_CHECK_VALUE(min >= kernels::kIgnoredToken && max < in.vocab,
+                      "vocab_parallel_cross_entropy_backward: local_target must hold columns in [0, ",
+                      in.vocab, "), ", kernels::kTargetElsewhere, " (another rank's) or ",
+                      kernels::kIgnoredToken, " (ignored), got values in [", min, ", ", max, "]");
+  }
   return in;
 }
 

@@ -95,6 +95,7 @@ __global__ void grad_kernel(const acc_t* __restrict__ grad_loss, const scalar_t*
   const scalar_t* row = logits + row_index * vocab;
   scalar_t* out = grad + row_index * vocab;
   const int64_t local = local_target[row_index];
+  CUDA_KERNEL_ASSERT(local >= kIgnoredToken && local < vocab);
   if (local == kIgnoredToken) {
     for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) out[j] = scalar_t(0);
     return;

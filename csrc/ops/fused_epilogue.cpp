@@ -67,10 +67,12 @@ std::pair<int64_t, int64_t> draw_dropout_seed(const at::Tensor& like) {
     const uint64_t groups = static_cast<uint64_t>(dropout_groups(like.numel()));
     auto gen = at::cuda::detail::getDefaultCUDAGenerator(like.device().index());
     std::lock_guard<std::mutex> lock(gen.mutex());
-    // The CUDA generator hands out offsets in multiples of 4.
-    const auto [seed, offset] =
-        gen.get<at::CUDAGeneratorImpl>()->philox_engine_inputs((groups + 3) / 4 * 4);
-    return {static_cast<int64_t>(seed), static_cast<int64_t>(offset)};
+    // The generator's offset counts 32-bit numbers; one Philox counter value gives four, so the
+    // kernels' counters for this call are [offset / 4, offset / 4 + groups), exactly what the
+    // advance by 4 * groups reserves: torch's own random kernels, which start their counters at
+    // (their offset) / 4, never reuse them.
+    const auto [seed, offset] = gen.get<at::CUDAGeneratorImpl>()->philox_engine_inputs(4 * groups);
+    return {static_cast<int64_t>(seed), static_cast<int64_t>(offset / 4)};
 #else
     TORCH_CHECK(false,
                 "bias_dropout_add: got a CUDA tensor but megatron_ext was built without CUDA");

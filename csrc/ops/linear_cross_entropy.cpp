@@ -34,6 +34,7 @@
 
 #include "comm/process_group.h"
 #include "ops/dispatch.h"
+#include "ops/weight_grad.h"
 
 namespace megatron_ext {
 namespace {
@@ -113,11 +114,12 @@ void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::
 
 at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-// grad += a^T b, accumulated in grad's dtype (float for 16-bit inputs, whose GEMM rounds only
-// its one product).
+// grad += a^T b, accumulated in grad's dtype (float for 16-bit inputs). On CUDA that is the
+// linear layers' mixed-dtype GEMM; the CPU has none, and rounding the one 16-bit product beats
+// widening copies of both chunks.
 void add_transposed_product(at::Tensor& grad, const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() == grad.scalar_type()) {
-    grad.addmm_(a.t(), b);
+  if (a.scalar_type() == grad.scalar_type() || grad.is_cuda()) {
+    accumulate_weight_grad_(grad, a, b);
   } else {
     grad.add_(at::mm(a.t(), b));
   }

@@ -14,6 +14,7 @@ from megatron_ext.distributed.distributed_data_parallel import (
     partition_into_buckets,
 )
 from megatron_ext.pipeline_parallel.schedules import get_attr_wrapped_model
+from megatron_ext.tensor_parallel.utils import comm_device
 
 # The one default bucket size of the package (DistributedDataParallel's).
 DEFAULT_BUCKET_BYTES = DEFAULT_BUCKET_SIZE_BYTES
@@ -191,7 +192,7 @@ def _scale_by_global_tokens(
         raise TypeError(f"finalize_model_grads: num_tokens must be a tensor, got {type(num_tokens).__name__}")
     # Only the last stage counted the tokens. The reductions above averaged over the data-parallel
     # group, so multiplying by its size gives back the sum Megatron-core divides by the count.
-    total = num_tokens.detach().to(torch.float64).reshape(1).clone()
+    total = num_tokens.detach().to(comm_device(pp_group), torch.float64).reshape(1).clone()
     pp_ranks = dist.get_process_group_ranks(pp_group)
     dist.broadcast(total, src=pp_ranks[-1], group=pp_group)
     dist.all_reduce(total, group=dp_group)

@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from megatron_ext import parallel_state, tensor_parallel
 from megatron_ext.transformer import ParallelTransformer, TransformerConfig
+from megatron_ext.tensor_parallel.utils import comm_device
 from megatron_ext.transformer.utils import initialization_seed
 
 
@@ -131,7 +132,12 @@ class GPTModel(torch.nn.Module):
             # The copy: counted once in the gradient norm (Megatron's ``shared`` attribute).
             weight.shared = True
             weight.data.zero_()
-        dist.all_reduce(weight.data, group=parallel_state.get_embedding_group())
+        group = parallel_state.get_embedding_group()
+        device = comm_device(group)  # the model may still be on the CPU when NCCL moves CUDA tensors
+        data = weight.data if weight.device == device else weight.data.to(device)
+        dist.all_reduce(data, group=group)
+        if data is not weight.data:
+            weight.data.copy_(data)
 
     def shared_embedding_or_output_weight(self) -> torch.nn.Parameter | None:
         """The word-embedding matrix on the first stage, its copy on the last, else None."""

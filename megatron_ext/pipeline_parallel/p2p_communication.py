@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state
+from megatron_ext.tensor_parallel.utils import comm_device
 
 Shape = Union[list[int], torch.Size]
 
@@ -46,16 +47,6 @@ def pipeline_dtype(config: Any) -> torch.dtype:
                 raise TypeError(f"config.{name} must be a torch.dtype, got {dtype!r}")
             return dtype
     return torch.float32
-
-
-def communication_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """The current CUDA device when ``group`` (default: the pipeline group) runs on NCCL, else
-    the CPU."""
-    if group is None:
-        group = parallel_state.get_pipeline_model_parallel_group()
-    if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def is_single_shape(x: Any) -> bool:
@@ -148,7 +139,7 @@ class P2PCommunicator:
     ) -> tuple[list[int], list[int]]:
         """Exchanges the shapes of the tensors about to be sent (for variable sequence lengths).
         Returns ``(recv_prev_shape, recv_next_shape)``, ``[0, 0, 0]`` where nothing is received."""
-        device = communication_device(self.pp_group)
+        device = comm_device(self.pp_group)
         sends, recvs = {}, {}
         for direction, tensor in (("next", tensor_send_next), ("prev", tensor_send_prev)):
             if tensor is not None:
@@ -194,7 +185,7 @@ class P2PCommunicator:
                 tensor_send_next, tensor_send_prev, recv_prev, recv_next
             )
 
-        dtype, device = pipeline_dtype(config), communication_device(self.pp_group)
+        dtype, device = pipeline_dtype(config), comm_device(self.pp_group)
         recvs: dict[str, torch.Tensor] = {}
         if recv_prev:
             recvs["prev"] = torch.empty(tuple(shape_prev), dtype=dtype, device=device)

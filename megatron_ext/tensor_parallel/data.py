@@ -7,18 +7,11 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_ext.tensor_parallel.utils import resolve_tp_group
+from megatron_ext.tensor_parallel.utils import comm_device, resolve_tp_group
 
 _MAX_DATA_DIM = 8
 # Header layout: [status, then per key: ndim, size_0 .. size_7].
 _OK, _BAD_DATA = 0, 1
-
-
-def _comm_device(group: dist.ProcessGroup) -> torch.device:
-    # NCCL moves CUDA tensors only; every other backend here (gloo) works on CPU tensors.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _source_problem(keys: Sequence[str], data: Mapping[str, torch.Tensor] | None, datatype: torch.dtype) -> str | None:
@@ -54,7 +47,7 @@ def broadcast_data(
     group = resolve_tp_group(tp_group)
     src = dist.get_global_rank(group, 0)
     is_src = dist.get_rank(group) == 0
-    device = _comm_device(group)
+    device = comm_device(group)
     keys = list(keys)
 
     header = torch.zeros(1 + len(keys) * (1 + _MAX_DATA_DIM), dtype=torch.long, device=device)

@@ -5,7 +5,7 @@ shard (weight initialisation, dropout inside a tensor-parallel region) must diff
 and agree across data-parallel replicas: the ``model-parallel-rng`` stream. Randomness applied to
 replicated activations must agree across TP ranks: the default generator, also registered as
 ``data-parallel-rng``. On a machine without CUDA the tracker forks the CPU generator, so CPU runs
-follow the same rules.
+follow the same rules; so do CPU (gloo) jobs on a machine that has a GPU.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import contextlib
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from megatron_ext import parallel_state
 from megatron_ext.parallel_state import ParallelStateError
@@ -29,7 +30,11 @@ _EXPERT_PARALLEL_SEED_OFFSET = 1024
 
 
 def _uses_cuda() -> bool:
-    return torch.cuda.is_available()
+    """Whether the streams live on the CUDA generator: a GPU is visible and the job is not a
+    CPU-only one (a default process group without NCCL, e.g. gloo on a machine that has a GPU)."""
+    if not torch.cuda.is_available():
+        return False
+    return not dist.is_initialized() or "nccl" in str(dist.get_backend())
 
 
 def _cuda_generator() -> torch.Generator:

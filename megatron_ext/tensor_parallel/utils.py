@@ -11,6 +11,14 @@ from megatron_ext import parallel_state
 from megatron_ext._torch_compat import all_gather_single
 
 
+def comm_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a tensor must be for ``group``'s collectives: the current CUDA device under NCCL
+    (which moves CUDA tensors only), else the CPU (gloo)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def ensure_divisibility(numerator: int, denominator: int) -> None:
     """Raises ValueError unless ``numerator`` is divisible by ``denominator``."""
     if denominator == 0 or numerator % denominator != 0:
