@@ -79,7 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", default=None, help="a text file (byte-level); default: Python's standard library sources")
     p.add_argument("--log-json", default=None, help="write config, per-step losses and tokens/s here")
     p.add_argument("--plot", default="runs/train_gpt_loss.png", help="PNG loss curve written by rank 0 ('' = none)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may wait before failing")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds a collective may wait before failing (default: 120 on CPU; 600 on GPUs, where "
+                        "NCCL's watchdog ends the process instead)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--save", default=None, help="directory to save checkpoints in (also after the last step)")
     p.add_argument("--save-interval", type=int, default=None, help="save every this many steps")
@@ -142,7 +144,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--save-interval {args.save_interval} needs --save and must be >= 1")
     if not 0.0 <= args.dropout < 1.0:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
-    uses_gpu(args)
+    resolve_timeout(args)
 
 
 def uses_gpu(args: argparse.Namespace) -> bool:
@@ -150,6 +152,16 @@ def uses_gpu(args: argparse.Namespace) -> bool:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: this torch sees no CUDA GPU")
     return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+
+
+def resolve_timeout(args: argparse.Namespace) -> float:
+    """--timeout, its default filled in: 120 s on CPU, 600 s on GPUs (NCCL's watchdog ends the
+    process when a collective outlasts it, and a first NCCL connection or a large save can take long)."""
+    if args.timeout is None:
+        args.timeout = 600.0 if uses_gpu(args) else 120.0
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be positive, got {args.timeout}")
+    return args.timeout
 
 
 def device_of(args: argparse.Namespace) -> torch.device:
@@ -432,7 +444,7 @@ def main(argv: list[str] | None = None) -> dict:
     backend = "nccl" if uses_gpu(args) else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group(backend, timeout=timedelta(seconds=resolve_timeout(args)))
     try:
         log = train(args)
         if dist.get_rank() == 0 and not log["losses"]:

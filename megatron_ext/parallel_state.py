@@ -357,6 +357,12 @@ def initialize_model_parallel(
             f'"{pipeline_model_parallel_comm_backend}" backend for PP communication is not supported; '
             "expected None, 'nccl', 'ucc' or 'gloo'"
         )
+    if pipeline_model_parallel_comm_backend == "gloo" and "nccl" in str(dist.get_backend()):
+        raise ParallelStateError(
+            "pipeline_model_parallel_comm_backend='gloo' in a job whose default backend is "
+            f"{dist.get_backend()!r}: the stages would send CUDA activations over gloo; expected None, "
+            "'nccl' or 'ucc' ('gloo' is for CPU jobs)"
+        )
 
     world_size = dist.get_world_size()
     rank = dist.get_rank()

@@ -119,6 +119,7 @@ def test_virtual_pipeline_layouts_match_serial(serial_losses):
         (["--tp", "3", "--pp", "1"], 4, "world size 4 is not divisible by tp x pp = 3"),
         (["--tp", "1", "--pp", "1", "--data", "/nonexistent/corpus.txt"], 1, "no such file"),
         (["--tp", "2", "--pp", "1", "--hidden", "30", "--heads", "4"], 2, "--hidden 30 is not divisible by --heads 4"),
+        (["--timeout", "0"], 1, "--timeout must be positive, got 0.0"),
     ],
 )
 def test_bad_arguments_raise_before_training(argv, world, message):
@@ -136,6 +137,20 @@ def test_device_cuda_without_a_gpu_is_refused():
         train_gpt.check_args(args, 1)
     with pytest.raises(ValueError, match="--device cuda: this torch sees no CUDA GPU"):
         train_gpt.main(SMALL + ["--device", "cuda"])
+
+
+def test_timeout_default_follows_the_device():
+    train_gpt = _train_gpt()
+    args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "1", "--device", "cpu"])
+    train_gpt.check_args(args, 1)
+    assert args.timeout == 120.0
+    args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "1", "--device", "cpu", "--timeout", "7.5"])
+    train_gpt.check_args(args, 1)
+    assert args.timeout == 7.5
+    if torch.cuda.is_available():  # NCCL's watchdog ends the process: a longer default
+        args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "1", "--device", "cuda"])
+        train_gpt.check_args(args, 1)
+        assert args.timeout == 600.0
 
 
 def _bad_arguments_worker(cases):

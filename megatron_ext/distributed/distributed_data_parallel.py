@@ -323,6 +323,9 @@ class DistributedDataParallel(torch.nn.Module):
                     chunk.zero_()  # every rank must reduce the same buffers
                 else:
                     chunk.copy_(p.grad.reshape(-1))
+        # Scaled by 1/dp before the sum, as Megatron-core does: a sum of loss-scaled 16-bit
+        # gradients over many ranks could overflow where their mean does not.
+        flat.mul_(1.0 / self._dp_size)
         if self._reduce_scatter:
             shard = self._shard(bucket)
             work = reduce_scatter_single(shard, flat, group=self.data_parallel_group, async_op=True)
@@ -349,8 +352,8 @@ class DistributedDataParallel(torch.nn.Module):
             self._launch(self._buckets[self._next_launch])
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-        """Starts the buckets not yet started (in index order), waits for every collective and
-        divides by the data-parallel size; without a ``ddp_config`` writes the averages into
+        """Starts the buckets not yet started (in index order) and waits for every collective (each
+        bucket was scaled by 1 / the data-parallel size before its sum); without a ``ddp_config`` writes the averages into
         ``param.grad``. Resets the per-step state."""
         if force_all_reduce:
             raise NotImplementedError("finish_grad_sync(force_all_reduce=True) is not supported")
@@ -361,7 +364,6 @@ class DistributedDataParallel(torch.nn.Module):
             self.start_grad_sync()
             for bucket, (work, flat) in zip(self._buckets, self._works):
                 work.wait()
-                flat.div_(self._dp_size)
                 if self._main_grads:
                     continue
                 for p, offset in zip(bucket.params, bucket.offsets):

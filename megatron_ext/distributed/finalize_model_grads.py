@@ -36,8 +36,8 @@ def allreduce_gradients(
     """Sums (or averages) the gradients of ``params`` over ``group``, one all-reduce per bucket.
 
     The buckets are ``partition_into_buckets``' (DistributedDataParallel's): flat buffers of at
-    most ``bucket_bytes`` per dtype, reduced with SUM (gloo has no AVG), divided by the group size
-    when ``average``, and copied back. Parameters without a gradient are skipped (every rank
+    most ``bucket_bytes`` per dtype, scaled by 1 / the group size when ``average`` and reduced with SUM (gloo has
+    no AVG), then copied back. Parameters without a gradient are skipped (every rank
     must pass the same set).
     """
     if dist.get_world_size(group) == 1:
@@ -46,9 +46,9 @@ def allreduce_gradients(
     divisor = dist.get_world_size(group) if average else 1
     for bucket in partition_into_buckets(grads, bucket_bytes):
         flat = torch.cat([g.reshape(-1) for g in bucket.params])
-        dist.all_reduce(flat, group=group)
         if divisor != 1:
-            flat.div_(divisor)
+            flat.mul_(1.0 / divisor)  # before the sum, as the DDP buckets are
+        dist.all_reduce(flat, group=group)
         for g, offset in zip(bucket.params, bucket.offsets):
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
 

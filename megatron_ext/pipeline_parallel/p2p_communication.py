@@ -83,6 +83,21 @@ def _check_sent(tensor: torch.Tensor, what: str, config: Any) -> None:
         )
 
 
+class _AllOf:
+    """The requests of one coalesced batch, waited for together."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
 class P2PCommunicator:
     """Sends and receives between this rank and its neighbours in ``pp_group``.
 
@@ -119,9 +134,15 @@ class P2PCommunicator:
         named += [(f"recv_{d}", dist.irecv, recvs[d], peer[d]) for d in ("prev", "next") if d in recvs]
         if not named:
             return {}
-        if wait and bool(getattr(self.config, "batch_p2p_comm", True)):
+        # On NCCL every transfer goes in one batch, whatever batch_p2p_comm says: sends posted one
+        # by one before the receives deadlock there (a send waits for its receive, queued behind
+        # the peer's own send). NCCL may coalesce a batch into one request: each name waits on it.
+        on_gpu = any(t.is_cuda for _, _, t, _ in named)
+        if on_gpu or (wait and bool(getattr(self.config, "batch_p2p_comm", True))):
             ops = [dist.P2POp(op, t, p, self.pp_group) for _, op, t, p in named]
-            reqs = dict(zip((n for n, *_ in named), dist.batch_isend_irecv(ops)))
+            works = dist.batch_isend_irecv(ops)
+            names = [n for n, *_ in named]
+            reqs = dict(zip(names, works)) if len(works) == len(names) else {n: _AllOf(works) for n in names}
         else:
             reqs = {name: op(t, p, group=self.pp_group) for name, op, t, p in named}
         if wait:
