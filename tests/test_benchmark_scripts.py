@@ -14,15 +14,18 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_gpu_benchmark_script_on_cpu(tmp_path):
     out = tmp_path / "gpu_bench.json"
     tokens, hidden, vocab = 32, 16, 300
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu", "--without-megatron-core",
-                    "--tokens", str(tokens), "--hidden", str(hidden), "--vocab", str(vocab), "--reps", "2",
-                    "--json", str(out)], check=True, timeout=300, capture_output=True)
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--device", "cpu",
+                    "--without-megatron-core", "--tokens", str(tokens), "--hidden", str(hidden),
+                    "--vocab", str(vocab), "--reps", "2", "--json", str(out)],
+                   check=True, timeout=300, capture_output=True)
     result = json.loads(out.read_text())
-    assert (result["device"], result["tokens"], result["hidden"], result["vocab"]) == ("cpu", tokens, hidden, vocab)
+    shape = (result["device"], result["tokens"], result["hidden"], result["vocab"])
+    assert shape == ("cpu", tokens, hidden, vocab)
     assert result["megatron_core"] is None and result["gemm"] is None  # no mixed-dtype GEMM on CPU
     rows = {r["op"]: r for r in result["rows"]}
     assert list(rows) == ["bias_gelu fwd (tanh)", "bias_gelu bwd (tanh)", "bias_gelu fwd (erf)",
-                          "bias_dropout_add fwd (p 0.1)", "bias_dropout_add fwd+bwd (p 0.1)", "cross_entropy fwd+bwd"]
+                          "bias_dropout_add fwd (p 0.1)", "bias_dropout_add fwd+bwd (p 0.1)",
+                          "cross_entropy fwd+bwd"]
     assert list(rows["cross_entropy fwd+bwd"]["variants"]) == ["megatron_ext", "megatron_ext overwrite_logits"]
     assert list(rows["bias_gelu fwd (erf)"]["variants"]) == ["megatron_ext", "torch F.gelu(y + b)"]
     bf16 = 2

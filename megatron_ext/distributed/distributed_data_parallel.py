@@ -352,9 +352,9 @@ class DistributedDataParallel(torch.nn.Module):
             self._launch(self._buckets[self._next_launch])
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-        """Starts the buckets not yet started (in index order) and waits for every collective (each
-        bucket was scaled by 1 / the data-parallel size before its sum); without a ``ddp_config`` writes the averages into
-        ``param.grad``. Resets the per-step state."""
+        """Starts the buckets not yet started (in index order) and waits for every collective
+        (each bucket was scaled by 1 / the data-parallel size before its sum); without a
+        ``ddp_config`` writes the averages into ``param.grad``. Resets the per-step state."""
         if force_all_reduce:
             raise NotImplementedError("finish_grad_sync(force_all_reduce=True) is not supported")
         if self._dp_size == 1:

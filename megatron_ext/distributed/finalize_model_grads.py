@@ -36,8 +36,8 @@ def allreduce_gradients(
     """Sums (or averages) the gradients of ``params`` over ``group``, one all-reduce per bucket.
 
     The buckets are ``partition_into_buckets``' (DistributedDataParallel's): flat buffers of at
-    most ``bucket_bytes`` per dtype, scaled by 1 / the group size when ``average`` and reduced with SUM (gloo has
-    no AVG), then copied back. Parameters without a gradient are skipped (every rank
+    most ``bucket_bytes`` per dtype, scaled by 1 / the group size when ``average``, reduced with
+    SUM (gloo has no AVG) and copied back. Parameters without a gradient are skipped (every rank
     must pass the same set).
     """
     if dist.get_world_size(group) == 1:

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state, tensor_parallel
-from megatron_ext.transformer import ParallelTransformer, TransformerConfig
 from megatron_ext.tensor_parallel.utils import comm_device
+from megatron_ext.transformer import ParallelTransformer, TransformerConfig
 from megatron_ext.transformer.utils import initialization_seed
 
 
