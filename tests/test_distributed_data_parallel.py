@@ -460,3 +460,69 @@ def _finalize_tokens_worker() -> None:
 
 def test_finalize_per_token_scaling_and_pg_collection():
     run_distributed(2, _finalize_tokens_worker)
+
+
+# --- gradient_accumulation_fusion under DistributedDataParallel ------------------------------------
+
+
+class _FusedMlp(torch.nn.Module):
+    def __init__(self, fusion: bool) -> None:
+        from megatron_ext.model_parallel_config import ModelParallelConfig
+        from megatron_ext.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        super().__init__()
+        config = ModelParallelConfig(gradient_accumulation_fusion=fusion, params_dtype=torch.float64,
+                                     use_cpu_initialization=True)
+        self.fc1 = ColumnParallelLinear(6, 10, config=config, init_method=torch.nn.init.normal_)
+        self.fc2 = RowParallelLinear(10, 4, config=config, init_method=torch.nn.init.normal_, bias=True,
+                                     input_is_parallel=True, skip_bias_add=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)[0]))[0]
+
+
+def _fusion_worker() -> dict:
+    from megatron_ext.distributed import DistributedDataParallelConfig
+
+    ps.initialize_model_parallel()  # two data-parallel replicas
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(50 + rank)
+    batches = [torch.randn(3, 6, dtype=torch.float64, generator=g) for _ in range(2)]
+    out = {}
+    for fusion in (False, True):
+        torch.manual_seed(7)
+        model = _FusedMlp(fusion)
+        ddp = DistributedDataParallel(model, bucket_size_bytes=150,
+                                      ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True))
+        weights = [model.fc1.weight, model.fc2.weight]
+        for step in range(2):
+            with ddp.no_sync():
+                ddp(batches[0]).square().mean().backward()
+            ddp(batches[1]).square().mean().backward()
+            # The fused weights' hooks fired (placeholder gradients), so every bucket started
+            # during the backward, and the placeholders were not added into main_grad.
+            launched = ddp.launched_buckets
+            flags = [w.grad_added_to_main_grad for w in weights]
+            ddp.finish_grad_sync()
+            assert all(p.grad is None for p in model.parameters())
+            out.setdefault(fusion, []).append(
+                (launched, len(ddp.grad_buckets), flags, [p.main_grad.clone() for p in model.parameters()]))
+            ddp.zero_grad_buffer()
+            assert not any(w.grad_added_to_main_grad for w in weights)
+    # Without a DistributedDataParallel (no flag on the weight) the fused weight gets no .grad.
+    plain = _FusedMlp(True)
+    for w in (plain.fc1.weight, plain.fc2.weight):
+        w.main_grad = torch.zeros_like(w)
+    plain(batches[0]).sum().backward()
+    assert plain.fc1.weight.grad is None and plain.fc2.weight.grad is None
+    assert bool(plain.fc1.weight.main_grad.any())
+    return out
+
+
+def test_gradient_accumulation_fusion_keeps_overlap():
+    for out in run_distributed(2, _fusion_worker):
+        for (launched, buckets, flags, grads), (ref_launched, _, ref_flags, ref_grads) in zip(out[True], out[False]):
+            assert buckets > 2 and launched == buckets == ref_launched
+            assert flags == [True, True] and ref_flags == [False, False]
+            for a, b in zip(grads, ref_grads):
+                torch.testing.assert_close(a, b, rtol=0, atol=ATOL)

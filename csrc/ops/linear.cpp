@@ -101,6 +101,20 @@ at::Tensor current_main_grad(const at::Tensor& weight) {
   return result;
 }
 
+// The weight gradient the fused backward hands to autograd. Under a DistributedDataParallel
+// (which marks its parameters with ``grad_added_to_main_grad``) a placeholder, so that the
+// weight's post-accumulate hook still fires and its bucket's reduction can start during the
+// backward; the flag tells the hook the gradient is in ``main_grad`` already (Megatron-core's
+// handshake; zeros when ``zero_out_wgrad`` is set). Otherwise none: ``weight.grad`` stays None.
+at::Tensor placeholder_weight_grad(const at::Tensor& weight) {
+  pybind11::gil_scoped_acquire gil;
+  auto py_weight = pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(weight));
+  if (!pybind11::hasattr(py_weight, "grad_added_to_main_grad")) return {};
+  py_weight.attr("grad_added_to_main_grad") = true;
+  const bool zeros = pybind11::bool_(pybind11::getattr(py_weight, "zero_out_wgrad", pybind11::bool_(false)));
+  return zeros ? at::zeros_like(weight) : at::empty_like(weight);
+}
+
 // Casts a floating tensor (not float64) to the autocast dtype when autocast is on for its device,
 // as autocast does for a GEMM's arguments. Not through autocast's cache: this runs in the
 // Function's forward without grad mode, and a cached cast made there would carry no gradient.
@@ -177,8 +191,10 @@ struct LinearAsyncFunction : public Function<LinearAsyncFunction> {
     if (need_weight_grad) {
       const auto input_2d = total_input.reshape_symint({-1, total_input.sym_size(-1)});
       if (fusion) {
-        auto main_grad = current_main_grad(ctx->saved_data["weight"].toTensor());
+        const auto weight_var = ctx->saved_data["weight"].toTensor();
+        auto main_grad = current_main_grad(weight_var);
         accumulate_weight_grad_(main_grad, grad_output_2d, input_2d);
+        if (ctx->needs_input_grad(1)) result[1] = placeholder_weight_grad(weight_var);
       } else {
         result[1] = grad_output_2d.t().mm(input_2d);
       }

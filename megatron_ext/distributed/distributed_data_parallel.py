@@ -220,6 +220,9 @@ class DistributedDataParallel(torch.nn.Module):
                 bucket.grad_data = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
                 for p, offset in zip(bucket.params, bucket.offsets):
                     p.main_grad = bucket.grad_data[offset : offset + p.numel()].view_as(p)
+                    # Set by gradient_accumulation_fusion's backward, which then hands autograd a
+                    # placeholder gradient so that this wrapper's hook still fires.
+                    p.grad_added_to_main_grad = False
         self._sync_enabled = True
         self._next_launch = 0  # buckets [0, _next_launch) have started this step
         self._works: list[tuple[Any, torch.Tensor]] = []
@@ -291,7 +294,8 @@ class DistributedDataParallel(torch.nn.Module):
                 "both inside and outside an activation-checkpointed region"
             )
         if self._main_grads and param.grad is not None:
-            param.main_grad.add_(param.grad)
+            if not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False):
+                param.main_grad.add_(param.grad)
             param.grad = None
         if not self._sync_enabled:
             return
@@ -514,6 +518,8 @@ class DistributedDataParallel(torch.nn.Module):
                 bucket.grad_data.zero_()
             for p in bucket.params:
                 p.grad = None
+                if self._main_grads:
+                    p.grad_added_to_main_grad = False
 
     def _reset(self) -> None:
         for bucket in self._buckets:
