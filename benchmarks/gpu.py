@@ -6,12 +6,15 @@ fusions), each rep timed with CUDA events around one call after a device synchro
 variant: min / median / max milliseconds, the bytes the operation must move (each input read once,
 each output written once) divided by the median time, that figure as a share of the device's
 memory bandwidth (measured here with a device-to-device copy), and the peak extra device memory of
-a call (``max_memory_allocated`` minus what was allocated before it).
+a call (``max_memory_allocated`` minus what was allocated before it), and the largest difference of
+its result (the cross-entropy: the logits' gradient) from the first variant's (not for dropout,
+whose masks differ).
 
 megatron-core is the real package (``megatron.core.fusions`` and
 ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy``, on a one-rank process group, with
 its own parallel_state), compiled as megatron-core compiles it (``jit_fuser`` is ``torch.compile``
-on torch >= 2.2). Rows megatron-core has no code for compare with the torch ops it would run.
+on torch >= 2.2). The cross-entropy also runs PyTorch DTensor's ``loss_parallel`` on a one-rank mesh. Rows
+megatron-core has no code for compare with the torch ops it would run.
 Without megatron-core importable the script stops, unless ``--without-megatron-core``.
 
 ``--device cpu`` runs the same code on the CPU twins with small sizes, to check the script itself
@@ -147,12 +150,23 @@ def run(args: argparse.Namespace) -> dict:
 
     rows = []
 
-    def row(name: str, bytes_moved: float, variants: dict[str, Variant]) -> None:
+    def row(name: str, bytes_moved: float, variants: dict[str, Variant], compare: str | None = "output") -> None:
+        """Times the variants; with ``compare`` ("output": what run returns, "grad": the prepared
+        input's gradient) also records each one's largest difference from the first variant's."""
         variants = {k: v for k, v in variants.items() if v is not None}
         stats = time_variants(variants, args.reps, device)
-        for s in stats.values():
+        reference = None
+        for k, (prepare, run) in variants.items():
+            s = stats[k]
             s["gbps"] = bytes_moved / s["median_ms"] / 1e6
             s["share_of_copy_bw"] = s["gbps"] / copy_gbps if copy_gbps else None
+            s["max_abs_diff"] = None
+            if compare:
+                arg = prepare()
+                value = run(arg)
+                value = (value if compare == "output" else arg.grad).detach().double()
+                reference = value if reference is None else reference
+                s["max_abs_diff"] = (value - reference).abs().max().item()
         rows.append({"op": name, "bytes": bytes_moved, "variants": stats})
 
     def plain(fn: Callable[[], Any]) -> Variant:
@@ -185,7 +199,7 @@ def run(args: argparse.Namespace) -> dict:
         row("bias_dropout_add fwd (p 0.1)", (3 * n * h + h) * es, {
             "megatron_ext": plain(lambda: fusions.bias_dropout_add_fused_train((x, hb), r, 0.1)),
             "megatron-core": mc("bias_dropout_add_fused_train", lambda f: plain(lambda: f((x, hb), r, 0.1))),
-        })
+        }, compare=None)  # different random masks
 
     def dropout_fwd_bwd(f: Callable) -> Variant:
         def prepare():
@@ -201,7 +215,7 @@ def run(args: argparse.Namespace) -> dict:
     row("bias_dropout_add fwd+bwd (p 0.1)", 5 * n * h * es, {
         "megatron_ext": dropout_fwd_bwd(fusions.bias_dropout_add_fused_train),
         "megatron-core": mc("bias_dropout_add_fused_train", dropout_fwd_bwd),
-    })
+    }, compare=None)
     del x, r, gh
 
     # Vocab-parallel cross-entropy forward + backward at tp 1 on [tokens, vocab] logits: each rep
@@ -214,13 +228,26 @@ def run(args: argparse.Namespace) -> dict:
         return (lambda: logits.detach().clone().requires_grad_(),
                 lambda z: f(z, target).backward(grad_loss))
 
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    mesh = init_device_mesh(device.type, (1,))
+
+    def dtensor_step(z: torch.Tensor) -> None:
+        # loss_parallel's backward must run inside its context.
+        with loss_parallel():
+            loss = F.cross_entropy(DTensor.from_local(z, mesh, [Shard(1)]), target, reduction="none")
+            loss.full_tensor().backward(grad_loss)
+
     # Logits read in the forward and again in the backward, their gradient written.
     row("cross_entropy fwd+bwd", 3 * n * vocab * es, {
         "megatron_ext": cross_entropy(tensor_parallel.vocab_parallel_cross_entropy),
         "megatron_ext overwrite_logits": cross_entropy(
             lambda z, t: tensor_parallel.vocab_parallel_cross_entropy(z, t, overwrite_logits=True)),
         "megatron-core": mc("vocab_parallel_cross_entropy", cross_entropy),
-    })
+        "DTensor loss_parallel": (cross_entropy(None)[0], dtensor_step),
+    }, compare="grad")
     del logits
 
     # The weight-gradient GEMM of gradient_accumulation_fusion ([h, 4h] += go^T inp) as the linear
@@ -273,7 +300,7 @@ def print_table(result: dict) -> None:
     if result["copy_bandwidth_gbps"]:
         print(f"device-to-device copy: {result['copy_bandwidth_gbps']:.0f} GB/s (read + write)")
     header = (f"{'op':34s} {'variant':30s} {'min':>8s} {'median':>8s} {'max':>8s} {'GB/s':>7s} "
-              f"{'% copy':>7s} {'peak MiB':>9s} {'vs first':>9s}")
+              f"{'% copy':>7s} {'peak MiB':>9s} {'vs first':>9s} {'max |diff|':>11s}")
     print(header)
     print("-" * len(header))
     for r in result["rows"]:
@@ -283,7 +310,8 @@ def print_table(result: dict) -> None:
             peak = f"{s['peak_extra_mib']:9.1f}" if s["peak_extra_mib"] is not None else f"{'-':>9s}"
             print(f"{r['op'] if i == 0 else '':34s} {name:30s} {s['min_ms']:8.3f} {s['median_ms']:8.3f} "
                   f"{s['max_ms']:8.3f} {s['gbps']:7.0f} {share} {peak} "
-                  f"{s['median_ms'] / first['median_ms']:8.2f}x")
+                  f"{s['median_ms'] / first['median_ms']:8.2f}x "
+                  + (f"{s['max_abs_diff']:11.2e}" if s["max_abs_diff"] is not None else f"{'-':>11s}"))
     if result["gemm"]:
         print(result["gemm"]["op"])
         for name, s in result["gemm"]["variants"].items():
