@@ -29,6 +29,7 @@ from megatron_ext.distributed.distributed_data_parallel import DEFAULT_BUCKET_SI
 from megatron_ext.models import GPTModel
 from megatron_ext.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron_ext.pipeline_parallel import get_forward_backward_func
+from megatron_ext.tensor_parallel.utils import comm_device
 from megatron_ext.transformer import TransformerConfig
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -171,7 +172,7 @@ def device_of(args: argparse.Namespace) -> torch.device:
         raise ValueError(f"--device cuda needs an NCCL process group, this one runs on {backend}")
     if args.device == "cpu" and backend == "nccl":
         raise ValueError("--device cpu needs a gloo process group, this one runs on nccl")
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    return comm_device(dist.group.WORLD)
 
 
 def load_corpus(path: str | None, min_bytes: int) -> torch.Tensor:

@@ -15,6 +15,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from megatron_ext.tensor_parallel.utils import comm_device
+
 
 def _groups(group: dist.ProcessGroup | list[dist.ProcessGroup] | None) -> list[dist.ProcessGroup]:
     if group is None:
@@ -24,9 +26,7 @@ def _groups(group: dist.ProcessGroup | list[dist.ProcessGroup] | None) -> list[d
 
 def _stats_tensor(groups: list[dist.ProcessGroup]) -> torch.Tensor:
     """A float64 accumulator on the device the groups' backend reduces (NCCL: the GPU)."""
-    on_gpu = any(dist.get_backend(g) == "nccl" for g in groups)
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    return torch.zeros(1, dtype=torch.float64, device=device)
+    return torch.zeros(1, dtype=torch.float64, device=comm_device(*groups))
 
 
 def get_grad_norm_fp32(

@@ -32,6 +32,7 @@ from megatron_ext.optimizer.clip_grads import (
 from megatron_ext.optimizer.grad_scaler import MegatronGradScaler
 from megatron_ext.optimizer.optimizer_config import OptimizerConfig
 from megatron_ext.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+from megatron_ext.tensor_parallel.utils import comm_device
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -211,15 +212,13 @@ class MegatronOptimizer:
     def _unscale_and_check_for_inf(self) -> bool:
         """Divides the main gradients by the loss scale; True if any rank saw an inf or NaN."""
         inv_scale = self.grad_scaler.inv_scale
-        found = torch.zeros(1)
+        groups = self.get_grad_stats_parallel_group()
+        found = torch.zeros(1, device=comm_device(*groups))
         for s in self._slots:
             if s.main.grad is not None:
                 s.main.grad.mul_(inv_scale.to(s.main.grad.device, s.main.grad.dtype))
                 if not bool(torch.isfinite(s.main.grad).all()):
                     found.fill_(1.0)
-        groups = self.get_grad_stats_parallel_group()
-        if any(dist.get_backend(g) == "nccl" for g in groups):
-            found = found.cuda()
         for group in groups:
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found.item() > 0)

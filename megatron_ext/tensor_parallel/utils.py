@@ -11,10 +11,10 @@ from megatron_ext import parallel_state
 from megatron_ext._torch_compat import all_gather_single
 
 
-def comm_device(group: dist.ProcessGroup) -> torch.device:
-    """Where a tensor must be for ``group``'s collectives: the current CUDA device under NCCL
-    (which moves CUDA tensors only), else the CPU (gloo)."""
-    if dist.get_backend(group) == "nccl":
+def comm_device(*groups: dist.ProcessGroup) -> torch.device:
+    """Where a tensor must be for the collectives of ``groups``: the current CUDA device when one
+    of them runs on NCCL (which moves CUDA tensors only), else the CPU (gloo)."""
+    if any(dist.get_backend(group) == "nccl" for group in groups):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
