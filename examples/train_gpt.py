@@ -56,7 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="cuda: one GPU per process over NCCL; cpu: gloo; auto: cuda when a GPU is present")
     p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe", "zb-h1", "zb-v"], default="1f1b",
+                   help="zb-h1 / zb-v: the zero-bubble schedules (backward split into input and "
+                        "weight halves); zb-v runs two model chunks per rank in a V")
     p.add_argument("--virtual-pipeline", type=int, default=None,
                    help="model chunks per pipeline stage: the interleaved 1F1B schedule (needs --pp >= 2)")
     p.add_argument("--no-bias-gelu-fusion", action="store_true", help="bias + GeLU as two torch ops, not one kernel")
@@ -114,6 +116,13 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
     if args.layers % args.pp != 0:
         raise ValueError(f"--layers {args.layers} is not divisible by --pp {args.pp}")
+    if args.schedule in ("zb-h1", "zb-v") and args.pp < 2:
+        raise ValueError(f"--schedule {args.schedule} needs --pp >= 2")
+    if args.schedule == "zb-v":
+        if args.virtual_pipeline not in (None, 2):
+            raise ValueError(f"--schedule zb-v runs 2 model chunks per rank, got --virtual-pipeline "
+                             f"{args.virtual_pipeline}")
+        args.virtual_pipeline = 2
     if args.virtual_pipeline is not None:
         if args.virtual_pipeline < 1 or args.pp < 2:
             raise ValueError(f"--virtual-pipeline {args.virtual_pipeline} needs a value >= 1 and --pp >= 2")
@@ -126,6 +135,12 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(
             f"--global-batch-size {args.global_batch_size} is not divisible by "
             f"--micro-batch-size x dp = {args.micro_batch_size} x {args.dp}"
+        )
+    num_microbatches = args.global_batch_size // (args.micro_batch_size * args.dp)
+    if args.schedule == "zb-v" and num_microbatches < 2 * args.pp - 1:
+        raise ValueError(
+            f"--schedule zb-v needs at least 2 x --pp - 1 = {2 * args.pp - 1} micro-batches per step, "
+            f"got --global-batch-size / (--micro-batch-size x dp) = {num_microbatches}"
         )
     if args.vocab_size < BYTE_VOCAB or args.vocab_size % args.tp != 0:
         raise ValueError(f"--vocab-size {args.vocab_size} must be >= {BYTE_VOCAB} and divisible by --tp {args.tp}")
@@ -269,11 +284,15 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
 def global_mean_loss(losses: list[dict[str, torch.Tensor]], device: torch.device | str = "cpu") -> float:
     """The mean loss of the step's global batch, known on every rank."""
     value = torch.zeros(1, dtype=torch.float64, device=device)
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    # The losses are where the last virtual stage is: the last rank, or rank 0 in ZB-V's V.
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=None if vp is None else vp - 1):
         value += torch.stack([d["lm loss"].double() for d in losses]).mean()
         dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
         value /= parallel_state.get_data_parallel_world_size()
-    dist.broadcast(value, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+    v_layout = parallel_state.get_pipeline_model_parallel_layout() == "v"
+    dist.broadcast(value, src=parallel_state.get_pipeline_model_parallel_first_rank() if v_layout
+                   else parallel_state.get_pipeline_model_parallel_last_rank(),
                    group=parallel_state.get_pipeline_model_parallel_group())
     return value.item()
 
@@ -288,7 +307,11 @@ def train(args: argparse.Namespace) -> dict:
         pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline,
         distributed_timeout_minutes=args.timeout / 60,
+        # ZB-V's V: the first and the last stage (both copies of the tied embedding) on rank 0.
+        get_embedding_ranks=(lambda ranks: [ranks[0]]) if args.schedule == "zb-v" else None,
     )
+    if args.schedule == "zb-v":
+        parallel_state.set_pipeline_model_parallel_layout("v")
     try:
         return _train_loop(args, corpus)
     finally:

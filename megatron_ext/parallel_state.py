@@ -40,6 +40,9 @@ _HYBRID_DP_CP_GROUPS: dict[int, dist.ProcessGroup] = {}
 
 _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK: int | None = None
 _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE: int | None = None
+# Which virtual stage model chunk c of pipeline rank r holds: "interleaved" (c * pp + r, as in
+# Megatron-core) or "v" (ZB-V's two chunks: r, then 2 pp - 1 - r).
+_PIPELINE_MODEL_PARALLEL_LAYOUT = "interleaved"
 
 # Overrides set by the set_* functions (Megatron-core keeps these for tests and mocks).
 _OVERRIDES: dict[str, int] = {}
@@ -813,13 +816,41 @@ def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: int | None = 
 
 def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
     """Whether this rank runs the last pipeline stage. With ``ignore_virtual=False`` and a
-    virtual pipeline, also whether ``vp_stage`` is the last model chunk."""
+    virtual pipeline, also whether ``vp_stage`` is the last model chunk (in the V layout the last
+    virtual stage is chunk 1 of pipeline rank 0)."""
     vp_size = get_virtual_pipeline_model_parallel_world_size()
     if not ignore_virtual and vp_size is not None:
         _vp_stage_required(vp_stage)
         if vp_stage != vp_size - 1:
             return False
+        if _PIPELINE_MODEL_PARALLEL_LAYOUT == "v":
+            return get_pipeline_model_parallel_rank() == 0
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def set_pipeline_model_parallel_layout(layout: str) -> None:
+    """Sets which virtual stage each model chunk holds (not in Megatron-core): ``"interleaved"``
+    (chunk c of pipeline rank r holds stage ``c * pp + r``, the default) or ``"v"`` (the ZB-V
+    schedule's two chunks: stage ``r``, then ``2 pp - 1 - r``, so that pipeline rank 0 holds the
+    first and the last stage). Call it after ``initialize_model_parallel`` and before building
+    the model; ``"v"`` needs ``virtual_pipeline_model_parallel_size`` 2. For the V layout pass
+    ``get_embedding_ranks=lambda ranks: [ranks[0]]`` to ``initialize_model_parallel``: both copies
+    of the tied word embedding live on the first pipeline rank."""
+    global _PIPELINE_MODEL_PARALLEL_LAYOUT
+    if layout not in ("interleaved", "v"):
+        raise ValueError(f"the pipeline layout must be 'interleaved' or 'v', got {layout!r}")
+    vp_size = get_virtual_pipeline_model_parallel_world_size()
+    if layout == "v" and vp_size != 2:
+        raise ValueError(
+            f"the V layout needs virtual_pipeline_model_parallel_size 2 (two model chunks per "
+            f"rank), got {vp_size}"
+        )
+    _PIPELINE_MODEL_PARALLEL_LAYOUT = layout
+
+
+def get_pipeline_model_parallel_layout() -> str:
+    """``"interleaved"`` or ``"v"`` (``set_pipeline_model_parallel_layout``)."""
+    return _PIPELINE_MODEL_PARALLEL_LAYOUT
 
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None = None) -> bool:
@@ -831,10 +862,10 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
         return False
     if ignore_virtual:
         return True
-    if rank == ranks[0]:
-        return is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-    if rank == ranks[-1]:
-        return is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if rank in (ranks[0], ranks[-1]):
+        # In the V layout one rank is both: chunk 0 holds the embedding, chunk 1 the copy.
+        return (rank == ranks[0] and is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)) or (
+            rank == ranks[-1] and is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
     return True
 
 
@@ -1118,7 +1149,7 @@ def get_all_ranks() -> str:
 def destroy_model_parallel() -> None:
     """Destroys the groups created by initialize_model_parallel and resets every setting."""
     global _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK, _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
-    global _global_process_group_list
+    global _global_process_group_list, _PIPELINE_MODEL_PARALLEL_LAYOUT
     groups: dict[int, Any] = {}
     for value in [*_GROUPS.values(), *_HYBRID_DP_CP_GROUPS.values()]:
         for g in value if isinstance(value, list) else [value]:
@@ -1132,6 +1163,7 @@ def destroy_model_parallel() -> None:
     _OVERRIDES.clear()
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = None
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
+    _PIPELINE_MODEL_PARALLEL_LAYOUT = "interleaved"
     _global_process_group_list = None
     destroy_global_memory_buffer()
     destroy_global_symmetric_memory_buffer()

@@ -105,6 +105,25 @@ def test_virtual_pipeline_layouts_match_serial(serial_losses):
         _compare(reference, results[0])
 
 
+# --- zero-bubble schedules ------------------------------------------------------------------------
+
+
+def test_zero_bubble_schedules_match_serial(serial_losses):
+    # ZB-H1 (one chunk per rank) and ZB-V (two chunks per rank in a V: rank 0 holds the embedding
+    # and the loss) train to the serial losses, also with sequence parallelism, the distributed
+    # optimizer and recomputation, whose weight gradients all wait for the W halves.
+    zero_bubble = ["zb-h1", "zb-v"]
+    results = run_distributed(4, _layouts_worker, [(2, 2, 1)], ["float64"], zero_bubble, [])
+    for rank_result in results:
+        assert rank_result == results[0]
+    _compare(serial_losses, results[0])
+    dp2 = run_distributed(4, _layouts_worker, [(1, 2, 2)], ["float64"], ["zb-h1"], [])
+    _compare(serial_losses, dp2[0])
+    extra = ["--sequence-parallel", "--use-distributed-optimizer", "--recompute"]
+    combined = run_distributed(4, _layouts_worker, [(2, 2, 1)], ["float64"], zero_bubble, extra)
+    _compare(serial_losses, combined[0])
+
+
 @pytest.mark.parametrize(
     "argv,world,message",
     [
@@ -113,6 +132,11 @@ def test_virtual_pipeline_layouts_match_serial(serial_losses):
         (["--pp", "1", "--virtual-pipeline", "2"], 1, "--virtual-pipeline 2 needs a value >= 1 and --pp >= 2"),
         (["--tp", "2", "--heads", "3", "--hidden", "48"], 2, "--heads 3 is not divisible by --tp 2"),
         (["--pp", "2", "--layers", "3"], 2, "--layers 3 is not divisible by --pp 2"),
+        (["--pp", "1", "--schedule", "zb-h1"], 1, "--schedule zb-h1 needs --pp >= 2"),
+        (["--pp", "2", "--schedule", "zb-v", "--virtual-pipeline", "3", "--layers", "6"], 2,
+         "--schedule zb-v runs 2 model chunks per rank, got --virtual-pipeline 3"),
+        (["--pp", "2", "--schedule", "zb-v", "--global-batch-size", "4"], 2,
+         "--schedule zb-v needs at least 2 x --pp - 1 = 3 micro-batches per step, got"),
         (["--dp", "2", "--global-batch-size", "6", "--micro-batch-size", "2"], 2,
          "--global-batch-size 6 is not divisible by --micro-batch-size x dp = 2 x 2"),
         (["--tp", "2", "--pp", "2", "--dp", "1"], 8, "world size 8 != tp x pp x dp = 2 x 2 x 1"),

@@ -151,7 +151,7 @@ def test_layer_offsets_match_megatron_formula():
     with pytest.raises(ValueError, match="cannot be split equally over the 2 other pipeline stages"):
         layers_per_virtual_stage(SimpleNamespace(num_layers=9, num_layers_in_first_pipeline_stage=2), 3, 1)
     with pytest.raises(ValueError, match="vp_stage must be a model chunk index in \\[0, 2\\)"):
-        tb._virtual_stage(None, 2)
+        tb._virtual_stage(None, 0, 2, 2)
 
 
 # Distributed runs ---------------------------------------------------------------------------

@@ -167,7 +167,9 @@ struct LinearAsyncFunction : public Function<LinearAsyncFunction> {
     if (!grad_output.defined()) return result;
 
     const bool need_input_grad = ctx->needs_input_grad(0);
-    const bool need_weight_grad = ctx->needs_input_grad(1) || fusion;
+    // A backward that asks for the input gradient alone (the zero-bubble schedules' input half)
+    // leaves the weight gradient, main_grad accumulation included, to the weight half.
+    const bool need_weight_grad = ctx->needs_input_grad(1);
     at::Tensor total_input = input;
     std::optional<comm::Pending> gather;
     if (sequence_parallel && need_weight_grad) {
@@ -194,7 +196,7 @@ struct LinearAsyncFunction : public Function<LinearAsyncFunction> {
         const auto weight_var = ctx->saved_data["weight"].toTensor();
         auto main_grad = current_main_grad(weight_var);
         accumulate_weight_grad_(main_grad, grad_output_2d, input_2d);
-        if (ctx->needs_input_grad(1)) result[1] = placeholder_weight_grad(weight_var);
+        result[1] = placeholder_weight_grad(weight_var);
       } else {
         result[1] = grad_output_2d.t().mm(input_2d);
       }

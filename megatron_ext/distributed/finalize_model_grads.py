@@ -70,24 +70,29 @@ def allreduce_embedding_grads(
         return
     if dist.get_rank() not in dist.get_process_group_ranks(embd_group):
         return
-    pp_rank = dist.get_rank(pp_group)
-    if pp_rank == 0:
-        model = model_chunks[0]
-    elif pp_rank == pp_size - 1:
-        model = model_chunks[-1]
-    else:
+    # The first stage's embedding is in this rank's first chunk, the last stage's copy in its last
+    # chunk; in the V layout one rank holds both, whose gradients are summed here first.
+    weights = []
+    for model in dict.fromkeys([model_chunks[0], model_chunks[-1]]):
+        try:  # look through wrappers such as DistributedDataParallel
+            weight = get_attr_wrapped_model(model, "shared_embedding_or_output_weight")()
+        except AttributeError:
+            continue
+        if weight is not None and getattr(weight, "shared_embedding", False):
+            weights.append(weight)
+    if not weights:
         return
-    try:  # look through wrappers such as DistributedDataParallel
-        shared_weight = get_attr_wrapped_model(model, "shared_embedding_or_output_weight")
-    except AttributeError:
-        return
-    weight = shared_weight()
-    if weight is None or not getattr(weight, "shared_embedding", False):
-        return
-    grad = _grad(weight)
-    if grad is None:
-        grad = weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(grad, group=embd_group)
+    grads = []
+    for weight in weights:
+        grad = _grad(weight)
+        if grad is None:
+            grad = weight.grad = torch.zeros_like(weight)
+        grads.append(grad)
+    if len(grads) == 2:
+        grads[0].add_(grads[1])
+    dist.all_reduce(grads[0], group=embd_group)
+    for grad in grads[1:]:
+        grad.copy_(grads[0])
 
 
 def allreduce_layernorm_grads(

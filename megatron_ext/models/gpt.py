@@ -112,9 +112,9 @@ class GPTModel(torch.nn.Module):
                     gather_output=not parallel_output,
                     skip_weight_param_allocation=tied_here,
                 )
-        self._setup_tied_output_weight()
+        self._setup_tied_output_weight(seed, max_sequence_length)
 
-    def _setup_tied_output_weight(self) -> None:
+    def _setup_tied_output_weight(self, seed: int, max_sequence_length: int) -> None:
         """Makes the last stage's copy of the word embedding equal to the first stage's."""
         if not self.share_embeddings_and_output_weights:
             return
@@ -131,6 +131,12 @@ class GPTModel(torch.nn.Module):
         if self.post_process:
             # The copy: counted once in the gradient norm (Megatron's ``shared`` attribute).
             weight.shared = True
+            if parallel_state.get_pipeline_model_parallel_layout() == "v":
+                # The first stage is model chunk 0 of this rank: draw the embedding it draws.
+                with initialization_seed(seed, 0):
+                    first = GPTEmbedding(self.config, self.vocab_size, max_sequence_length)
+                weight.data.copy_(first.word_embeddings.weight.data)
+                return
             weight.data.zero_()
         group = parallel_state.get_embedding_group()
         device = comm_device(group)  # the model may still be on the CPU when NCCL moves CUDA tensors

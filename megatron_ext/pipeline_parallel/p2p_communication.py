@@ -343,6 +343,30 @@ class P2PCommunicator:
         )
         return (received, reqs) if overlap_p2p_comm else received
 
+    def exchange(
+        self,
+        send_next: torch.Tensor | None,
+        send_prev: torch.Tensor | None,
+        recv_prev: bool,
+        recv_next: bool,
+        tensor_shape: Shape | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[Any]]:
+        """Sends to and receives from both neighbours, waiting for the receives only: returns
+        ``(from prev, from next, pending send requests)``. The caller keeps the requests (and so
+        the sent tensors) and waits for them before it relies on the sends having completed; a
+        rank that sends does not wait for its neighbour to be ready to receive."""
+        received_prev, received_next, reqs = self._communicate(
+            tensor_send_next=send_next, tensor_send_prev=send_prev, recv_prev=recv_prev,
+            recv_next=recv_next, tensor_shape=tensor_shape, wait_on_reqs=False,
+        )
+        pending = []
+        for name, req in (reqs or {}).items():
+            if name.startswith("recv"):
+                req.wait()
+            else:
+                pending.append(req)
+        return received_prev, received_next, pending
+
     def send_forward_backward_recv_forward_backward(
         self,
         output_tensor: torch.Tensor | None,

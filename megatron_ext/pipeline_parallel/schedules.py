@@ -1,4 +1,5 @@
-"""Forward-backward schedules over micro-batches: no pipelining, GPipe, 1F1B and interleaved 1F1B.
+"""Forward-backward schedules over micro-batches: no pipelining, GPipe, 1F1B, interleaved 1F1B,
+ZB-H1 and ZB-V.
 
 Every schedule is called with Megatron-core's keywords::
 
@@ -38,14 +39,14 @@ chunks, ``config.param_sync_func[c](chunk.parameters())`` is called before chunk
 (neither in forward-only runs). ``config.grad_scale_func`` scales the loss before its backward;
 ``config.deallocate_pipeline_outputs`` frees each sent activation's data, keeping only its graph.
 
-How the schedules are built: each is one ordered table per pipeline rank of
-``(FORWARD | BACKWARD, microbatch, chunk)`` entries (``schedule_table``), run by one runner
-(``run_schedule``). The runner places every rank's entries on a common clock, each entry at the
-first tick where its inputs exist (an activation or gradient made on another rank at an earlier
-tick), and exchanges what each tick produced with one batched send/receive between neighbours.
-Every rank computes every rank's table, so each knows what its neighbours send at each tick:
-sends and receives always pair up, with no deadlock, on gloo and NCCL. A new schedule is a new
-table.
+How the schedules are built: each is one ordered table per pipeline rank of typed actions
+(``schedule_tables``: ``F``, ``B``, and a backward split into ``I`` and ``W``), run by one runner
+(``run_schedule``). The runner places every rank's actions on a common clock (``plan_schedule``),
+each at the first tick where its inputs exist, and exchanges what each tick produced with its
+neighbours. Every rank computes every rank's table, so each knows what its neighbours send at
+each tick: sends and receives always pair up, with no deadlock, on gloo and NCCL. A new schedule
+is a new table. The zero-bubble schedules (``zb-h1``, ``zb-v``) split each backward with
+``split_backward``.
 """
 
 from __future__ import annotations
@@ -56,17 +57,36 @@ from typing import Any, Callable, Iterator, Sequence, Union
 import torch
 
 from megatron_ext import parallel_state
-from megatron_ext.pipeline_parallel import p2p_communication as p2p
 from megatron_ext.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron_ext.pipeline_parallel.schedule_tables import (  # noqa: F401  (re-exported)
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    Action,
+    ActionKind,
+    ScheduleEntry,
+    format_pipeline_order,
+    get_schedule_table,
+    gpipe_table,
+    interleaved_table,
+    no_pipelining_table,
+    one_f_one_b_table,
+    plan_schedule,
+    schedule_table,
+    stage_location,
+    virtual_stage,
+    zbv_table,
+    zero_bubble_h1_table,
+    _require_positive_int,
+)
+from megatron_ext.pipeline_parallel.split_backward import backward_input, backward_weight
 from megatron_ext.process_groups_config import ProcessGroupCollection
 
 ForwardStepFunc = Callable[..., tuple[torch.Tensor, Callable[..., tuple]]]
 Shape = Union[list[int], torch.Size]
 
-FORWARD, BACKWARD = "forward", "backward"
-ScheduleEntry = tuple[str, int, int]  # (FORWARD | BACKWARD, microbatch, model chunk)
-
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "no_pipelining")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "no_pipelining", "zb-h1", "zb-v")
 
 
 def get_forward_backward_func(
@@ -80,7 +100,9 @@ def get_forward_backward_func(
     with a virtual pipeline size, else ``forward_backward_pipelining_without_interleaving`` (1F1B).
 
     ``schedule`` (keyword, not in Megatron-core) picks one by name: ``"1f1b"``, ``"gpipe"``
-    (``forward_backward_pipelining_gpipe``), ``"interleaved"`` or ``"no_pipelining"``.
+    (``forward_backward_pipelining_gpipe``), ``"interleaved"``, ``"no_pipelining"``, ``"zb-h1"``
+    (``forward_backward_pipelining_zero_bubble_h1``) or ``"zb-v"``
+    (``forward_backward_pipelining_zbv``).
     """
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES} or None, got {schedule!r}")
@@ -96,12 +118,19 @@ def get_forward_backward_func(
         return forward_backward_no_pipelining
     if schedule == "gpipe":
         return forward_backward_pipelining_gpipe
+    if schedule == "zb-h1":
+        return forward_backward_pipelining_zero_bubble_h1
+    if schedule == "zb-v":
+        return forward_backward_pipelining_zbv
+    v_layout = parallel_state.get_pipeline_model_parallel_layout() == "v"
+    if schedule is None and vp_size is not None and v_layout:
+        return forward_backward_pipelining_zbv
     if schedule == "interleaved" or (schedule is None and vp_size is not None):
         return forward_backward_pipelining_with_interleaving
     return forward_backward_pipelining_without_interleaving
 
 
-# Schedule tables ---------------------------------------------------------------------------
+# Megatron-core's warm-up arithmetic -----------------------------------------------------------
 
 
 def get_pp_rank_microbatches(
@@ -147,165 +176,6 @@ def get_pp_rank_microbatches(
     return total, all_in_warmup, num_warmup, total - num_warmup
 
 
-def get_schedule_table(
-    num_microbatches: int, num_model_chunks: int, microbatch_group_size_per_vp_stage: int
-) -> list[tuple[int, int]]:
-    """The forward order of the interleaved schedule, as Megatron-core builds it: a list of
-    ``(microbatch, chunk)``. Micro-batches go in groups of ``microbatch_group_size_per_vp_stage``
-    (the last group takes the rest); each group runs through chunk 0, then chunk 1, ...
-
-    For 5 micro-batches, 2 chunks and groups of 3:
-    ``[(0,0), (1,0), (2,0), (0,1), (1,1), (2,1), (3,0), (4,0), (3,1), (4,1)]``.
-    """
-    _require_positive_int("microbatch_group_size_per_vp_stage", microbatch_group_size_per_vp_stage)
-    table = []
-    for first in range(0, num_microbatches, microbatch_group_size_per_vp_stage):
-        last = first + microbatch_group_size_per_vp_stage
-        if last >= num_microbatches:
-            last = num_microbatches
-        table.extend((mb, chunk) for chunk in range(num_model_chunks) for mb in range(first, last))
-    return table
-
-
-def schedule_table(
-    forward_order: Sequence[tuple[int, int]],
-    num_warmup: int,
-    forward_only: bool = False,
-    num_model_chunks: int = 1,
-) -> list[ScheduleEntry]:
-    """One rank's ordered table: ``num_warmup`` forwards, then one forward and one backward in
-    turn, then the remaining backwards.
-
-    Forwards follow ``forward_order`` (``(microbatch, chunk)`` pairs); backwards follow it too with
-    the chunks reversed (the backward of a micro-batch goes through the chunks last to first).
-    Forward-only tables hold the forwards alone.
-    """
-    forwards = [(FORWARD, mb, chunk) for mb, chunk in forward_order]
-    if forward_only:
-        return forwards
-    backwards = [(BACKWARD, mb, num_model_chunks - 1 - chunk) for mb, chunk in forward_order]
-    num_warmup = min(num_warmup, len(forwards))
-    table = forwards[:num_warmup]
-    for i in range(len(forwards) - num_warmup):
-        table += [forwards[num_warmup + i], backwards[i]]
-    return table + backwards[len(forwards) - num_warmup:]
-
-
-def no_pipelining_table(num_microbatches: int, forward_only: bool = False) -> list[ScheduleEntry]:
-    """One stage: the forward and backward of each micro-batch in turn."""
-    return schedule_table([(mb, 0) for mb in range(num_microbatches)], 0, forward_only)
-
-
-def gpipe_table(
-    num_microbatches: int, forward_only: bool = False, num_model_chunks: int = 1,
-    microbatch_group_size_per_vp_stage: int | None = None,
-) -> list[ScheduleEntry]:
-    """GPipe: every forward, then every backward (the same on every rank)."""
-    group = microbatch_group_size_per_vp_stage or num_microbatches
-    order = get_schedule_table(num_microbatches, num_model_chunks, group)
-    return schedule_table(order, len(order), forward_only, num_model_chunks)
-
-
-def one_f_one_b_table(
-    num_microbatches: int, pp_size: int, pp_rank: int, forward_only: bool = False
-) -> list[ScheduleEntry]:
-    """1F1B (PipeDream-Flush): stage r warms up with ``min(pp - r - 1, m)`` forwards."""
-    order = [(mb, 0) for mb in range(num_microbatches)]
-    return schedule_table(order, min(pp_size - pp_rank - 1, num_microbatches), forward_only)
-
-
-def interleaved_table(
-    num_microbatches: int,
-    num_model_chunks: int,
-    microbatch_group_size_per_vp_stage: int,
-    pp_size: int,
-    pp_rank: int,
-    forward_only: bool = False,
-) -> list[ScheduleEntry]:
-    """Interleaved 1F1B: forwards in ``get_schedule_table`` order, Megatron-core's warm-up count
-    ``2 (pp - r - 1) + (v - 1) g`` on rank r."""
-    order = get_schedule_table(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage)
-    num_warmup = 2 * (pp_size - pp_rank - 1) + (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
-    return schedule_table(order, num_warmup, forward_only, num_model_chunks)
-
-
-def plan_schedule(tables: Sequence[Sequence[ScheduleEntry]], num_model_chunks: int = 1) -> list[list]:
-    """Places every rank's table on a common clock.
-
-    ``tables[r]`` is pipeline rank r's table; chunk c of rank r is virtual stage ``c * pp + r``.
-    A forward needs the previous virtual stage's forward of its micro-batch; a backward needs its
-    own forward and the next virtual stage's backward. Each rank runs its entries in order, one
-    per tick, each at the first tick after its inputs were made elsewhere. Returns, per rank,
-    the entry (or None: idle) at every tick; all ranks have the same number of ticks. Raises
-    ValueError if a table lacks or repeats an entry, or orders them so that ranks wait for each
-    other forever.
-    """
-    pp_size = len(tables)
-    num_stages = pp_size * num_model_chunks
-    _check_tables(tables, num_model_chunks)
-    done: dict[tuple[str, int, int], int] = {}
-
-    def finished(kind: str, mb: int, stage: int, tick: int) -> bool:
-        t = done.get((kind, mb, stage))
-        return t is not None and t < tick
-
-    position = [0] * pp_size
-    plan: list[list] = [[] for _ in range(pp_size)]
-    tick = 0
-    while any(position[r] < len(tables[r]) for r in range(pp_size)):
-        ran = []
-        for r in range(pp_size):
-            entry = tables[r][position[r]] if position[r] < len(tables[r]) else None
-            if entry is not None:
-                kind, mb, chunk = entry
-                stage = chunk * pp_size + r
-                if kind == FORWARD:
-                    ready = stage == 0 or finished(FORWARD, mb, stage - 1, tick)
-                else:
-                    ready = finished(FORWARD, mb, stage, tick) and (
-                        stage == num_stages - 1 or finished(BACKWARD, mb, stage + 1, tick)
-                    )
-                if not ready:
-                    entry = None
-            plan[r].append(entry)
-            if entry is not None:
-                ran.append((r, entry))
-        if not ran:
-            waiting = {r: tables[r][position[r]] for r in range(pp_size) if position[r] < len(tables[r])}
-            raise ValueError(
-                f"the schedule tables wait for each other forever; next entries per rank: {waiting}"
-            )
-        for r, (kind, mb, chunk) in ran:
-            done[(kind, mb, chunk * pp_size + r)] = tick
-            position[r] += 1
-        tick += 1
-    return plan
-
-
-def _check_tables(tables: Sequence[Sequence[ScheduleEntry]], num_model_chunks: int) -> None:
-    forwards = {}
-    for r, table in enumerate(tables):
-        seen: dict[ScheduleEntry, int] = {}
-        for entry in table:
-            if (
-                not isinstance(entry, tuple) or len(entry) != 3 or entry[0] not in (FORWARD, BACKWARD)
-                or not 0 <= entry[2] < num_model_chunks
-            ):
-                raise ValueError(
-                    f"rank {r}: schedule entry {entry!r} is not (FORWARD | BACKWARD, microbatch, "
-                    f"chunk < {num_model_chunks})"
-                )
-            if entry in seen:
-                raise ValueError(f"rank {r}: schedule entry {entry!r} appears twice")
-            seen[entry] = 1
-        forwards[r] = {(mb, c) for kind, mb, c in table if kind == FORWARD}
-        backwards = {(mb, c) for kind, mb, c in table if kind == BACKWARD}
-        if backwards and backwards != forwards[r]:
-            raise ValueError(f"rank {r}: the backward entries do not match the forward entries")
-    if len({frozenset(f) for f in forwards.values()}) > 1:
-        raise ValueError("the ranks' tables run different (microbatch, chunk) forwards")
-
-
 # Set-up shared by the schedules ------------------------------------------------------------
 
 
@@ -332,11 +202,6 @@ def get_attr_wrapped_model(model: torch.nn.Module, attr: str) -> Any:
 def get_model_config(model: torch.nn.Module) -> Any:
     """The ``config`` of a model, looking through wrappers."""
     return get_attr_wrapped_model(model, "config")
-
-
-def _require_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def _as_chunks(name: str, value: Any, many: bool, need_list: bool = False) -> list:
@@ -710,6 +575,12 @@ def _deallocates(config: Any) -> bool:
     return bool(getattr(config, "deallocate_pipeline_outputs", False))
 
 
+_DISCONNECTED = (
+    "this stage's output does not depend on the activation received from the previous stage: "
+    "the model must compute from the tensor given to set_input_tensor"
+)
+
+
 def backward_step(
     input_tensor: torch.Tensor | list | None,
     output_tensor: torch.Tensor | list,
@@ -739,10 +610,7 @@ def backward_step(
         grads = []
         for x in inputs:
             if x is not None and x.grad is None and output.requires_grad:
-                raise RuntimeError(
-                    "this stage's output does not depend on the activation received from the "
-                    "previous stage: the model must compute from the tensor given to set_input_tensor"
-                )
+                raise RuntimeError(_DISCONNECTED)
             grads.append(None if x is None else x.grad)
         return grads[0] if unwrap else grads
 
@@ -782,8 +650,208 @@ def _per_chunk(config: Any, name: str, num_chunks: int) -> list[Callable] | None
 # The runner --------------------------------------------------------------------------------
 
 
+class _RankRun:
+    """This rank's run of its table: the work of each action kind, the gradient-sync hooks around
+    the backwards, and the exchange with the neighbours after each tick of the plan."""
+
+    def __init__(
+        self, tables, *, layout, forward_step_func, data_iterators, model_chunks, num_microbatches,
+        config, tensor_shape, p2p_communicator, cp_group_size, forward_only, collect_non_loss_data,
+        first_val_step,
+    ) -> None:
+        self.pp_size = 1 if p2p_communicator is None else p2p_communicator.pp_group.size()
+        self.pp_rank = 0 if p2p_communicator is None else p2p_communicator.pp_group.rank()
+        if len(tables) != self.pp_size:
+            raise ValueError(f"got {len(tables)} schedule tables for a pipeline of {self.pp_size} stages")
+        self.num_chunks = len(model_chunks)
+        self.num_stages = self.pp_size * self.num_chunks
+        self.layout = layout
+        self.plan = plan_schedule(tables, self.num_chunks, layout)
+        self.table = [a for a in self.plan[self.pp_rank] if a is not None]
+        self.forward_step_func, self.data_iterators = forward_step_func, data_iterators
+        self.model_chunks, self.num_microbatches, self.config = model_chunks, num_microbatches, config
+        self.tensor_shape, self.p2p = tensor_shape, p2p_communicator
+        self.cp_group_size, self.forward_only = cp_group_size, forward_only
+        self.collect_non_loss_data, self.first_val_step = collect_non_loss_data, first_val_step
+
+        forwards = [(a.microbatch, a.chunk) for a in self.table if a.kind == FORWARD]
+        self.first_forward = {c: mb for mb, c in reversed(forwards)}
+        # The action after which a chunk's weight gradients are complete: its last B or W.
+        self.last_weight_grad = {a.chunk: a.microbatch for a in self.table
+                                 if a.kind in (BACKWARD, BACKWARD_WEIGHT)}
+        # Megatron-core's partial activation checkpointing window: the warm-up plus one.
+        self.partial = getattr(config, "num_microbatches_with_partial_activation_checkpoints", None)
+        self.window = None
+        if self.partial is not None:
+            warmup = next((i for i, a in enumerate(self.table) if a.kind != FORWARD), len(forwards))
+            self.window = warmup + 1
+        self.store: list = []
+        self.total_tokens = 0
+        self.num_forwards = 0
+        self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.in_flight: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.deferred: dict[tuple[int, int], Any] = {}
+        # Sends are not waited for when posted (a rank goes on with its next action while its
+        # neighbour finishes its own); all are waited for before the schedule returns.
+        self.pending_sends: list[Any] = []
+        self.sync = _GradSync(config)
+        self.grad_sync = None if forward_only else _per_chunk(config, "grad_sync_func", self.num_chunks)
+        self.param_sync = (None if forward_only or self.num_chunks == 1
+                           else _per_chunk(config, "param_sync_func", self.num_chunks))
+
+    def stage(self, chunk: int, rank: int | None = None) -> int:
+        return virtual_stage(self.pp_rank if rank is None else rank, chunk, self.pp_size, self.layout)
+
+    def run(self) -> tuple[list, int]:
+        self.sync.disable()
+        try:
+            for tick, action in enumerate(self.plan[self.pp_rank]):
+                produced = None
+                if action is not None:
+                    produced = self.ACTIONS[action.kind](self, action.microbatch, action.chunk)
+                self.exchange(tick, action, produced)
+            for send in self.pending_sends:
+                send.wait()
+        finally:
+            self.sync.enable()
+        return self.store, self.total_tokens
+
+    # The work of each kind -----------------------------------------------------------------
+
+    def forward(self, mb: int, chunk: int) -> torch.Tensor | None:
+        """Runs F; returns the activation for the next stage (None on the last)."""
+        s = self.stage(chunk)
+        if self.param_sync is not None and self.first_forward[chunk] == mb:
+            self.param_sync[chunk](self.model_chunks[chunk].parameters())
+        input_tensor = self.inputs.pop((mb, chunk)) if s > 0 else None
+        checkpoint = None if self.window is None else (self.num_forwards % self.window >= self.partial)
+        self.num_forwards += 1
+        output_tensor, num_tokens = forward_step(
+            self.forward_step_func, self.data_iterators[chunk], self.model_chunks[chunk],
+            self.num_microbatches, input_tensor, self.store, self.config, self.cp_group_size,
+            self.collect_non_loss_data, checkpoint,
+            is_first_microbatch=check_first_val_step(
+                self.first_val_step, self.forward_only, self.first_forward[chunk] == mb),
+            current_microbatch=mb, vp_stage=chunk if self.num_chunks > 1 else None,
+            is_last_stage=s == self.num_stages - 1,
+        )
+        self.total_tokens += int(num_tokens)
+        if not self.forward_only:
+            self.in_flight[(mb, chunk)] = (input_tensor, output_tensor)
+        if s == self.num_stages - 1:
+            return None
+        _check_output(output_tensor, self.tensor_shape, self.config,
+                      f"pipeline rank {self.pp_rank} chunk {chunk}")
+        return output_tensor
+
+    def backward(self, mb: int, chunk: int) -> torch.Tensor | None:
+        """Runs B; returns the gradient for the previous stage (None on the first)."""
+        input_tensor, output_tensor = self.in_flight.pop((mb, chunk))
+        with self.grad_sync_around(mb, chunk):
+            input_grad = backward_step(input_tensor, output_tensor, self.output_grad(mb, chunk), None,
+                                       self.config)
+        return input_grad if self.stage(chunk) > 0 else None
+
+    def backward_input(self, mb: int, chunk: int) -> torch.Tensor | None:
+        """Runs I: the input gradient only, the weight gradients deferred to W."""
+        input_tensor, output_tensor = self.in_flight.pop((mb, chunk))
+        output_grad = self.output_grad(mb, chunk)
+        grad_scale_func = getattr(self.config, "grad_scale_func", None)
+        if output_grad is None and grad_scale_func is not None:
+            output_tensor = grad_scale_func(output_tensor)
+        with _timed(self.config, "backward-compute", 2):
+            (input_grad,), self.deferred[(mb, chunk)] = backward_input(
+                [output_tensor], [output_grad], [input_tensor])
+        if input_tensor is not None and input_grad is None and output_tensor.requires_grad:
+            raise RuntimeError(_DISCONNECTED)
+        return input_grad if self.stage(chunk) > 0 else None
+
+    def backward_weight(self, mb: int, chunk: int) -> None:
+        """Runs W: the weight gradients that I deferred, with the gradient-sync hooks."""
+        with self.grad_sync_around(mb, chunk), _timed(self.config, "backward-compute", 2):
+            backward_weight(self.deferred.pop((mb, chunk)))
+
+    ACTIONS = {FORWARD: forward, BACKWARD: backward, BACKWARD_INPUT: backward_input,
+               BACKWARD_WEIGHT: backward_weight}
+
+    def output_grad(self, mb: int, chunk: int) -> torch.Tensor | None:
+        return self.grads.pop((mb, chunk)) if self.stage(chunk) < self.num_stages - 1 else None
+
+    @contextlib.contextmanager
+    def grad_sync_around(self, mb: int, chunk: int):
+        """Gradients are reduced only by a chunk's last weight-gradient action (B or W): every
+        other runs inside ``no_sync``. A custom ``grad_sync_func`` starts the chunk's reduction
+        after that action instead, as in Megatron-core."""
+        last = self.last_weight_grad[chunk] == mb
+        if last and self.grad_sync is None:
+            self.sync.enable()
+        yield
+        if last and self.grad_sync is not None:
+            self.sync.enable()
+            self.grad_sync[chunk](self.model_chunks[chunk].parameters())
+        self.sync.disable()
+
+    # The exchange --------------------------------------------------------------------------
+
+    def destination(self, rank: int, action: Action | None) -> tuple[int, int, bool] | None:
+        """Where what ``action`` of ``rank`` makes goes: ``(rank, chunk, is_activation)``."""
+        if action is None or action.kind == BACKWARD_WEIGHT:
+            return None
+        s = virtual_stage(rank, action.chunk, self.pp_size, self.layout)
+        if action.kind == FORWARD:
+            if s == self.num_stages - 1:
+                return None
+            return (*stage_location(s + 1, self.pp_size, self.layout), True)
+        if s == 0:
+            return None
+        return (*stage_location(s - 1, self.pp_size, self.layout), False)
+
+    def exchange(self, tick: int, action: Action | None, produced: torch.Tensor | None) -> None:
+        """Hands on what this tick made and receives what the neighbours made for this rank."""
+        send_next = send_prev = None
+        sent_activation = None
+        dest = self.destination(self.pp_rank, action)
+        if dest is not None and produced is not None:
+            rank, chunk, is_activation = dest
+            if rank == self.pp_rank:
+                self.keep(action.microbatch, chunk, is_activation, produced)
+            else:
+                if rank == (self.pp_rank + 1) % self.pp_size:
+                    send_next = produced
+                else:
+                    send_prev = produced
+                if is_activation:
+                    sent_activation = produced
+        incoming: dict[str, tuple[int, int, int, bool]] = {}
+        for side, rank in (("prev", (self.pp_rank - 1) % self.pp_size),
+                           ("next", (self.pp_rank + 1) % self.pp_size)):
+            if rank == self.pp_rank or any(rank == r for r, *_ in incoming.values()):
+                continue  # one stage; or two, where the previous and the next rank are one
+            neighbour = self.plan[rank][tick]
+            where = self.destination(rank, neighbour)
+            if where is not None and where[0] == self.pp_rank:
+                incoming[side] = (rank, neighbour.microbatch, where[1], where[2])
+        if send_next is not None or send_prev is not None or incoming:
+            from_prev, from_next, sends = self.p2p.exchange(
+                send_next, send_prev, "prev" in incoming, "next" in incoming, self.tensor_shape)
+            self.pending_sends += sends
+            for side, tensor in (("prev", from_prev), ("next", from_next)):
+                if side in incoming:
+                    _, mb, chunk, is_activation = incoming[side]
+                    self.keep(mb, chunk, is_activation, tensor)
+        if sent_activation is not None and not self.forward_only:
+            deallocate_output_tensor(sent_activation, _deallocates(self.config))
+
+    def keep(self, mb: int, chunk: int, is_activation: bool, tensor: torch.Tensor) -> None:
+        if is_activation:
+            self.inputs[(mb, chunk)] = tensor.detach().requires_grad_()
+        else:
+            self.grads[(mb, chunk)] = tensor.detach()
+
+
 def run_schedule(
-    tables: Sequence[Sequence[ScheduleEntry]],
+    tables: Sequence[Sequence[Action]],
     *,
     forward_step_func: ForwardStepFunc,
     data_iterators: list,
@@ -796,120 +864,23 @@ def run_schedule(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: bool | None = None,
+    layout: str = "interleaved",
 ) -> tuple[list, int]:
     """Runs this rank's table (``tables[pp_rank]``) against its neighbours'.
 
     ``tables`` holds the table of every rank of the pipeline group (``p2p_communicator.pp_group``;
-    one table and no communicator for a single stage). Returns ``(forward_data_store,
-    total_num_tokens)``.
+    one table and no communicator for a single stage); ``layout`` maps model chunks to virtual
+    stages (``schedule_tables.virtual_stage``). Every rank plans every rank's table
+    (``plan_schedule``), so each knows what its neighbours send at each tick: sends and receives
+    always pair up. Returns ``(forward_data_store, total_num_tokens)``.
     """
-    pp_size = 1 if p2p_communicator is None else p2p_communicator.pp_group.size()
-    pp_rank = 0 if p2p_communicator is None else p2p_communicator.pp_group.rank()
-    if len(tables) != pp_size:
-        raise ValueError(f"got {len(tables)} schedule tables for a pipeline of {pp_size} stages")
-    num_chunks = len(model_chunks)
-    num_stages = pp_size * num_chunks
-    plan = plan_schedule(tables, num_chunks)
-    mine, prev_plan, next_plan = plan[pp_rank], plan[(pp_rank - 1) % pp_size], plan[(pp_rank + 1) % pp_size]
-
-    def stage(chunk: int, rank: int = pp_rank) -> int:
-        return chunk * pp_size + rank
-
-    forwards = [(mb, c) for kind, mb, c in tables[pp_rank] if kind == FORWARD]
-    first_forward = {c: mb for mb, c in reversed(forwards)}
-    last_backward = {c: mb for kind, mb, c in tables[pp_rank] if kind == BACKWARD}
-    # Megatron-core's partial activation checkpointing window: the warm-up plus one.
-    partial = getattr(config, "num_microbatches_with_partial_activation_checkpoints", None)
-    window = None
-    if partial is not None:
-        num_warmup = next((i for i, e in enumerate(tables[pp_rank]) if e[0] == BACKWARD), len(forwards))
-        window = num_warmup + 1
-
-    store: list = []
-    total_tokens = 0
-    inputs: dict[tuple[int, int], torch.Tensor | None] = {}
-    grads: dict[tuple[int, int], torch.Tensor] = {}
-    in_flight: dict[tuple[int, int], tuple[Any, Any]] = {}
-    sync = _GradSync(config)
-    grad_sync = None if forward_only else _per_chunk(config, "grad_sync_func", num_chunks)
-    param_sync = None if forward_only or num_chunks == 1 else _per_chunk(config, "param_sync_func", num_chunks)
-    num_forwards = 0
-    sync.disable()
-    try:
-        for tick, entry in enumerate(mine):
-            send_next = send_prev = None
-            if entry is not None:
-                kind, mb, chunk = entry
-                s = stage(chunk)
-                if kind == FORWARD:
-                    if param_sync is not None and first_forward[chunk] == mb:
-                        param_sync[chunk](model_chunks[chunk].parameters())
-                    input_tensor = inputs.pop((mb, chunk)) if s > 0 else None
-                    checkpoint = None if window is None else (num_forwards % window >= partial)
-                    num_forwards += 1
-                    output_tensor, num_tokens = forward_step(
-                        forward_step_func, data_iterators[chunk], model_chunks[chunk],
-                        num_microbatches, input_tensor, store, config, cp_group_size,
-                        collect_non_loss_data, checkpoint,
-                        is_first_microbatch=check_first_val_step(
-                            first_val_step, forward_only, first_forward[chunk] == mb
-                        ),
-                        current_microbatch=mb, vp_stage=chunk if num_chunks > 1 else None,
-                        is_last_stage=s == num_stages - 1,
-                    )
-                    total_tokens += int(num_tokens)
-                    if s < num_stages - 1:
-                        _check_output(output_tensor, tensor_shape, config,
-                                      f"pipeline rank {pp_rank} chunk {chunk}")
-                        if pp_size == 1:  # the next chunk is on this rank
-                            inputs[(mb, chunk + 1)] = output_tensor.detach().requires_grad_()
-                        else:
-                            send_next = output_tensor
-                    if not forward_only:
-                        in_flight[(mb, chunk)] = (input_tensor, output_tensor)
-                else:
-                    input_tensor, output_tensor = in_flight.pop((mb, chunk))
-                    output_grad = grads.pop((mb, chunk)) if s < num_stages - 1 else None
-                    last = last_backward[chunk] == mb
-                    if last and grad_sync is None:
-                        sync.enable()
-                    input_grad = backward_step(input_tensor, output_tensor, output_grad, None, config)
-                    if last and grad_sync is not None:
-                        # Megatron-core: a custom grad_sync_func starts the chunk's reduction
-                        # after its last backward, which ran inside no_sync.
-                        sync.enable()
-                        grad_sync[chunk](model_chunks[chunk].parameters())
-                    sync.disable()
-                    if s > 0:
-                        if pp_size == 1:
-                            grads[(mb, chunk - 1)] = input_grad
-                        else:
-                            send_prev = input_grad
-            # What the neighbours send this tick (every rank knows every rank's plan).
-            from_prev = prev_plan[tick] if pp_size > 1 else None
-            from_next = next_plan[tick] if pp_size > 1 else None
-            recv_prev = (
-                from_prev is not None and from_prev[0] == FORWARD
-                and stage(from_prev[2], (pp_rank - 1) % pp_size) < num_stages - 1
-            )
-            recv_next = (
-                from_next is not None and from_next[0] == BACKWARD
-                and stage(from_next[2], (pp_rank + 1) % pp_size) > 0
-            )
-            if send_next is not None or send_prev is not None or recv_prev or recv_next:
-                activation, grad = p2p_communicator.send_forward_backward_recv_forward_backward(
-                    send_next, send_prev, recv_prev, recv_next, tensor_shape
-                )
-                if recv_prev:
-                    # Rank p - 1's chunk c feeds rank 0's chunk c + 1.
-                    inputs[(from_prev[1], from_prev[2] + (pp_rank == 0))] = activation
-                if recv_next:
-                    grads[(from_next[1], from_next[2] - (pp_rank == pp_size - 1))] = grad
-            if send_next is not None and not forward_only:
-                deallocate_output_tensor(send_next, _deallocates(config))
-    finally:
-        sync.enable()
-    return store, total_tokens
+    return _RankRun(
+        tables, layout=layout, forward_step_func=forward_step_func, data_iterators=data_iterators,
+        model_chunks=model_chunks, num_microbatches=num_microbatches, config=config,
+        tensor_shape=tensor_shape, p2p_communicator=p2p_communicator, cp_group_size=cp_group_size,
+        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step,
+    ).run()
 
 
 # The schedules -----------------------------------------------------------------------------
@@ -983,13 +954,16 @@ def _pipelined(
     before any of them communicates."""
     _require_initialized()
     _common_checks(num_microbatches, forward_only, collect_non_loss_data)
-    interleaved = kind == "interleaved"
+    interleaved = kind in ("interleaved", "zb-v")
     chunks = _as_chunks("model", model, many=interleaved or kind == "gpipe", need_list=interleaved)
+    if kind == "zb-v" and len(chunks) != 2:
+        raise ValueError(f"the zb-v schedule runs 2 model chunks per rank (a V: chunk 0 is stage "
+                         f"rank, chunk 1 stage 2 * pp - 1 - rank), got {len(chunks)}")
     if isinstance(data_iterator, list) or interleaved:
         iterators = _as_chunks("data_iterator", data_iterator, many=True, need_list=interleaved)
         if interleaved and len(iterators) != len(chunks):
             raise ValueError(
-                f"the interleaved schedule needs one data iterator per model chunk: got "
+                f"the {kind} schedule needs one data iterator per model chunk: got "
                 f"{len(iterators)} for {len(chunks)} chunks"
             )
         iterators = iterators * len(chunks) if len(iterators) == 1 else iterators
@@ -999,6 +973,13 @@ def _pipelined(
         raise ValueError(f"got {len(iterators)} data iterators for {len(chunks)} model chunks")
     if adjust_tensor_shapes_fn is not None:
         raise ValueError("adjust_tensor_shapes_fn is not supported: every stage sends [s, b, h]")
+    layout = parallel_state.get_pipeline_model_parallel_layout()
+    if kind == "zb-v" and layout != "v" and parallel_state.get_virtual_pipeline_model_parallel_world_size():
+        raise ValueError("the zb-v schedule runs model chunks built in the V layout: call "
+                         "parallel_state.set_pipeline_model_parallel_layout('v') before building the model")
+    if kind != "zb-v" and layout == "v":
+        raise ValueError(f"parallel_state's pipeline layout is 'v' (ZB-V's): the {kind} schedule runs "
+                         "model chunks built in the interleaved layout")
     config = _config_of(chunks[0])
     if getattr(config, "overlap_p2p_comm", False):
         raise ValueError("config.overlap_p2p_comm=True is not supported: the schedules wait for "
@@ -1037,6 +1018,10 @@ def _pipelined(
     elif kind == "gpipe":
         group = getattr(config, "microbatch_group_size_per_vp_stage", None)
         tables = [gpipe_table(num_microbatches, forward_only, num_chunks, group)] * pp_size
+    elif kind == "zb-h1":
+        tables = [zero_bubble_h1_table(num_microbatches, pp_size, r, forward_only) for r in range(pp_size)]
+    elif kind == "zb-v":
+        tables = [zbv_table(num_microbatches, pp_size, r, forward_only) for r in range(pp_size)]
     else:
         tables = [one_f_one_b_table(num_microbatches, pp_size, r, forward_only) for r in range(pp_size)]
 
@@ -1047,6 +1032,7 @@ def _pipelined(
             tensor_shape=shape, p2p_communicator=communicator,
             cp_group_size=_group_size(pgs.cp), forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+            layout="v" if kind == "zb-v" else "interleaved",
         )
         _finalize(chunks, config, forward_only, total_tokens, pg_collection, force_all_reduce)
     return store
@@ -1153,4 +1139,68 @@ def forward_backward_pipelining_with_interleaving(
         collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
         adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
         pg_collection=pg_collection, force_all_reduce=force_all_reduce,
+    )
+
+
+def forward_backward_pipelining_zero_bubble_h1(
+    *,
+    forward_step_func: ForwardStepFunc,
+    data_iterator: Iterator | list[Iterator] | None,
+    model: torch.nn.Module | list[torch.nn.Module],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: int | None = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn: Callable | None = None,
+    p2p_communicator: P2PCommunicator | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
+    force_all_reduce: bool | None = False,
+) -> list:
+    """ZB-H1 (``zero_bubble_h1_table``): 1F1B with each backward split into its input half ``I``,
+    which the previous stage waits for, and its weight half ``W``, which fills the bubble
+    (``split_backward``). 1F1B's peak activation memory; a third of its bubble when F, I and W
+    cost the same. The same arguments as the other schedules; the gradients equal 1F1B's."""
+    return _pipelined(
+        "zb-h1", forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+        p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+        force_all_reduce=force_all_reduce,
+    )
+
+
+def forward_backward_pipelining_zbv(
+    *,
+    forward_step_func: ForwardStepFunc,
+    data_iterator: list[Iterator],
+    model: list[torch.nn.Module],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: int | None = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn: Callable | None = None,
+    p2p_communicator: P2PCommunicator | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
+    force_all_reduce: bool | None = False,
+) -> list:
+    """ZB-V (``zbv_table``): two model chunks per rank in a V, chunk 0 holding virtual stage
+    ``rank`` and chunk 1 stage ``2 pp - 1 - rank`` (so rank 0 holds the first and the last
+    stage), backwards split into ``I`` and ``W``. No rank idles between its first and its last
+    action when F, I and W cost the same, at 1F1B's peak activation memory. ``model`` and
+    ``data_iterator`` are lists of two, built for the V (``schedule_tables.virtual_stage`` with
+    ``layout="v"``); ``num_microbatches`` must be at least ``2 pp - 1``."""
+    return _pipelined(
+        "zb-v", forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+        p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+        force_all_reduce=force_all_reduce,
     )

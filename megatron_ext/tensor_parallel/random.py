@@ -11,7 +11,7 @@ follow the same rules; so do CPU (gloo) jobs on a machine that has a GPU.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -359,8 +359,7 @@ class CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs: Any) -> tuple:
-        if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError("checkpoint is not compatible with torch.autograd.grad(); use .backward()")
+        _check_backward_mode()
         saved = ctx.saved_tensors
         if ctx.distribute_saved_activations:
             first = saved[0]
@@ -381,15 +380,34 @@ class CheckpointFunction(torch.autograd.Function):
 
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
-        pairs = [
-            (out, grad)
-            for out, grad in zip(outputs, grad_outputs)
-            if isinstance(out, torch.Tensor) and out.requires_grad
-        ]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        grads = tuple(inp.grad if isinstance(inp, torch.Tensor) else None for inp in inputs)
-        return (None, None) + grads
+        return (None, None) + _backward_through(outputs, grad_outputs, inputs)
+
+
+def _check_backward_mode() -> None:
+    from megatron_ext.pipeline_parallel.split_backward import in_split_backward
+
+    if not torch.autograd._is_checkpoint_valid() and not in_split_backward():
+        raise RuntimeError("checkpoint is not compatible with torch.autograd.grad(); use .backward()")
+
+
+def _backward_through(outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any]) -> tuple:
+    """The backward of a recomputed region: returns the gradients of ``inputs``. Inside a
+    zero-bubble schedule's input half (``split_backward.backward_input``) the region's weight
+    gradients are deferred with the rest of the stage's."""
+    from megatron_ext.pipeline_parallel.split_backward import active_deferral, backward_input
+
+    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+    deferral = active_deferral()
+    if deferral is not None:
+        grads, inner = backward_input(
+            [o for o, _ in pairs], [g for _, g in pairs],
+            [i if isinstance(i, torch.Tensor) else None for i in inputs],
+        )
+        deferral.nested.append(inner)
+        return tuple(grads)
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return tuple(i.grad if isinstance(i, torch.Tensor) else None for i in inputs)
 
 
 def checkpoint(function: Callable, distribute_saved_activations: bool, *args: Any) -> Any:
@@ -424,13 +442,8 @@ class CheckpointWithoutOutputFunction(torch.autograd.Function):
                 "computed before the discarded outputs are needed"
             )
         inputs, outputs = ctx.inputs, ctx.outputs
-        pairs = [
-            (o, g) for o, g in zip(outputs, grad_outputs) if isinstance(o, torch.Tensor) and o.requires_grad
-        ]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         ctx.outputs = ctx.inputs = None
-        return (None, None) + tuple(i.grad if isinstance(i, torch.Tensor) else None for i in inputs)
+        return (None, None) + _backward_through(outputs, grad_outputs, inputs)
 
 
 class CheckpointWithoutOutput:
@@ -464,8 +477,7 @@ class CheckpointWithoutOutput:
     def _recompute(self, _: Any) -> None:
         if self.ctx is None:
             return
-        if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError("checkpoint is not compatible with torch.autograd.grad(); use .backward()")
+        _check_backward_mode()
         ctx = self.ctx
         inputs = list(ctx.non_tensor_args)
         for i, t, rg in zip(ctx.tensor_indices, ctx.saved_tensors, ctx.input_requires_grad):

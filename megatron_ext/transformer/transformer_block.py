@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from megatron_ext import parallel_state, tensor_parallel
+from megatron_ext.pipeline_parallel.schedule_tables import stage_location, virtual_stage
 from megatron_ext.transformer.transformer_config import TransformerConfig
 from megatron_ext.transformer.transformer_layer import ParallelTransformerLayer
 from megatron_ext.transformer.utils import initialization_seed, layer_norm
@@ -21,9 +22,9 @@ def _pipeline_sizes(config: TransformerConfig) -> tuple[int, int]:
 
 
 def layers_per_virtual_stage(config: TransformerConfig, pp_size: int, vp_size: int = 1) -> list[int]:
-    """How many transformer layers each virtual stage holds, in pipeline order: virtual stage
-    ``c * pp_size + r`` is model chunk ``c`` of pipeline rank ``r`` (Megatron-core's interleaved
-    assignment).
+    """How many transformer layers each virtual stage holds, in pipeline order. Which model chunk
+    holds which virtual stage is parallel_state's pipeline layout: ``c * pp_size + r`` for chunk
+    ``c`` of pipeline rank ``r`` (Megatron-core's interleaved assignment), or ZB-V's V.
 
     Megatron-core's splits: ``num_layers_in_first_pipeline_stage`` / ``..._last_...`` fix the
     first / last rank's layers and the other ranks share the rest equally; else
@@ -56,7 +57,8 @@ def layers_per_virtual_stage(config: TransformerConfig, pp_size: int, vp_size: i
                     f"pipeline stage {r} holds {n} layers, not divisible by the virtual pipeline "
                     f"size {vp_size}"
                 )
-        return [per_rank[r] // vp_size for _ in range(vp_size) for r in range(pp_size)]
+        layout = parallel_state.get_pipeline_model_parallel_layout() if vp_size > 1 else "interleaved"
+        return [per_rank[stage_location(s, pp_size, layout)[0]] // vp_size for s in range(pp_size * vp_size)]
     extra_first = bool(getattr(config, "account_for_embedding_in_pipeline_split", False))
     extra_last = bool(getattr(config, "account_for_loss_in_pipeline_split", False))
     total = num_layers + extra_first + extra_last
@@ -80,8 +82,7 @@ def get_num_layers_to_build(
     """The number of transformer layers of model chunk ``vp_stage`` of pipeline rank ``pp_rank``
     (default: this rank)."""
     pp, vp = _pipeline_sizes(config)
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
-    return layers_per_virtual_stage(config, pp, vp)[_virtual_stage(vp_stage, vp) * pp + pp_rank]
+    return layers_per_virtual_stage(config, pp, vp)[_virtual_stage(vp_stage, pp_rank, pp, vp)]
 
 
 def get_transformer_layer_offset(
@@ -90,19 +91,21 @@ def get_transformer_layer_offset(
     """The global index of the first transformer layer of model chunk ``vp_stage`` of pipeline
     rank ``pp_rank`` (default: this rank)."""
     pp, vp = _pipeline_sizes(config)
+    return sum(layers_per_virtual_stage(config, pp, vp)[: _virtual_stage(vp_stage, pp_rank, pp, vp)])
+
+
+def _virtual_stage(vp_stage: int | None, pp_rank: int | None, pp_size: int, vp_size: int) -> int:
+    """The virtual stage of model chunk ``vp_stage`` of pipeline rank ``pp_rank`` (default: this
+    rank), in parallel_state's pipeline layout."""
     pp_rank = parallel_state.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
-    return sum(layers_per_virtual_stage(config, pp, vp)[: _virtual_stage(vp_stage, vp) * pp + pp_rank])
-
-
-def _virtual_stage(vp_stage: int | None, vp_size: int) -> int:
     if vp_size == 1:
-        return 0
+        return pp_rank
     if vp_stage is None or not 0 <= vp_stage < vp_size:
         raise ValueError(
             f"vp_stage must be a model chunk index in [0, {vp_size}) with a virtual pipeline of "
             f"size {vp_size}, got {vp_stage!r}"
         )
-    return vp_stage
+    return virtual_stage(pp_rank, vp_stage, pp_size, parallel_state.get_pipeline_model_parallel_layout())
 
 
 class ParallelTransformer(torch.nn.Module):
