@@ -113,8 +113,7 @@ def _worker(args) -> dict:
         return step
 
     variants = {f"megatron_ext {s}": ours(s) for s in models}
-    mcore = import_megatron_core()
-    if mcore is not None:
+    if not args.without_megatron_core and import_megatron_core() is not None:
         variants["megatron-core 1f1b"] = _megatron_core_1f1b(args, costs_s, batches)
     times = run_interleaved(variants, args.reps)
     ps.destroy_model_parallel()
@@ -124,14 +123,30 @@ def _worker(args) -> dict:
 def _megatron_core_1f1b(args, costs_s, batches):
     """megatron-core's forward_backward_pipelining_without_interleaving over its own
     parallel_state (the same 4 ranks as one pipeline), on the same timed model."""
+    # The three CUDA calls megatron-core's 1F1B makes on this CPU machine, sent to the CPU: its
+    # receive buffers on torch.cuda.current_device(), its token counter (torch.zeros(device="cuda"))
+    # and torch.cuda.synchronize() after each exchange (a no-op here).
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    zeros = torch.zeros
+
+    def zeros_on_cpu(*size, **kwargs):
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return zeros(*size, **kwargs)
+
+    torch.zeros = zeros_on_cpu
     from megatron.core import parallel_state as mps
     from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
     mps.initialize_model_parallel(pipeline_model_parallel_size=PP)
     config = ModelParallelConfig(pipeline_model_parallel_size=PP, pipeline_dtype=torch.float32)
     config.hidden_size = SHAPE[-1]
+    config.fine_grained_activation_offloading = False  # a TransformerConfig field its 1F1B reads
     model = TimedStage(args.layers, costs_s, mps.is_pipeline_first_stage(), config)
+    model.model_type = ModelType.encoder_or_decoder
 
     def step():
         forward_backward_pipelining_without_interleaving(
@@ -164,7 +179,7 @@ def main() -> None:
     p.add_argument("--i", type=float, default=10.0, help="input-gradient ms per layer")
     p.add_argument("--w", type=float, default=10.0, help="weight-gradient ms per layer")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--without-megatron-core", action="store_true")
+    p.add_argument("--without-megatron-core", action="store_true", help="run megatron_ext's schedules only")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.layers % 2:
@@ -179,8 +194,9 @@ def main() -> None:
           f"{'sim bubble':>10}   (ms; bubble = median / ideal - 1)")
     for name, s in summary.items():
         med = s["median_s"] * 1e3
+        bubbles = f"{med / ideal - 1:>8.3f} {sim[name] / ideal - 1:>10.3f}" if ideal > 0 else ""
         print(f"{name:<22} {s['min_s'] * 1e3:>8.1f} {med:>8.1f} {s['max_s'] * 1e3:>8.1f} {sim[name]:>10.1f} "
-              f"{med / ideal - 1:>8.3f} {sim[name] / ideal - 1:>10.3f}")
+              + bubbles)
     write_json("pipeline_bubble", {"args": vars(args), "ideal_ms": ideal, "simulated_ms": sim,
                                    "summary": summary}, args.json)
 

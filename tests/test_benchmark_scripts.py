@@ -42,3 +42,25 @@ def test_gpu_benchmark_script_on_cpu(tmp_path):
             assert diffs == [None] * len(diffs)  # different random masks: not compared
         else:  # the first variant is the reference; the others agree to bf16 rounding
             assert diffs[0] == 0.0 and all(d < 0.1 for d in diffs), (r["op"], diffs)
+
+
+def test_pipeline_bubble_benchmark_script(tmp_path):
+    # The measured step cannot beat the simulated one (the model's costs are sleeps), and the
+    # simulated steps are the closed forms: 1F1B (m + p - 1) 3 L c, ZB-H1 m 3 L c + (p - 1) L c.
+    out = tmp_path / "pipeline_bubble.json"
+    m, layers, cost = 7, 2, 2.0
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pipeline_bubble.py"), "--without-megatron-core",
+                    "--microbatches", str(m), "--layers", str(layers), "--f", str(cost), "--i", str(cost),
+                    "--w", str(cost), "--reps", "1", "--json", str(out)],
+                   check=True, timeout=300, capture_output=True)
+    result = json.loads(out.read_text())
+    p = 4
+    stage = layers * cost
+    assert result["ideal_ms"] == m * 3 * stage
+    sim = result["simulated_ms"]
+    assert sim["megatron_ext 1f1b"] == (m + p - 1) * 3 * stage
+    assert sim["megatron_ext zb-h1"] == m * 3 * stage + (p - 1) * stage
+    assert sim["megatron_ext zb-v"] == m * 3 * stage + (p - 1) * stage / 2
+    assert list(result["summary"]) == ["megatron_ext 1f1b", "megatron_ext zb-h1", "megatron_ext zb-v"]
+    for name, s in result["summary"].items():
+        assert s["min_s"] * 1e3 >= sim[name] * 0.99, name

@@ -295,6 +295,14 @@ def _zero_bubble_worker() -> None:
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
     config = make_config()
     chunks = build_chunks_for(layers, "zb-h1", 2, ps.get_pipeline_model_parallel_rank(), config, Recorder())
+    # The stages exchange decoder_seq_length positions when it is given (Megatron-core's rule).
+    kwargs = dict(forward_step_func=forward_step, model=chunks, num_microbatches=2, micro_batch_size=B)
+    store = sch.forward_backward_pipelining_zero_bubble_h1(
+        data_iterator=iter(make_batches(2)), seq_length=S + 5, decoder_seq_length=S, **kwargs)
+    assert len(store) == (2 if ps.get_pipeline_model_parallel_rank() == 1 else 0)
+    with pytest.raises(ValueError, match="decoder_seq_length must be an integer >= 1, got 0"):
+        sch.forward_backward_pipelining_zero_bubble_h1(
+            data_iterator=iter(make_batches(2)), seq_length=S, decoder_seq_length=0, **kwargs)
     with pytest.raises(ValueError, match="the zb-v schedule runs 2 model chunks per rank"):
         sch.forward_backward_pipelining_zbv(
             forward_step_func=forward_step, data_iterator=[iter(make_batches(4))], model=chunks,

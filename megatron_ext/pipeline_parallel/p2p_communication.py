@@ -350,22 +350,16 @@ class P2PCommunicator:
         recv_prev: bool,
         recv_next: bool,
         tensor_shape: Shape | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[Any]]:
-        """Sends to and receives from both neighbours, waiting for the receives only: returns
-        ``(from prev, from next, pending send requests)``. The caller keeps the requests (and so
-        the sent tensors) and waits for them before it relies on the sends having completed; a
-        rank that sends does not wait for its neighbour to be ready to receive."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, Any]]:
+        """Posts sends to and receives from both neighbours without waiting for any: returns
+        ``(buffer from prev, buffer from next, requests by name)`` (``"send_next"``,
+        ``"recv_prev"``, ...). A buffer holds its data once its request is waited for; the caller
+        keeps the send requests (and so the sent tensors) until it waits for them."""
         received_prev, received_next, reqs = self._communicate(
             tensor_send_next=send_next, tensor_send_prev=send_prev, recv_prev=recv_prev,
             recv_next=recv_next, tensor_shape=tensor_shape, wait_on_reqs=False,
         )
-        pending = []
-        for name, req in (reqs or {}).items():
-            if name.startswith("recv"):
-                req.wait()
-            else:
-                pending.append(req)
-        return received_prev, received_next, pending
+        return received_prev, received_next, reqs or {}
 
     def send_forward_backward_recv_forward_backward(
         self,

@@ -302,22 +302,28 @@ def get_tensor_shapes(
 
 
 def _tensor_shape(
-    seq_length: int, micro_batch_size: int, config: Any, pgs: ProcessGroupCollection
+    seq_length: int, micro_batch_size: int, config: Any, pgs: ProcessGroupCollection,
+    decoder_seq_length: int | None = None,
 ) -> tuple[int, int, int]:
-    """Checks the shape arguments on every rank alike (before anyone communicates)."""
+    """Checks the shape arguments on every rank alike (before anyone communicates). The stages
+    exchange ``decoder_seq_length`` positions when it is given, as in Megatron-core."""
     _require_positive_int("seq_length", seq_length)
     _require_positive_int("micro_batch_size", micro_batch_size)
     _require_positive_int("config.hidden_size", getattr(config, "hidden_size", None))
+    name, length = "seq_length", seq_length
+    if decoder_seq_length is not None:
+        _require_positive_int("decoder_seq_length", decoder_seq_length)
+        name, length = "decoder_seq_length", decoder_seq_length
     cp_size, tp_size = _group_size(pgs.cp), _group_size(pgs.tp)
-    if seq_length % cp_size != 0:
-        raise ValueError(f"seq_length {seq_length} is not divisible by the context-parallel size {cp_size}")
-    if getattr(config, "sequence_parallel", False) and (seq_length // cp_size) % tp_size != 0:
+    if length % cp_size != 0:
+        raise ValueError(f"{name} {length} is not divisible by the context-parallel size {cp_size}")
+    if getattr(config, "sequence_parallel", False) and (length // cp_size) % tp_size != 0:
         raise ValueError(
-            f"seq_length {seq_length}" + (f" / context-parallel size {cp_size}" if cp_size > 1 else "")
+            f"{name} {length}" + (f" / context-parallel size {cp_size}" if cp_size > 1 else "")
             + f" is not divisible by the tensor-parallel size {tp_size} (needed under sequence_parallel)"
         )
     return get_tensor_shapes(
-        seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=None,
+        seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
         config=config, tp_group=pgs.tp, cp_group=pgs.cp,
     )[0]
 
@@ -688,8 +694,10 @@ class _RankRun:
         self.store: list = []
         self.total_tokens = 0
         self.num_forwards = 0
-        self.inputs: dict[tuple[int, int], torch.Tensor | None] = {}
-        self.grads: dict[tuple[int, int], torch.Tensor] = {}
+        # Received (or handed on locally) activations and gradients with their receive request,
+        # waited for when an action needs them.
+        self.inputs: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
+        self.grads: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
         self.in_flight: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.deferred: dict[tuple[int, int], Any] = {}
         # Sends are not waited for when posted (a rank goes on with its next action while its
@@ -724,7 +732,7 @@ class _RankRun:
         s = self.stage(chunk)
         if self.param_sync is not None and self.first_forward[chunk] == mb:
             self.param_sync[chunk](self.model_chunks[chunk].parameters())
-        input_tensor = self.inputs.pop((mb, chunk)) if s > 0 else None
+        input_tensor = self.take(self.inputs, mb, chunk).requires_grad_() if s > 0 else None
         checkpoint = None if self.window is None else (self.num_forwards % self.window >= self.partial)
         self.num_forwards += 1
         output_tensor, num_tokens = forward_step(
@@ -776,7 +784,7 @@ class _RankRun:
                BACKWARD_WEIGHT: backward_weight}
 
     def output_grad(self, mb: int, chunk: int) -> torch.Tensor | None:
-        return self.grads.pop((mb, chunk)) if self.stage(chunk) < self.num_stages - 1 else None
+        return self.take(self.grads, mb, chunk) if self.stage(chunk) < self.num_stages - 1 else None
 
     @contextlib.contextmanager
     def grad_sync_around(self, mb: int, chunk: int):
@@ -808,21 +816,19 @@ class _RankRun:
         return (*stage_location(s - 1, self.pp_size, self.layout), False)
 
     def exchange(self, tick: int, action: Action | None, produced: torch.Tensor | None) -> None:
-        """Hands on what this tick made and receives what the neighbours made for this rank."""
+        """Hands on what this tick made and posts the receives of what the neighbours made for
+        this rank. Neither is waited for here: a send before the schedule returns, a receive when
+        an action needs it, so a rank only waits for what it needs next."""
         send_next = send_prev = None
-        sent_activation = None
         dest = self.destination(self.pp_rank, action)
         if dest is not None and produced is not None:
             rank, chunk, is_activation = dest
             if rank == self.pp_rank:
-                self.keep(action.microbatch, chunk, is_activation, produced)
+                (self.inputs if is_activation else self.grads)[(action.microbatch, chunk)] = (produced, None)
+            elif rank == (self.pp_rank + 1) % self.pp_size:
+                send_next = produced
             else:
-                if rank == (self.pp_rank + 1) % self.pp_size:
-                    send_next = produced
-                else:
-                    send_prev = produced
-                if is_activation:
-                    sent_activation = produced
+                send_prev = produced
         incoming: dict[str, tuple[int, int, int, bool]] = {}
         for side, rank in (("prev", (self.pp_rank - 1) % self.pp_size),
                            ("next", (self.pp_rank + 1) % self.pp_size)):
@@ -832,22 +838,27 @@ class _RankRun:
             where = self.destination(rank, neighbour)
             if where is not None and where[0] == self.pp_rank:
                 incoming[side] = (rank, neighbour.microbatch, where[1], where[2])
-        if send_next is not None or send_prev is not None or incoming:
-            from_prev, from_next, sends = self.p2p.exchange(
-                send_next, send_prev, "prev" in incoming, "next" in incoming, self.tensor_shape)
-            self.pending_sends += sends
-            for side, tensor in (("prev", from_prev), ("next", from_next)):
-                if side in incoming:
-                    _, mb, chunk, is_activation = incoming[side]
-                    self.keep(mb, chunk, is_activation, tensor)
-        if sent_activation is not None and not self.forward_only:
-            deallocate_output_tensor(sent_activation, _deallocates(self.config))
+        if send_next is None and send_prev is None and not incoming:
+            return
+        from_prev, from_next, requests = self.p2p.exchange(
+            send_next, send_prev, "prev" in incoming, "next" in incoming, self.tensor_shape)
+        self.pending_sends += [requests[name] for name in ("send_next", "send_prev") if name in requests]
+        for side, tensor in (("prev", from_prev), ("next", from_next)):
+            if side in incoming:
+                _, mb, chunk, is_activation = incoming[side]
+                store = self.inputs if is_activation else self.grads
+                store[(mb, chunk)] = (tensor, requests[f"recv_{side}"])
+        sent = send_next if send_next is not None else send_prev
+        if sent is not None and dest[2] and not self.forward_only:
+            deallocate_output_tensor(sent, _deallocates(self.config))
 
-    def keep(self, mb: int, chunk: int, is_activation: bool, tensor: torch.Tensor) -> None:
-        if is_activation:
-            self.inputs[(mb, chunk)] = tensor.detach().requires_grad_()
-        else:
-            self.grads[(mb, chunk)] = tensor.detach()
+    @staticmethod
+    def take(store: dict, mb: int, chunk: int) -> torch.Tensor:
+        """The activation or gradient for (mb, chunk), its receive waited for, detached."""
+        tensor, request = store.pop((mb, chunk))
+        if request is not None:
+            request.wait()
+        return tensor.detach()
 
 
 def run_schedule(
@@ -904,8 +915,8 @@ def forward_backward_no_pipelining(
     force_all_reduce: bool | None = False,
 ) -> list:
     """One pipeline stage: forward then backward of each micro-batch in turn, accumulating
-    gradients. ``seq_length``, ``micro_batch_size`` and ``p2p_communicator`` are accepted for a
-    uniform signature and not used."""
+    gradients. ``seq_length``, ``micro_batch_size``, ``decoder_seq_length`` and ``p2p_communicator``
+    are accepted for a uniform signature and not used (nothing is sent between stages)."""
     _require_initialized()
     _common_checks(num_microbatches, forward_only, collect_non_loss_data)
     chunks = _as_chunks("model", model, many=False)
@@ -941,6 +952,7 @@ def _pipelined(
     num_microbatches: int,
     seq_length: int,
     micro_batch_size: int,
+    decoder_seq_length: int | None,
     forward_only: bool,
     collect_non_loss_data: bool,
     first_val_step: bool | None,
@@ -997,7 +1009,7 @@ def _pipelined(
                     f"pipeline_model_parallel_size {pp_size} the schedule hands each stage its "
                     "input activation through it"
                 ) from None
-    shape = _tensor_shape(seq_length, micro_batch_size, config, pgs)
+    shape = _tensor_shape(seq_length, micro_batch_size, config, pgs, decoder_seq_length)
 
     if kind == "interleaved":
         group = getattr(config, "microbatch_group_size_per_vp_stage", None) or pp_size
@@ -1064,7 +1076,7 @@ def forward_backward_pipelining_without_interleaving(
     return _pipelined(
         "1f1b", forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        decoder_seq_length=decoder_seq_length, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
         first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
         p2p_communicator=p2p_communicator, pg_collection=pg_collection,
         force_all_reduce=force_all_reduce,
@@ -1097,7 +1109,7 @@ def forward_backward_pipelining_gpipe(
     return _pipelined(
         "gpipe", forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        decoder_seq_length=decoder_seq_length, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
         first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
         p2p_communicator=p2p_communicator, pg_collection=pg_collection,
         force_all_reduce=force_all_reduce,
@@ -1135,8 +1147,9 @@ def forward_backward_pipelining_with_interleaving(
     return _pipelined(
         "interleaved", forward_step_func=forward_step_func, data_iterator=data_iterator,
         model=model, num_microbatches=num_microbatches, seq_length=seq_length,
-        micro_batch_size=micro_batch_size, forward_only=forward_only,
-        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+        micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step,
         adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
         pg_collection=pg_collection, force_all_reduce=force_all_reduce,
     )
@@ -1166,7 +1179,7 @@ def forward_backward_pipelining_zero_bubble_h1(
     return _pipelined(
         "zb-h1", forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        decoder_seq_length=decoder_seq_length, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
         first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
         p2p_communicator=p2p_communicator, pg_collection=pg_collection,
         force_all_reduce=force_all_reduce,
@@ -1199,7 +1212,7 @@ def forward_backward_pipelining_zbv(
     return _pipelined(
         "zb-v", forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        decoder_seq_length=decoder_seq_length, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
         first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
         p2p_communicator=p2p_communicator, pg_collection=pg_collection,
         force_all_reduce=force_all_reduce,
