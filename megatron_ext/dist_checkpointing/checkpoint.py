@@ -234,10 +234,16 @@ CONVERTIBLE_CONFIG_FIELDS = ("params_dtype",)
 def _check_config(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[str]:
     if saved is None or current is None:  # a checkpoint or a model without a config
         return []
-    return [
-        f"the checkpoint was saved with {field}={saved[field]!r}, this model has {field}={current[field]!r}"
+    differ = [
+        field
         for field in current
         if field in saved and field not in CONVERTIBLE_CONFIG_FIELDS and saved[field] != current[field]
+    ]
+    if not differ:
+        return []
+    return [
+        "the checkpoint was saved with " + ", ".join(f"{f}={saved[f]!r}" for f in differ)
+        + "; this model has " + ", ".join(f"{f}={current[f]!r}" for f in differ)
     ]
 
 

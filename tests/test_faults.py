@@ -1,0 +1,298 @@
+"""Faults a long run meets: a --load that names nothing, a save into a directory with newer
+checkpoints, a full disk, a re-saved iteration, a checkpoint of another model, a killed worker
+under torchrun. Each is refused or survived, with the same error on every rank."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_distributed
+from tests.test_gpt_training import SMALL, _train_gpt
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY = SMALL + ["--layers", "2", "--dtype", "float64", "--tp", "1", "--pp", "2"]
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _fake_checkpoint(save_dir: pathlib.Path, iteration: int, track: bool = True) -> None:
+    from megatron_ext.dist_checkpointing.checkpoint import FORMAT
+
+    directory = save_dir / f"iter_{iteration:07d}"
+    directory.mkdir(parents=True)
+    (directory / "checkpoint.json").write_text(json.dumps({"format": FORMAT, "iteration": iteration}))
+    if track:
+        (save_dir / TRACKER).write_text(f"{iteration}\n")
+
+
+def test_checkpoint_paths_and_arguments_are_checked_before_the_process_group(tmp_path):
+    train_gpt = _train_gpt()
+    saves = tmp_path / "saves"  # holds iterations 10 and 20, the tracker names 20
+    _fake_checkpoint(saves, 10)
+    _fake_checkpoint(saves, 20)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    missing, empty, file = str(tmp_path / "missing"), str(tmp_path / "empty"), str(tmp_path / "file")
+
+    def check(*argv: str) -> None:
+        train_gpt.check_args(train_gpt.parse_args(TINY + list(argv)), 2)
+
+    refused = {
+        ("--load", missing): f"--load {missing!r} does not exist; to train from scratch, name it as --save too",
+        ("--load", file): f"--load {file!r} is not a directory; expected a checkpoint or a --save directory",
+        ("--load", empty): f"--load {empty!r} holds no checkpoint; to train from scratch, name it as --save too "
+                           "(a run that resumes from its own saves) or pass --allow-fresh-start",
+        ("--load", missing, "--allow-fresh-start"): "does not exist",
+        ("--save", str(saves)): f"--save {str(saves)!r} holds iteration 20, newer than the iteration 0 this run "
+                                f"starts from: its saves would overwrite newer checkpoints. Resume them with "
+                                f"--load {saves}, choose another --save directory, or pass --allow-overwrite",
+        ("--load", str(saves / "iter_0000010"), "--save", str(saves)): "holds iteration 20, newer than the "
+                                                                         "iteration 10",
+        ("--weight-decay", "-0.1"): "--weight-decay must be >= 0, got -0.1",
+        ("--data", empty): f"--data {empty!r} is a directory; expected a text file",
+        ("--keep-last", "0", "--save", empty): "--keep-last 0 needs --save and must be >= 1",
+        ("--keep-last", "2"): "--keep-last 2 needs --save and must be >= 1",
+    }
+    for argv, message in refused.items():
+        with pytest.raises(ValueError) as error:
+            check(*argv)
+        assert message in str(error.value), (argv, str(error.value))
+    # allowed: the restart case (--load is --save, empty or not there yet), the explicit flag,
+    # resuming the newest, overwriting when asked
+    for argv in (
+        ("--load", empty, "--save", empty),
+        ("--load", missing, "--save", missing),
+        ("--load", empty, "--allow-fresh-start"),
+        ("--load", str(saves), "--save", str(saves)),
+        ("--save", str(saves), "--allow-overwrite"),
+    ):
+        check(*argv)
+    # a tracker that names no iteration
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / TRACKER).write_text("latest\n")
+    with pytest.raises(RuntimeError, match="expected an iteration number, found 'latest'"):
+        check("--load", str(tmp_path / "bad"))
+
+    # From the command line: one error: line, exit 2, and no process group (no torchrun here).
+    for load, message in ((missing, f"error: --load {missing!r} does not exist"),
+                          (str(tmp_path / "bad"), "error: " + str(tmp_path / "bad" / TRACKER))):
+        done = subprocess.run([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--tp", "1", "--pp", "1",
+                               "--load", load], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+    # the smaller messages
+    corpus = tmp_path / "short.txt"
+    corpus.write_bytes(b"0123456789")
+    with pytest.raises(ValueError, match=r"the corpus has 10 bytes; at least 18 are needed \(--seq-len \+ 2\)"):
+        train_gpt.load_corpus(str(corpus), 16 + 2)
+    args = train_gpt.parse_args(TINY + ["--steps", "1"])
+    one_step = {"losses": [5.5], "tokens_per_s": [123.4], "start_step": 0}
+    assert train_gpt.summary(one_step, args) == "loss 5.5000 -> 5.5000 over steps 1-1, 123 tokens/s"
+
+
+def _run(*argv: str) -> dict:
+    train_gpt = _train_gpt()
+    return train_gpt.train(train_gpt.parse_args(TINY + list(argv)))
+
+
+def _error(fn, *args) -> str:
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001  (the test compares every rank's error)
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _listing(save_dir: str) -> list[str]:
+    names = sorted(os.listdir(save_dir))
+    with open(os.path.join(save_dir, TRACKER)) as f:
+        return names + [f"tracker {f.read().strip()}"]
+
+
+def _save_guards_worker(save_dir: str) -> dict:
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    from megatron_ext.dist_checkpointing import checkpoint
+
+    out = {}
+    first = _run("--steps", "4", "--save", save_dir, "--save-interval", "1", "--keep-last", "2")
+    out["pruned"] = _listing(save_dir)
+    dist.barrier()
+    # a fresh run into the same directory: refused before training, then by the save itself
+    out["fresh"] = _error(_run, "--steps", "2", "--save", save_dir)
+    train_gpt = _train_gpt()
+    train_gpt.check_checkpoint_paths = lambda args: None
+    out["library"] = _error(train_gpt.train, train_gpt.parse_args(TINY + ["--steps", "2", "--save", save_dir]))
+    out["after_refusals"] = _listing(save_dir)
+    dist.barrier()
+
+    # a full disk while rank 1 writes its files of iteration 5, then while rank 0 completes it
+    write_item = dcp_filesystem._write_item
+
+    def no_space(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def disk_full(transforms, stream, data, *args):
+        stream.write(b"partial")
+        no_space()
+
+    resume = ("--steps", "5", "--load", save_dir, "--save", save_dir)
+    if dist.get_rank() == 1:
+        dcp_filesystem._write_item = disk_full
+    out["disk_full_write"] = _error(_run, *resume)
+    dcp_filesystem._write_item = write_item
+    out["after_disk_full_write"] = _listing(save_dir)
+    dist.barrier()
+    fsync_dir = checkpoint._fsync_dir
+    if dist.get_rank() == 0:
+        checkpoint._fsync_dir = no_space
+    out["disk_full_commit"] = _error(_run, *resume)
+    checkpoint._fsync_dir = fsync_dir
+    out["after_disk_full_commit"] = _listing(save_dir)
+    dist.barrier()
+
+    # the same run with room: resumes from 4, saves 5
+    resumed = _run(*resume, "--keep-last", "2")
+    out["resumed"] = (resumed["start_step"], resumed["losses"])
+    out["after_resume"] = _listing(save_dir)
+    dist.barrier()
+    # re-saving the iteration the tracker names (asked for): the directories are swapped
+    again = _run("--steps", "5", "--load", os.path.join(save_dir, "iter_0000004"), "--save", save_dir,
+                 "--allow-overwrite", "--keep-last", "1")
+    out["again"] = (again["start_step"], again["losses"])
+    out["after_again"] = _listing(save_dir)
+    dist.barrier()
+    # moving the tracker back (asked for): the newest and the tracked iteration both stay
+    _run("--steps", "1", "--save", save_dir, "--allow-overwrite", "--keep-last", "1")
+    out["after_back"] = _listing(save_dir)
+    out["first"] = first["losses"]
+    return out
+
+
+def test_save_guards_full_disk_and_pruning(tmp_path):
+    save_dir = str(tmp_path / "run")
+    results = run_distributed(2, _save_guards_worker, save_dir, timeout=240)
+    assert results[0] == results[1]  # the same errors on every rank
+    out = results[0]
+    tracked = ["iter_0000003", "iter_0000004", TRACKER]
+    assert out["pruned"] == tracked + ["tracker 4"]  # --keep-last 2 after saves 1-4
+    assert "holds iteration 4, newer than the iteration 0 this run starts from" in out["fresh"]
+    assert out["library"] == (
+        f"CheckpointingException: cannot save checkpoint {os.path.join(save_dir, 'iter_0000002')!r}: "
+        f"{save_dir!r} already holds iteration 4, newer than 2; saving would overwrite newer checkpoints and "
+        "move the tracker back (overwrite=True allows it)"
+    )
+    for key in ("after_refusals", "after_disk_full_write", "after_disk_full_commit"):
+        assert out[key] == tracked + ["tracker 4"], key  # nothing half-written is left
+    tmp = os.path.join(save_dir, ".tmp.iter_0000005")
+    for key, where in (("disk_full_write", "rank 1: OSError: [Errno 28] No space left on device"),
+                       ("disk_full_commit", "OSError: [Errno 28] No space left on device")):
+        assert out[key].startswith(
+            f"CheckpointingException: cannot save checkpoint {os.path.join(save_dir, 'iter_0000005')!r}: "
+        ), out[key]
+        assert where in out[key] and f"(removed {tmp!r}; iteration 4 is still the newest checkpoint)" in out[key]
+    start, losses = out["resumed"]
+    assert start == 4 and len(losses) == 1
+    assert out["after_resume"] == ["iter_0000004", "iter_0000005", TRACKER, "tracker 5"]
+    assert out["again"] == out["resumed"]  # the same step from the same state, bit for bit
+    assert out["after_again"] == ["iter_0000005", TRACKER, "tracker 5"]
+    assert out["after_back"] == ["iter_0000001", "iter_0000005", TRACKER, "tracker 1"]
+    assert len(out["first"]) == 4 and out["first"][-1] < out["first"][0]
+
+
+def test_resaving_the_tracked_iteration_never_leaves_it_missing(tmp_path, monkeypatch):
+    # The old directory is removed only after the new one is in place: a process killed at that
+    # moment (here: the removal fails) leaves the new checkpoint where the tracker points.
+    from megatron_ext.dist_checkpointing import checkpoint
+
+    old, new = tmp_path / "iter_0000005", tmp_path / ".tmp.iter_0000005"
+    old.mkdir()
+    (old / "checkpoint.json").write_text("old")
+    new.mkdir()
+    (new / "checkpoint.json").write_text("new")
+
+    def killed(path, *args, **kwargs):
+        raise KeyboardInterrupt(path)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint._replace_dir(str(new), str(old))
+    assert (old / "checkpoint.json").read_text() == "new"
+    assert (new / "checkpoint.json").read_text() == "old"  # what the next save removes
+
+
+def _other_model_worker(save_dir: str) -> dict:
+    full = _run("--steps", "4", "--heads", "2", "--save", save_dir, "--save-interval", "2")
+    ckpt = os.path.join(save_dir, "iter_0000002")
+    float32 = _run("--steps", "4", "--heads", "2", "--load", ckpt, "--dtype", "float32")
+    return {
+        "full": full["losses"],
+        "heads": _error(_run, "--steps", "4", "--heads", "4", "--load", ckpt),
+        "float32": (float32["start_step"], float32["losses"]),
+    }
+
+
+def test_checkpoint_of_another_model_is_refused_naming_the_field(tmp_path):
+    results = run_distributed(2, _other_model_worker, str(tmp_path / "run"))
+    assert results[0] == results[1]
+    out = results[0]
+    # same shapes, other heads: the query/key/value rows would be split differently
+    assert out["heads"] == (
+        f"CheckpointingException: cannot load checkpoint {str(tmp_path / 'run' / 'iter_0000002')!r}: the "
+        "checkpoint was saved with num_attention_heads=2, num_query_groups=2, kv_channels=16; this model has "
+        "num_attention_heads=4, num_query_groups=4, kv_channels=8"
+    )
+    # another parameter dtype is allowed: the values are converted
+    start, losses = out["float32"]
+    assert start == 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(out["full"][2:]), rtol=1e-5, atol=0)
+    with open(tmp_path / "run" / "iter_0000002" / "checkpoint.json") as f:
+        config = json.load(f)["model_config"]
+    assert config == {
+        "num_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "num_query_groups": 2, "kv_channels": 16,
+        "ffn_hidden_size": 128, "vocab_size": 256, "max_sequence_length": 16, "normalization": "LayerNorm",
+        "activation": "gelu", "gated_linear_unit": False, "add_bias_linear": True, "params_dtype": "float64",
+    }
+
+
+def _reference_worker() -> list[float]:
+    return _run("--steps", "8")["losses"]
+
+
+def test_torchrun_restarts_a_killed_worker_from_the_latest_checkpoint(tmp_path):
+    # torchrun --max-restarts 1, rank 1 SIGKILLed at step 6 after the save of iteration 4: the
+    # restarted group resumes from 4 and steps 5-8 equal an uninterrupted run's (float64).
+    (reference, _) = run_distributed(2, _reference_worker)
+    save_dir, log = str(tmp_path / "run"), str(tmp_path / "log.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "1", "--monitor-interval", "0.1", str(ROOT / "tests" / "elastic_train_gpt.py"),
+           *TINY, "--steps", "8", "--save", save_dir, "--load", save_dir, "--save-interval", "2",
+           "--log-json", log, "--timeout", "30"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KILL_RANK": "1", "KILL_AT_STEP": "5"}
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "no checkpoint in" in done.stdout and "resumed from iteration 4" in done.stdout
+    assert "exitcode: -9" in done.stderr  # the kill happened
+    records = [json.loads(line) for line in open(log)]
+    starts = [r for r in records if r.get("event") == "start"]
+    assert [(r["attempt"], r["resumed_from"]) for r in starts] == [(0, 0), (1, 4)]
+    second = records.index(starts[1])
+    first_attempt = {r["step"]: r["loss"] for r in records[:second] if "step" in r}
+    second_attempt = {r["step"]: r["loss"] for r in records[second:] if "step" in r}
+    assert sorted(first_attempt) == [1, 2, 3, 4, 5] and sorted(second_attempt) == [5, 6, 7, 8]
+    assert [r["iteration"] for r in records if r.get("event") == "save"] == [2, 4, 6, 8]
+    torch.testing.assert_close(torch.tensor([first_attempt[s] for s in range(1, 6)]),
+                               torch.tensor(reference[:5]), rtol=1e-12, atol=0)
+    torch.testing.assert_close(torch.tensor([second_attempt[s] for s in range(5, 9)]),
+                               torch.tensor(reference[4:]), rtol=1e-12, atol=0)
