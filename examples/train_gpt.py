@@ -525,18 +525,37 @@ def summary(log: dict, args: argparse.Namespace) -> str:
 
 def init_process_group(backend: str, timeout: timedelta) -> None:
     """``init_process_group`` from torchrun's environment, such that a restarted group never reads
-    the addresses its killed predecessor left in the launcher's store: torchrun keeps one store
-    across restarts (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), so the keys of each attempt get
-    a prefix of their own."""
+    the addresses its killed predecessor left behind.
+
+    torchrun (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) serves one store for all attempts of
+    a job, so a restarted rank may read a dead rank's address from it, and its restart count,
+    kept per launcher, is no attempt number all nodes share. Instead rank 0 starts a store of its
+    own, as torchrun does without sharing, and announces its port in torchrun's store; the others
+    take a port that refuses connections for one the previous attempt left and read it again.
+    """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend, timeout=timeout)
         return
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=False, timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"train_gpt/attempt_{attempt}/", store),
-                            rank=rank, world_size=world_size, timeout=timeout)
+    host = os.environ["MASTER_ADDR"]  # torchrun's store runs on global rank 0's node
+    shared = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout)
+    key = "train_gpt/store_port"
+    if rank == 0:
+        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        shared.set(key, str(store.port))
+    else:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            port = int(shared.get(key))
+            try:
+                store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=2))
+                break
+            except RuntimeError:  # the previous attempt's rank 0, gone: wait for this one's
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        store.set_timeout(timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def main(argv: list[str] | None = None) -> dict:

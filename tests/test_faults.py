@@ -269,30 +269,60 @@ def _reference_worker() -> list[float]:
     return _run("--steps", "8")["losses"]
 
 
-def test_torchrun_restarts_a_killed_worker_from_the_latest_checkpoint(tmp_path):
-    # torchrun --max-restarts 1, rank 1 SIGKILLed at step 6 after the save of iteration 4: the
-    # restarted group resumes from 4 and steps 5-8 equal an uninterrupted run's (float64).
-    (reference, _) = run_distributed(2, _reference_worker)
+@pytest.fixture(scope="module")
+def uninterrupted() -> list[float]:
+    (losses, _) = run_distributed(2, _reference_worker)
+    return losses
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("nnodes", [1, 2])
+def test_torchrun_restarts_killed_workers_from_the_latest_checkpoint(tmp_path, uninterrupted, nnodes):
+    # Plain torchrun --max-restarts, no environment variable: in the first attempt rank 1 is
+    # SIGKILLed at step 6 (after the save of iteration 4); on one node, in the second attempt rank 0
+    # is SIGKILLed during the save of iteration 6. Each restarted group resumes from iteration 4
+    # and steps 5-8 equal the uninterrupted run's (float64). nnodes 2: two launchers, one
+    # process each, c10d rendezvous.
     save_dir, log = str(tmp_path / "run"), str(tmp_path / "log.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", "--monitor-interval", "0.1", str(ROOT / "tests" / "elastic_train_gpt.py"),
-           *TINY, "--steps", "8", "--save", save_dir, "--load", save_dir, "--save-interval", "2",
-           "--log-json", log, "--timeout", "30"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "KILL_RANK": "1", "KILL_AT_STEP": "5"}
+    kills = {"KILL_AT_STEP": "0,1,5"} if nnodes == 2 else {"KILL_AT_STEP": "0,1,5", "KILL_IN_SAVE": "1,0"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", str(len(kills)),
+                "--monitor-interval", "0.1"]
+    if nnodes == 1:
+        launchers = [launcher + ["--standalone", "--nproc-per-node", "2"]]
+    else:
+        endpoint = f"127.0.0.1:{_free_port()}"
+        launchers = [launcher + ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                                 "--rdzv-endpoint", endpoint, "--rdzv-id", "faults"]] * 2
+    script = [str(ROOT / "tests" / "elastic_train_gpt.py"), *TINY, "--steps", "8", "--save", save_dir,
+              "--load", save_dir, "--save-interval", "2", "--log-json", log, "--timeout", "30"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **kills}
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "no checkpoint in" in done.stdout and "resumed from iteration 4" in done.stdout
-    assert "exitcode: -9" in done.stderr  # the kill happened
+    procs = [subprocess.Popen(cmd + script, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd in launchers]
+    outputs = [p.communicate(timeout=240) for p in procs]
+    stdout, stderr = "".join(o for o, _ in outputs), "".join(e for _, e in outputs)
+    assert all(p.returncode == 0 for p in procs), stdout[-3000:] + stderr[-3000:]
+    assert "no checkpoint in" in stdout and stdout.count("resumed from iteration 4") == len(kills)
+    assert stderr.count("exitcode: -9") == len(kills)  # the kills happened
     records = [json.loads(line) for line in open(log)]
-    starts = [r for r in records if r.get("event") == "start"]
-    assert [(r["attempt"], r["resumed_from"]) for r in starts] == [(0, 0), (1, 4)]
-    second = records.index(starts[1])
-    first_attempt = {r["step"]: r["loss"] for r in records[:second] if "step" in r}
-    second_attempt = {r["step"]: r["loss"] for r in records[second:] if "step" in r}
-    assert sorted(first_attempt) == [1, 2, 3, 4, 5] and sorted(second_attempt) == [5, 6, 7, 8]
-    assert [r["iteration"] for r in records if r.get("event") == "save"] == [2, 4, 6, 8]
-    torch.testing.assert_close(torch.tensor([first_attempt[s] for s in range(1, 6)]),
-                               torch.tensor(reference[:5]), rtol=1e-12, atol=0)
-    torch.testing.assert_close(torch.tensor([second_attempt[s] for s in range(5, 9)]),
-                               torch.tensor(reference[4:]), rtol=1e-12, atol=0)
+    starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
+    assert [records[i]["resumed_from"] for i in starts] == [0] + [4] * len(kills)
+    assert [records[i]["attempt"] for i in starts][0] == 0
+    attempts = [records[i:j] for i, j in zip(starts, starts[1:] + [len(records)])]
+    steps = [{r["step"]: r["loss"] for r in attempt if "step" in r} for attempt in attempts]
+    assert sorted(steps[0]) == [1, 2, 3, 4, 5] and sorted(steps[-1]) == [5, 6, 7, 8]
+    if nnodes == 1:
+        assert sorted(steps[1]) == [5, 6]  # killed in the save of 6, which never completed
+    saves = [[r["iteration"] for r in attempt if r.get("event") == "save"] for attempt in attempts]
+    assert saves[0] == [2, 4] and saves[-1] == [6, 8]
+    for attempt in steps:
+        torch.testing.assert_close(torch.tensor(list(attempt.values())),
+                                   torch.tensor([uninterrupted[s - 1] for s in attempt]), rtol=1e-12, atol=0)
+    assert sorted(os.listdir(save_dir)) == ["iter_0000002", "iter_0000004", "iter_0000006", "iter_0000008", TRACKER]
