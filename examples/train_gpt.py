@@ -452,7 +452,7 @@ def log_event(args: argparse.Namespace, **record) -> None:
     """Rank 0 appends one JSON line to --log-json, at once, so a run that dies leaves its steps."""
     if args.log_json and dist.get_rank() == 0:
         with open(args.log_json, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps({**record, "time": time.time()}) + "\n")
 
 
 def read_log(path: str) -> list[dict]:
