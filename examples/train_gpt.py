@@ -105,6 +105,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "it and moving the tracker back)")
     p.add_argument("--keep-last", type=int, default=None,
                    help="after each save, remove all but the newest this many checkpoints in --save")
+    p.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false",
+                   help="do not check each step's loss and gradients for NaN and Inf before the update")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip (on every rank) a step whose loss or gradients are not finite, instead of stopping")
     p.add_argument("--no-load-rng", action="store_true", help="with --load, keep the fresh random states")
     p.add_argument("--no-load-optim", action="store_true", help="with --load, keep the fresh optimizer state")
     return p.parse_args(argv)
@@ -164,6 +169,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--data {args.data!r}: no such file")
     if args.save_interval is not None and (args.save_interval < 1 or args.save is None):
         raise ValueError(f"--save-interval {args.save_interval} needs --save and must be >= 1")
+    if args.skip_nonfinite and not args.check_for_nan_in_loss_and_grad:
+        raise ValueError("--skip-nonfinite needs the check that --no-check-for-nan-in-loss-and-grad turns off")
     if args.keep_last is not None and (args.keep_last < 1 or args.save is None):
         raise ValueError(f"--keep-last {args.keep_last} needs --save and must be >= 1")
     if not 0.0 <= args.dropout < 1.0:
@@ -422,7 +429,18 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
             micro_batch_size=args.micro_batch_size,
             forward_only=False,
         )
-        update_successful, grad_norm, _ = optimizer.step()
+        nonfinite = nonfinite_report(step_losses, chunks, args, device) if args.check_for_nan_in_loss_and_grad else ""
+        if nonfinite and not args.skip_nonfinite:
+            raise FloatingPointError(
+                f"step {step + 1}: {nonfinite}; stopped before the update, so no checkpoint holds it "
+                f"(--skip-nonfinite skips such steps)"
+            )
+        if nonfinite:
+            update_successful, grad_norm = False, None
+            if rank0:
+                print(f"step {step + 1}: {nonfinite}; the step is skipped", file=sys.stderr, flush=True)
+        else:
+            update_successful, grad_norm, _ = optimizer.step()
         skipped += not update_successful
         grad_norms.append(grad_norm)
         losses.append(global_mean_loss(step_losses, device))
@@ -442,6 +460,28 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
             "grad_norms": grad_norms, "skipped_steps": skipped}
 
 
+def nonfinite_report(losses: list[dict[str, torch.Tensor]], chunks: list[DistributedDataParallel],
+                     args: argparse.Namespace, device: torch.device) -> str:
+    """Which ranks saw a NaN or Inf in their loss or (fp16 aside, where the loss scaler skips
+    such steps) their gradients, known on every rank; '' when none did."""
+    loss_bad = any(not bool(torch.isfinite(d["lm loss"]).all()) for d in losses)
+    grad_bad = not args.fp16 and any(
+        not bool(torch.isfinite(g).all())
+        for chunk in chunks
+        for p in chunk.module.parameters()
+        if (g := getattr(p, "main_grad", p.grad)) is not None
+    )
+    flags = torch.zeros(dist.get_world_size(), 2, device=device)
+    flags[dist.get_rank()] = torch.tensor([float(loss_bad), float(grad_bad)])
+    dist.all_reduce(flags)
+    found = [
+        f"non-finite {what} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        for what, column in (("loss", 0), ("gradients", 1))
+        if (ranks := flags[:, column].nonzero().flatten().tolist())
+    ]
+    return " and ".join(found)
+
+
 def run_config(args: argparse.Namespace) -> dict:
     config = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
     config["world_size"] = dist.get_world_size()
@@ -453,12 +493,6 @@ def log_event(args: argparse.Namespace, **record) -> None:
     if args.log_json and dist.get_rank() == 0:
         with open(args.log_json, "a") as f:
             f.write(json.dumps({**record, "time": time.time()}) + "\n")
-
-
-def read_log(path: str) -> list[dict]:
-    """The records of a --log-json file (every attempt of every run that appended to it)."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def save(args: argparse.Namespace, iteration: int, model: torch.nn.Module, optimizer: MegatronOptimizer) -> str:
@@ -584,6 +618,6 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, CheckpointingException) as e:
+    except (ValueError, CheckpointingException, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -326,3 +326,83 @@ def test_torchrun_restarts_killed_workers_from_the_latest_checkpoint(tmp_path, u
         torch.testing.assert_close(torch.tensor(list(attempt.values())),
                                    torch.tensor([uninterrupted[s - 1] for s in attempt]), rtol=1e-12, atol=0)
     assert sorted(os.listdir(save_dir)) == ["iter_0000002", "iter_0000004", "iter_0000006", "iter_0000008", TRACKER]
+
+
+def _nonfinite_worker(save_dir: str) -> dict:
+    """Rank 1's loss is made NaN in step 3 (or, for "grad", rank 1's gradients after the
+    data-parallel reduction, inside the fp16 optimizer's step after its tenth update)."""
+
+    def run(layout: tuple[int, int, int], *argv: str, poison: str = "loss") -> dict:
+        train_gpt = _train_gpt()
+        steps = []
+        if dist.get_rank() == 1 and poison == "loss":
+            step_microbatches, loss_func = train_gpt.step_microbatches, train_gpt.loss_func
+
+            def note_step(corpus, step, args, device):
+                steps.append(step)
+                return step_microbatches(corpus, step, args, device)
+
+            def nan_in_step_3(output):
+                loss, report = loss_func(output)
+                return (loss * float("nan"), {"lm loss": loss.detach() * float("nan")}) if steps[-1] == 2 \
+                    else (loss, report)
+
+            train_gpt.step_microbatches, train_gpt.loss_func = note_step, nan_in_step_3
+        optimizers, injected = [], []
+        build = train_gpt.get_megatron_optimizer
+
+        def keep(*a, **k):
+            optimizer = build(*a, **k)
+            optimizers.append(optimizer)
+            copy = optimizer._copy_model_grads_to_main_grads
+
+            def nan_after_ten_updates():  # where the loss scale has settled: no overflow of its own
+                copy()
+                if poison == "grad" and dist.get_rank() == 1 and optimizer._steps >= 10 and not injected:
+                    next(s for s in optimizer._slots if s.main.grad is not None).main.grad.fill_(float("nan"))
+                    injected.append(1)
+
+            optimizer._copy_model_grads_to_main_grads = nan_after_ten_updates
+            return optimizer
+
+        train_gpt.get_megatron_optimizer = keep
+        tp, pp, dp = layout
+        args = train_gpt.parse_args(SMALL + ["--layers", "2", "--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
+                                             *argv])
+        try:
+            result = train_gpt.train(args)
+        except FloatingPointError as e:
+            return {"error": str(e)}
+        params = sum(float(p.double().sum()) for p in optimizers[0].get_parameters())
+        return {"losses": result["losses"], "skipped": result["skipped_steps"], "params": params,
+                "injected": len(injected)}
+
+    return {
+        "float32": run((1, 1, 2), "--save", save_dir, "--save-interval", "1"),
+        "bf16_dp1": run((1, 2, 1), "--bf16"),
+        "skip": run((1, 1, 2), "--skip-nonfinite"),
+        "fp16": run((1, 1, 2), "--fp16", "--steps", "40", poison="grad"),
+    }
+
+
+def test_nonfinite_loss_stops_or_skips_on_every_rank(tmp_path):
+    save_dir = tmp_path / "run"
+    results = run_distributed(2, _nonfinite_worker, str(save_dir))
+    for key in ("float32", "bf16_dp1"):
+        assert results[0][key] == results[1][key], key
+        assert results[0][key]["error"].startswith("step 3: non-finite loss on rank 1"), results[0][key]
+        assert "stopped before the update, so no checkpoint holds it" in results[0][key]["error"]
+    # the rank-1 loss made the reduced gradients non-finite on both data-parallel ranks
+    assert "and non-finite gradients on ranks 0, 1" in results[0]["float32"]["error"]
+    assert sorted(os.listdir(save_dir)) == ["iter_0000001", "iter_0000002", TRACKER]  # nothing of step 3
+    skip = [r["skip"] for r in results]
+    assert skip[0]["skipped"] == skip[1]["skipped"] == 1 and skip[0]["params"] == skip[1]["params"]
+    losses = torch.tensor(skip[0]["losses"])
+    assert losses[2].isnan() and losses[[0, 1, 3, 4]].isfinite().all()
+    assert losses[4] < losses[0] and torch.isfinite(torch.tensor(skip[0]["params"]))
+    # fp16, plain optimizer: a NaN in one data-parallel copy's gradients skips the step on both
+    # (reduced over the model-parallel group only, rank 1 skipped 19 steps and rank 0 18, and their
+    # parameters differed)
+    fp16 = [r["fp16"] for r in results]
+    assert fp16[0]["injected"] == 0 and fp16[1]["injected"] == 1
+    assert fp16[0]["skipped"] == fp16[1]["skipped"] < 40 and fp16[0]["params"] == fp16[1]["params"]
