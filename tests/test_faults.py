@@ -406,3 +406,29 @@ def test_nonfinite_loss_stops_or_skips_on_every_rank(tmp_path):
     fp16 = [r["fp16"] for r in results]
     assert fp16[0]["injected"] == 0 and fp16[1]["injected"] == 1
     assert fp16[0]["skipped"] == fp16[1]["skipped"] < 40 and fp16[0]["params"] == fp16[1]["params"]
+
+
+def _largest_layout_worker(precisions: list[list[str]]) -> list[list[float]]:
+    train_gpt = _train_gpt()
+    everything = ["--tp", "2", "--pp", "2", "--dp", "2", "--virtual-pipeline", "2", "--sequence-parallel",
+                  "--use-distributed-optimizer", "--overlap-param-gather", "--steps", "20", "--timeout", "60"]
+    return [train_gpt.train(train_gpt.parse_args(SMALL + everything + p))["losses"] for p in precisions]
+
+
+def _serial_worker() -> list[float]:
+    return _train_gpt().train(_train_gpt().parse_args(SMALL + ["--tp", "1", "--pp", "1", "--steps", "20",
+                                                               "--dtype", "float64"]))["losses"]
+
+
+def test_largest_layout_runs_under_load():
+    # 8 processes on the CI machine's 2 cores: tp 2 x pp 2 x dp 2, interleaved schedule, sequence
+    # parallelism, distributed optimizer with overlapped parameter gathers; 20 steps in bf16 and in
+    # float64 without a timeout, the float64 losses equal to the serial run's.
+    (serial,) = run_distributed(1, _serial_worker)
+    results = run_distributed(8, _largest_layout_worker, [["--bf16"], ["--dtype", "float64"]], timeout=400)
+    assert all(r == results[0] for r in results)
+    bf16, float64 = results[0]
+    torch.testing.assert_close(torch.tensor(float64), torch.tensor(serial), rtol=1e-9, atol=0)
+    # bf16 trains the same model: it follows the float64 curve within bf16's drift over 20 steps
+    assert len(bf16) == 20 and bf16[-1] < bf16[0] - 1.0
+    torch.testing.assert_close(torch.tensor(bf16), torch.tensor(serial), rtol=1e-1, atol=0)
