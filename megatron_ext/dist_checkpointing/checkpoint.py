@@ -358,21 +358,28 @@ def save_checkpoint(
             _commit(save_dir, tmp, final, iteration, metadata, all_hashes, _model_config(model))
         except _FAILURES as e:
             shutil.rmtree(tmp, ignore_errors=True)  # what this save wrote, so a full disk frees up
-            previous = latest_iteration(save_dir)
-            error = _describe(e) + (
-                f" (removed {tmp!r}; " + ("no checkpoint was saved before)" if previous is None
-                                          else f"iteration {previous} is still the newest checkpoint)")
-            )
+            error = f"{_describe(e)} (removed {tmp!r}; {_newest_left(save_dir)})"
     _agree(error, failed)
 
-    error = None
-    if rank0 and keep_last is not None:
-        try:
-            prune_checkpoints(save_dir, keep_last)
-        except _FAILURES as e:
-            error = _describe(e)
-    _agree(error, f"saved checkpoint {final!r} but could not remove older ones: ")
+    if keep_last is not None:
+        error = None
+        if rank0:
+            try:
+                prune_checkpoints(save_dir, keep_last)
+            except _FAILURES as e:
+                error = _describe(e)
+        _agree(error, f"saved checkpoint {final!r} but could not remove older ones: ")
     return final
+
+
+def _newest_left(save_dir: str) -> str:
+    try:
+        previous = latest_iteration(save_dir)
+    except CheckpointingException as e:
+        return str(e)
+    if previous is None:
+        return "no checkpoint was saved before"
+    return f"iteration {previous} is still the newest checkpoint"
 
 
 def _commit(
@@ -581,8 +588,9 @@ def load_checkpoint(
     failed = [(rank, p) for rank, ps in enumerate(reports) for p in ps]
     if failed:
         # The configuration's differences first (the cause), then at most 8 of their effects.
-        lines = sorted({p for _, p in failed}, key=lambda p: (not p.startswith("the checkpoint was saved with"), p))
-        config_lines = sum(p.startswith("the checkpoint was saved with") for p in lines)
+        is_config = lambda p: p.startswith("the checkpoint was saved with")  # noqa: E731
+        lines = sorted({p for _, p in failed}, key=lambda p: (not is_config(p), p))
+        config_lines = sum(map(is_config, lines))
         shown = config_lines + 8
         more = f"; and {len(lines) - shown} more" if len(lines) > shown else ""
         raise CheckpointingException(

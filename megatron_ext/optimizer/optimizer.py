@@ -213,7 +213,8 @@ class MegatronOptimizer:
         """Groups over which the found-inf flag is reduced: every rank holding a copy of a
         parameter, so all copies skip a step alike even where their gradients differ (Megatron-core
         reduces over the model-parallel group only, assuming data-parallel copies agree)."""
-        return [parallel_state.get_data_parallel_group(with_context_parallel=True), *self.get_grad_stats_parallel_group()]
+        data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        return [data_parallel, *self.get_grad_stats_parallel_group()]
 
     def _unscale_and_check_for_inf(self) -> bool:
         """Divides the main gradients by the loss scale; True if any rank saw an inf or NaN."""
