@@ -23,7 +23,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state, tensor_parallel
-from megatron_ext.dist_checkpointing import find_checkpoint, load_checkpoint, save_checkpoint
+from megatron_ext.dist_checkpointing import (
+    CheckpointingException,
+    find_checkpoint,
+    latest_iteration,
+    load_checkpoint,
+    read_marker,
+    save_checkpoint,
+)
 from megatron_ext.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron_ext.distributed.distributed_data_parallel import DEFAULT_BUCKET_SIZE_BYTES
 from megatron_ext.models import GPTModel
@@ -80,7 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip-grad", type=float, default=0.0, help="clip gradients to this global norm (0: off)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases/LayerNorms)")
     p.add_argument("--data", default=None, help="a text file (byte-level); default: Python's standard library sources")
-    p.add_argument("--log-json", default=None, help="write config, per-step losses and tokens/s here")
+    p.add_argument("--log-json", default=None,
+                   help="append JSON lines here as the run goes: each attempt's start (config, the iteration it "
+                        "resumed from), every step (loss, tokens/s, grad norm), each save and the end")
     p.add_argument("--plot", default="runs/train_gpt_loss.png", help="PNG loss curve written by rank 0 ('' = none)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a collective may wait before failing (default: 120 on CPU; 600 on GPUs, where "
@@ -89,7 +98,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save", default=None, help="directory to save checkpoints in (also after the last step)")
     p.add_argument("--save-interval", type=int, default=None, help="save every this many steps")
     p.add_argument("--load", default=None,
-                   help="checkpoint (or --save directory) to resume from, at any valid layout")
+                   help="checkpoint (or --save directory) to resume from, at any valid layout; a path with no "
+                        "checkpoint is an error unless it is the --save directory or --allow-fresh-start is given")
+    p.add_argument("--allow-fresh-start", action="store_true",
+                   help="with --load: train from scratch when that directory holds no checkpoint")
+    p.add_argument("--allow-overwrite", action="store_true",
+                   help="save even where --save holds a newer iteration than this run starts from (overwriting "
+                        "it and moving the tracker back)")
+    p.add_argument("--keep-last", type=int, default=None,
+                   help="after each save, remove all but the newest this many checkpoints in --save")
+    p.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false",
+                   help="do not check each step's loss and gradients for NaN and Inf before the update")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip (on every rank) a step whose loss or gradients are not finite, instead of stopping")
     p.add_argument("--no-load-rng", action="store_true", help="with --load, keep the fresh random states")
     p.add_argument("--no-load-optim", action="store_true", help="with --load, keep the fresh optimizer state")
     return p.parse_args(argv)
@@ -152,15 +174,53 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
     if args.clip_grad < 0:
         raise ValueError(f"--clip-grad must be >= 0, got {args.clip_grad}")
+    if args.weight_decay < 0:
+        raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
     if args.sequence_parallel and args.seq_len % args.tp != 0:
         raise ValueError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp} (needed by --sequence-parallel)")
+    if args.data is not None and os.path.isdir(args.data):
+        raise ValueError(f"--data {args.data!r} is a directory; expected a text file")
     if args.data is not None and not os.path.isfile(args.data):
         raise ValueError(f"--data {args.data!r}: no such file")
     if args.save_interval is not None and (args.save_interval < 1 or args.save is None):
         raise ValueError(f"--save-interval {args.save_interval} needs --save and must be >= 1")
+    if args.skip_nonfinite and not args.check_for_nan_in_loss_and_grad:
+        raise ValueError("--skip-nonfinite needs the check that --no-check-for-nan-in-loss-and-grad turns off")
+    if args.keep_last is not None and (args.keep_last < 1 or args.save is None):
+        raise ValueError(f"--keep-last {args.keep_last} needs --save and must be >= 1")
     if not 0.0 <= args.dropout < 1.0:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
+    check_checkpoint_paths(args)
     resolve_timeout(args)
+
+
+def check_checkpoint_paths(args: argparse.Namespace) -> None:
+    """--load names a checkpoint, or nothing only where training from scratch is meant; --save
+    holds nothing newer than where this run starts. The files are the same for every rank."""
+    start = 0
+    if args.load is not None:
+        if os.path.exists(args.load) and not os.path.isdir(args.load):
+            raise ValueError(f"--load {args.load!r} is not a directory; expected a checkpoint or a --save directory")
+        resolved = find_checkpoint(args.load)
+        own_saves = args.save is not None and os.path.realpath(args.save) == os.path.realpath(args.load)
+        if resolved is None and not (own_saves or (args.allow_fresh_start and os.path.isdir(args.load))):
+            found = "does not exist" if not os.path.exists(args.load) else "holds no checkpoint"
+            raise ValueError(
+                f"--load {args.load!r} {found}; to train from scratch, name it as --save too (a run that "
+                f"resumes from its own saves)" + (" or pass --allow-fresh-start" if found != "does not exist" else "")
+            )
+        if resolved is not None:
+            try:
+                start = read_marker(resolved)["iteration"]
+            except CheckpointingException:
+                pass  # loading reports it, on every rank
+    newest = latest_iteration(args.save) if args.save is not None else None
+    if newest is not None and newest > start and not args.allow_overwrite:
+        raise ValueError(
+            f"--save {args.save!r} holds iteration {newest}, newer than the iteration {start} this run starts "
+            f"from: its saves would overwrite newer checkpoints. Resume them with --load {args.save}, choose "
+            f"another --save directory, or pass --allow-overwrite"
+        )
 
 
 def uses_gpu(args: argparse.Namespace) -> bool:
@@ -206,7 +266,7 @@ def load_corpus(path: str | None, min_bytes: int) -> torch.Tensor:
                 break
         data = b"".join(chunks)[:DEFAULT_CORPUS_BYTES]
     if len(data) < min_bytes:
-        raise ValueError(f"the corpus has {len(data)} bytes; at least {min_bytes} are needed (seq-len + 1)")
+        raise ValueError(f"the corpus has {len(data)} bytes; at least {min_bytes} are needed (--seq-len + 2)")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
@@ -358,6 +418,8 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
     if args.fp16:
         config.grad_scale_func = optimizer.scale_loss
     start_step = resume(args, model, optimizer)
+    log_event(args, event="start", attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+              resumed_from=start_step, config=run_config(args))
     if args.virtual_pipeline is not None and args.schedule == "1f1b":
         forward_backward = get_forward_backward_func()  # interleaved 1F1B
     else:
@@ -390,39 +452,87 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
             micro_batch_size=args.micro_batch_size,
             forward_only=False,
         )
-        update_successful, grad_norm, _ = optimizer.step()
+        nonfinite = nonfinite_report(step_losses, chunks, args, device) if args.check_for_nan_in_loss_and_grad else ""
+        if nonfinite and not args.skip_nonfinite:
+            raise FloatingPointError(
+                f"step {step + 1}: {nonfinite}; stopped before the update, so no checkpoint holds it "
+                f"(--skip-nonfinite skips such steps)"
+            )
+        if nonfinite:
+            update_successful, grad_norm = False, None
+            if rank0:
+                print(f"step {step + 1}: {nonfinite}; the step is skipped", file=sys.stderr, flush=True)
+        else:
+            update_successful, grad_norm, _ = optimizer.step()
         skipped += not update_successful
         grad_norms.append(grad_norm)
         losses.append(global_mean_loss(step_losses, device))
         tokens_per_s.append(tokens_per_step / (time.perf_counter() - start))
+        log_event(args, step=step + 1, loss=losses[-1], tokens_per_s=tokens_per_s[-1],
+                  grad_norm=grad_norm, skipped=not update_successful)
         if progress is not None:
             progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s[-1]:.0f}")
             progress.update(1)
         at_interval = args.save_interval is not None and (step + 1) % args.save_interval == 0
         if args.save and (at_interval or step + 1 == args.steps):
-            save(args, step + 1, model, optimizer)
+            log_event(args, event="save", iteration=step + 1, path=save(args, step + 1, model, optimizer))
     if progress is not None:
         progress.close()
-    config = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
-    config["world_size"] = dist.get_world_size()
-    return {"config": config, "start_step": start_step, "losses": losses, "tokens_per_s": tokens_per_s,
+    log_event(args, event="end", steps=len(losses), skipped_steps=skipped)
+    return {"config": run_config(args), "start_step": start_step, "losses": losses, "tokens_per_s": tokens_per_s,
             "grad_norms": grad_norms, "skipped_steps": skipped}
 
 
-def save(args: argparse.Namespace, iteration: int, model: torch.nn.Module, optimizer: MegatronOptimizer) -> None:
+def nonfinite_report(losses: list[dict[str, torch.Tensor]], chunks: list[DistributedDataParallel],
+                     args: argparse.Namespace, device: torch.device) -> str:
+    """Which ranks saw a NaN or Inf in their loss or (fp16 aside, where the loss scaler skips
+    such steps) their gradients, known on every rank; '' when none did."""
+    loss_bad = any(not bool(torch.isfinite(d["lm loss"]).all()) for d in losses)
+    grad_bad = not args.fp16 and any(
+        not bool(torch.isfinite(g).all())
+        for chunk in chunks
+        for p in chunk.module.parameters()
+        if (g := getattr(p, "main_grad", p.grad)) is not None
+    )
+    flags = torch.zeros(dist.get_world_size(), 2, device=device)
+    flags[dist.get_rank()] = torch.tensor([float(loss_bad), float(grad_bad)])
+    dist.all_reduce(flags)
+    found = [
+        f"non-finite {what} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        for what, column in (("loss", 0), ("gradients", 1))
+        if (ranks := flags[:, column].nonzero().flatten().tolist())
+    ]
+    return " and ".join(found)
+
+
+def run_config(args: argparse.Namespace) -> dict:
+    config = {k: v for k, v in vars(args).items() if k not in ("no_progress",)}
+    config["world_size"] = dist.get_world_size()
+    return config
+
+
+def log_event(args: argparse.Namespace, **record) -> None:
+    """Rank 0 appends one JSON line to --log-json, at once, so a run that dies leaves its steps."""
+    if args.log_json and dist.get_rank() == 0:
+        with open(args.log_json, "a") as f:
+            f.write(json.dumps({**record, "time": time.time()}) + "\n")
+
+
+def save(args: argparse.Namespace, iteration: int, model: torch.nn.Module, optimizer: MegatronOptimizer) -> str:
     # The data position is the step: step k always reads the same global batch.
     data = {"consumed_samples": iteration * args.global_batch_size,
             "global_batch_size": args.global_batch_size}
-    save_checkpoint(args.save, iteration, model, optimizer, metadata={"data": data, "seed": args.seed})
+    return save_checkpoint(args.save, iteration, model, optimizer, metadata={"data": data, "seed": args.seed},
+                           overwrite=args.allow_overwrite, keep_last=args.keep_last)
 
 
 def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: MegatronOptimizer) -> int:
     """Loads --load if given; returns the step to continue from."""
     if args.load is None:
         return 0
-    if find_checkpoint(args.load) is None:
+    if find_checkpoint(args.load) is None:  # allowed by check_checkpoint_paths
         if dist.get_rank() == 0:
-            print(f"warning: no checkpoint in {args.load!r}; training from scratch", file=sys.stderr)
+            print(f"no checkpoint in {args.load!r} yet; training from scratch", flush=True)
         return 0
     marker = load_checkpoint(
         args.load, model, None if args.no_load_optim else optimizer, load_rng=not args.no_load_rng
@@ -433,17 +543,15 @@ def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: Megatron
             f"the checkpoint was trained with --global-batch-size {data['global_batch_size']}, "
             f"this run has {args.global_batch_size}"
         )
-    if dist.get_rank() == 0 and not marker["rng_loaded"] and not args.no_load_rng:
-        print(f"note: {marker['path']} was saved at layout {marker['layout']}; RNG states start afresh",
-              file=sys.stderr)
+    if dist.get_rank() == 0:
+        print(f"resumed from iteration {marker['iteration']} ({marker['path']})", flush=True)
+        if not marker["rng_loaded"] and not args.no_load_rng:
+            print(f"note: {marker['path']} was saved at layout {marker['layout']}; RNG states start afresh",
+                  file=sys.stderr)
     return marker["iteration"]
 
 
 def write_outputs(log: dict, args: argparse.Namespace) -> None:
-    if args.log_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
-        with open(args.log_json, "w") as f:
-            json.dump(log, f, indent=1)
     if args.plot:
         import matplotlib
 
@@ -463,24 +571,68 @@ def write_outputs(log: dict, args: argparse.Namespace) -> None:
         plt.close(fig)
 
 
+def summary(log: dict, args: argparse.Namespace) -> str:
+    # The first step includes warm-up; it is the figure only when it is the only one.
+    timed = log["tokens_per_s"][1:] or log["tokens_per_s"]
+    return (
+        f"loss {log['losses'][0]:.4f} -> {log['losses'][-1]:.4f} over steps {log['start_step'] + 1}-{args.steps}, "
+        f"{sum(timed) / len(timed):.0f} tokens/s" + (f"; loss curve: {args.plot}" if args.plot else "")
+    )
+
+
+def init_process_group(backend: str, timeout: timedelta) -> None:
+    """``init_process_group`` from torchrun's environment, such that a restarted group never reads
+    the addresses its killed predecessor left behind.
+
+    torchrun (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) serves one store for all attempts of
+    a job, so a restarted rank may read a dead rank's address from it, and its restart count,
+    kept per launcher, is no attempt number all nodes share. Instead rank 0 starts a store of its
+    own, as torchrun does without sharing, and announces its port in torchrun's store; the others
+    take a port that refuses connections for one the previous attempt left and read it again.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host = os.environ["MASTER_ADDR"]  # torchrun's store runs on global rank 0's node
+    shared = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout)
+    key = "train_gpt/store_port"
+    if rank == 0:
+        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        shared.set(key, str(store.port))
+    else:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            port = int(shared.get(key))
+            try:
+                store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=2))
+                break
+            except RuntimeError:  # the previous attempt's rank 0, gone: wait for this one's
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        store.set_timeout(timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    # Before the process group: a bad argument is one clear error on every rank, not a failed
+    # connection of the ranks that got past it.
     backend = "nccl" if uses_gpu(args) else "gloo"
+    check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timedelta(seconds=resolve_timeout(args)))
+    if args.log_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
+    init_process_group(backend, timedelta(seconds=resolve_timeout(args)))
     try:
         log = train(args)
         if dist.get_rank() == 0 and not log["losses"]:
             print(f"nothing to do: the checkpoint is at step {log['start_step']} of --steps {args.steps}")
         elif dist.get_rank() == 0:
             write_outputs(log, args)
-            mean_tps = sum(log["tokens_per_s"][1:]) / max(1, len(log["tokens_per_s"]) - 1)
-            print(
-                f"loss {log['losses'][0]:.4f} -> {log['losses'][-1]:.4f} "
-                f"over steps {log['start_step'] + 1}-{args.steps}, "
-                f"{mean_tps:.0f} tokens/s" + (f"; loss curve: {args.plot}" if args.plot else "")
-            )
+            print(summary(log, args))
         return log
     finally:
         dist.destroy_process_group()
@@ -489,6 +641,6 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    except ValueError as e:
+    except (ValueError, CheckpointingException, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

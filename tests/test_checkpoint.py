@@ -284,12 +284,12 @@ def test_other_model_or_corrupted_file_is_refused_on_every_rank(saved_at_tp2_pp2
     assert all(e.startswith("CheckpointingException: cannot load checkpoint") for e in errors.values()), (
         errors
     )
+    # the recorded configuration names the cause
     assert (
-        "parameter decoder.layers.0.mlp.dense_h_to_4h.weight has global shape [128, 32] in the "
-        "checkpoint but "
-        "[256, 64] in the model" in errors["hidden"]
+        "the checkpoint was saved with hidden_size=32, kv_channels=8, ffn_hidden_size=128; this model has "
+        "hidden_size=64, kv_channels=16, ffn_hidden_size=256" in errors["hidden"]
     )
-    assert "the checkpoint has parameters the model lacks: ['decoder.layers.2." in errors["layers"]
+    assert "the checkpoint was saved with num_layers=4; this model has num_layers=2" in errors["layers"]
     assert f"file {data_file} is corrupted" in errors["corrupted"]
     assert "file .metadata is corrupted" in errors["truncated"]
     assert "the optimizer state of decoder.layers." in errors["optimizer"]

@@ -7,8 +7,14 @@ the newest complete one.
 
 Atomicity: ranks write into ``<save>/.tmp.iter_XXXXXXX``; only after every rank's files are
 written and hashed does rank 0 write the marker and rename the directory into place, then update
-the tracker file (each by ``os.replace``). A rank that dies before that leaves a temporary
-directory that nothing loads, and the previous checkpoint stays what the tracker names.
+the tracker file (each by a rename followed by an fsync of the directory). A rank that dies before
+that leaves a temporary directory that nothing loads (the next save removes it), and the previous
+checkpoint stays what the tracker names. Re-saving an iteration swaps the two directories in one
+``renameat2(RENAME_EXCHANGE)``, so the tracker never names a missing directory. A save that fails
+(a full disk) removes what it wrote and raises the same error on every rank.
+
+A save never moves the tracker backwards or overwrites a newer checkpoint unless asked
+(``overwrite=True``); ``keep_last`` prunes the older complete checkpoints after a save.
 
 Loading checks, on every rank and before any tensor is read, that the marker exists, that the
 files' hashes match, and that the stored parameters are exactly the model's (names and global
@@ -17,10 +23,13 @@ shapes); the outcome is shared over the world group so every rank raises the sam
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import io
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException as _DCPException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from megatron_ext import parallel_state
@@ -59,6 +69,40 @@ def checkpoint_dir(save_dir: str, iteration: int) -> str:
     return os.path.join(save_dir, f"iter_{iteration:07d}")
 
 
+def _tracked_iteration(save_dir: str) -> int | None:
+    """The iteration the tracker file of ``save_dir`` names, None without one."""
+    tracker = os.path.join(save_dir, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as f:
+        text = f.read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointingException(f"{tracker}: expected an iteration number, found {text!r}") from None
+
+
+def complete_iterations(save_dir: str) -> list[int]:
+    """The iterations of the complete checkpoints (with a marker) in ``save_dir``, ascending."""
+    if not os.path.isdir(save_dir):
+        return []
+    found = (re.fullmatch(r"iter_(\d+)", name) for name in os.listdir(save_dir))
+    return sorted(
+        int(m.group(1)) for m in found if m and os.path.isfile(os.path.join(save_dir, m.group(0), MARKER))
+    )
+
+
+def latest_iteration(save_dir: str) -> int | None:
+    """The newest iteration ``save_dir`` holds: the tracker's, or without a tracker the newest
+    complete checkpoint's; None when it holds none. A complete checkpoint newer than the tracker
+    is the leftover of a save that died before updating it and does not count."""
+    tracked = _tracked_iteration(save_dir)
+    if tracked is not None:
+        return tracked
+    complete = complete_iterations(save_dir)
+    return complete[-1] if complete else None
+
+
 def find_checkpoint(path: str) -> str | None:
     """``path`` itself if it is a checkpoint (complete or not), else the one its tracker file
     names, else None."""
@@ -66,16 +110,10 @@ def find_checkpoint(path: str) -> str | None:
         return path
     if os.path.isdir(path) and any(n == ".metadata" or n.endswith(".distcp") for n in os.listdir(path)):
         return path  # written by a save that did not finish: loading says so
-    tracker = os.path.join(path, TRACKER)
-    if not os.path.isfile(tracker):
+    if not os.path.isdir(path):
         return None
-    with open(tracker) as f:
-        text = f.read().strip()
-    try:
-        iteration = int(text)
-    except ValueError:
-        raise CheckpointingException(f"{tracker}: expected an iteration number, found {text!r}") from None
-    return checkpoint_dir(path, iteration)
+    iteration = _tracked_iteration(path)
+    return None if iteration is None else checkpoint_dir(path, iteration)
 
 
 def _layout() -> dict[str, int]:
@@ -161,16 +199,104 @@ def _all_gather(obj: Any) -> list[Any]:
     return out
 
 
+def _model_config(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, Any] | None:
+    """The hyperparameters that give the stored tensors their meaning, read from the model's
+    ``config`` (a TransformerConfig) and, for a GPTModel, its vocabulary and sequence length;
+    None for a model without a config."""
+    inner = model_chunks(model)[0]
+    while not hasattr(inner, "config") and hasattr(inner, "module"):
+        inner = inner.module  # DDP and other wrappers
+    config = getattr(inner, "config", None)
+    if config is None or not hasattr(config, "num_layers"):
+        return None
+    activation = getattr(config, "activation_func", None)
+    return {
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_query_groups": getattr(config, "num_query_groups", None) or config.num_attention_heads,
+        "kv_channels": getattr(config, "kv_channels", None),
+        "ffn_hidden_size": getattr(config, "ffn_hidden_size", None),
+        "vocab_size": getattr(inner, "vocab_size", None),
+        "max_sequence_length": getattr(inner, "max_sequence_length", None),
+        "normalization": getattr(config, "normalization", None),
+        "activation": getattr(activation, "__name__", repr(activation)),
+        "gated_linear_unit": getattr(config, "gated_linear_unit", None),
+        "add_bias_linear": getattr(config, "add_bias_linear", None),
+        "params_dtype": str(getattr(config, "params_dtype", None)).replace("torch.", ""),
+    }
+
+
+# Fields that may differ between the saved and the loading model: the values are converted.
+CONVERTIBLE_CONFIG_FIELDS = ("params_dtype",)
+
+
+def _check_config(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[str]:
+    if saved is None or current is None:  # a checkpoint or a model without a config
+        return []
+    differ = [
+        field
+        for field in current
+        if field in saved and field not in CONVERTIBLE_CONFIG_FIELDS and saved[field] != current[field]
+    ]
+    if not differ:
+        return []
+    return [
+        "the checkpoint was saved with " + ", ".join(f"{f}={saved[f]!r}" for f in differ)
+        + "; this model has " + ", ".join(f"{f}={current[f]!r}" for f in differ)
+    ]
+
+
+def _fsync_dir(path: str) -> None:
+    """Makes the renames and creations inside directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _agree(error: str | None, prefix: str) -> None:
+    """Shares every rank's error (None for none): all ranks raise the same exception or none does."""
+    errors = sorted({e for e in _all_gather(error) if e})
+    if errors:
+        raise CheckpointingException(prefix + "; ".join(errors))
+
+
+# What a save's steps may raise: DCP's own exception is a BaseException.
+_FAILURES = (Exception, _DCPException)
+
+
+def _describe(e: BaseException) -> str:
+    """One line for an error: DCP's per-rank failures without their tracebacks."""
+    if isinstance(e, CheckpointingException):
+        return str(e)
+    if isinstance(e, _DCPException):
+        return "; ".join(f"rank {r}: {_describe(exc)}" for r, (exc, _) in sorted(e.failures.items()))
+    return f"{type(e).__name__}: {e}"
+
+
 def save_checkpoint(
     save_dir: str,
     iteration: int,
     model: torch.nn.Module | list[torch.nn.Module],
     optimizer: Any = None,
     metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    keep_last: int | None = None,
 ) -> str:
-    """Saves parameters, optimizer state, RNG states and ``metadata`` (JSON: e.g. the data
-    position) as ``<save_dir>/iter_<iteration>``; collective over the world group. Returns the
-    checkpoint's directory."""
+    """Saves parameters, optimizer state, RNG states, the model's configuration and ``metadata``
+    (JSON: e.g. the data position) as ``<save_dir>/iter_<iteration>``; collective over the world
+    group. Returns the checkpoint's directory.
+
+    Refuses (on every rank, before writing) when ``save_dir`` already holds a newer iteration,
+    whose checkpoint the save would overwrite and whose tracker it would move back, unless
+    ``overwrite``. ``keep_last``: afterwards, remove all but the newest ``keep_last`` complete
+    checkpoints (never the one the tracker names). A failed save (e.g. a full disk) removes its
+    temporary directory, leaves the previous checkpoints as they were and raises the same
+    :class:`CheckpointingException` on every rank."""
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     _finish_param_gathers(model)
     specs = param_specs(model)
     state: dict[str, Any] = {"model": {s.global_name: s.sharded() for s in unique_specs(specs)}}
@@ -186,46 +312,150 @@ def save_checkpoint(
 
     final = checkpoint_dir(save_dir, iteration)
     tmp = os.path.join(save_dir, f".tmp.iter_{iteration:07d}")
-    if dist.get_rank() == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
-        os.makedirs(tmp)
-    dist.barrier()
-    dcp.save(state, storage_writer=FileSystemWriter(tmp))
-    if _after_rank_wrote is not None:
-        _after_rank_wrote()
-    dist.barrier()  # every rank's files (and rank 0's .metadata) are written
-    names = sorted(os.listdir(tmp))
-    hashes: dict[str, str] = {}
-    for share in _all_gather(_hash_my_share(tmp, names)):
-        hashes.update(share)
-    if dist.get_rank() == 0:
-        marker = {
-            "format": FORMAT,
-            "iteration": iteration,
-            "layout": _layout(),
-            "metadata": metadata or {},
-            "files": hashes,
-        }
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump(marker, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _replace_dir(tmp, final)
-        _write_tracker(save_dir, iteration)
-    dist.barrier()
+    failed = f"cannot save checkpoint {final!r}: "
+    rank0 = dist.get_rank() == 0
+    error = None
+    if rank0:
+        try:
+            newest = latest_iteration(save_dir)
+            if newest is not None and newest > iteration and not overwrite:
+                raise CheckpointingException(
+                    f"{save_dir!r} already holds iteration {newest}, newer than {iteration}; saving would "
+                    f"overwrite newer checkpoints and move the tracker back (overwrite=True allows it)"
+                )
+            os.makedirs(save_dir, exist_ok=True)
+            for name in os.listdir(save_dir):  # left by saves that died
+                if name.startswith(".tmp.iter_") or name.endswith(".old"):
+                    shutil.rmtree(os.path.join(save_dir, name))
+            os.makedirs(tmp)
+        except _FAILURES as e:  # every rank must learn of it
+            error = _describe(e)
+    _agree(error, failed)
+
+    # Write, then hash: each step's errors are shared, so every rank takes the same path.
+    error, results = None, []
+    for step in ("write", "hash"):
+        try:
+            if step == "write":
+                dcp.save(state, storage_writer=FileSystemWriter(tmp))
+                if _after_rank_wrote is not None:
+                    _after_rank_wrote()
+                outcome = None
+            else:  # every rank's files (and rank 0's .metadata) are written
+                outcome = _hash_my_share(tmp, sorted(os.listdir(tmp)))
+        except _FAILURES as e:
+            error, outcome = _describe(e), None
+        results = _all_gather((error, outcome))
+        if any(e for e, _ in results):
+            break
+    error = None
+    if rank0:
+        try:
+            errors = sorted({e for e, _ in results if e})
+            if errors:
+                raise CheckpointingException("; ".join(errors))
+            all_hashes = {name: digest for _, share in results for name, digest in share.items()}
+            _commit(save_dir, tmp, final, iteration, metadata, all_hashes, _model_config(model))
+        except _FAILURES as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # what this save wrote, so a full disk frees up
+            error = f"{_describe(e)} (removed {tmp!r}; {_newest_left(save_dir)})"
+    _agree(error, failed)
+
+    if keep_last is not None:
+        error = None
+        if rank0:
+            try:
+                prune_checkpoints(save_dir, keep_last)
+            except _FAILURES as e:
+                error = _describe(e)
+        _agree(error, f"saved checkpoint {final!r} but could not remove older ones: ")
     return final
 
 
+def _newest_left(save_dir: str) -> str:
+    try:
+        previous = latest_iteration(save_dir)
+    except CheckpointingException as e:
+        return str(e)
+    if previous is None:
+        return "no checkpoint was saved before"
+    return f"iteration {previous} is still the newest checkpoint"
+
+
+def _commit(
+    save_dir: str,
+    tmp: str,
+    final: str,
+    iteration: int,
+    metadata: dict[str, Any] | None,
+    hashes: dict[str, str],
+    model_config: dict[str, Any] | None,
+) -> None:
+    """Rank 0 completes a written checkpoint: marker, directory in place, tracker; each durable."""
+    marker = {
+        "format": FORMAT,
+        "iteration": iteration,
+        "layout": _layout(),
+        "model_config": model_config,
+        "metadata": metadata or {},
+        "files": hashes,
+    }
+    with open(os.path.join(tmp, MARKER), "w") as f:
+        json.dump(marker, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    _replace_dir(tmp, final)
+    _fsync_dir(save_dir)
+    _write_tracker(save_dir, iteration)
+
+
+def prune_checkpoints(save_dir: str, keep_last: int) -> list[int]:
+    """Removes the complete checkpoints of ``save_dir`` but the newest ``keep_last`` and the one
+    the tracker names; returns the removed iterations."""
+    complete = complete_iterations(save_dir)
+    keep = set(complete[-keep_last:]) | {_tracked_iteration(save_dir)}
+    removed = [i for i in complete if i not in keep]
+    for i in removed:
+        shutil.rmtree(checkpoint_dir(save_dir, i))
+    if removed:
+        _fsync_dir(save_dir)
+    return removed
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swaps directories ``a`` and ``b`` atomically (Linux ``renameat2``); False where the
+    system or file system cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), a)
+
+
 def _replace_dir(src: str, dst: str) -> None:
-    if os.path.exists(dst):
-        old = dst + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
+    """Puts directory ``src`` in the place of ``dst``. An existing ``dst`` is swapped out in one
+    step where the file system can, so a tracker naming it never names a missing directory."""
+    if not os.path.exists(dst):
         os.replace(src, dst)
-        shutil.rmtree(old)
-    else:
-        os.replace(src, dst)
+        return
+    if _exchange(src, dst):
+        shutil.rmtree(src)  # now the old checkpoint
+        return
+    old = dst + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(dst, old)
+    os.replace(src, dst)
+    shutil.rmtree(old)
 
 
 def _write_tracker(save_dir: str, iteration: int) -> None:
@@ -235,6 +465,7 @@ def _write_tracker(save_dir: str, iteration: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(save_dir, TRACKER))
+    _fsync_dir(save_dir)
 
 
 def read_marker(path: str) -> dict[str, Any]:
@@ -340,6 +571,7 @@ def load_checkpoint(
         if resolved is None:
             raise CheckpointingException(f"{path!r} is neither a checkpoint nor a directory with {TRACKER}")
         marker = read_marker(resolved)
+        problems += _check_config(marker.get("model_config"), _model_config(model))
         problems += verify_files(
             resolved, marker, sorted(marker["files"])[dist.get_rank() :: dist.get_world_size()]
         )
@@ -355,10 +587,14 @@ def load_checkpoint(
     reports = _all_gather(problems)
     failed = [(rank, p) for rank, ps in enumerate(reports) for p in ps]
     if failed:
-        lines = sorted({p for _, p in failed})
-        more = f"; and {len(lines) - 8} more" if len(lines) > 8 else ""
+        # The configuration's differences first (the cause), then at most 8 of their effects.
+        is_config = lambda p: p.startswith("the checkpoint was saved with")  # noqa: E731
+        lines = sorted({p for _, p in failed}, key=lambda p: (not is_config(p), p))
+        config_lines = sum(map(is_config, lines))
+        shown = config_lines + 8
+        more = f"; and {len(lines) - shown} more" if len(lines) > shown else ""
         raise CheckpointingException(
-            f"cannot load checkpoint {resolved or path!r}: " + "; ".join(lines[:8]) + more
+            f"cannot load checkpoint {resolved or path!r}: " + "; ".join(lines[:shown]) + more
         )
     assert metadata is not None
 

@@ -64,7 +64,8 @@ def to_torch(checkpoint: str, output: str) -> dict[str, Any]:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(flat, storage_reader=FileSystemReader(path), no_dist=True)
     state = _nest(dict(sorted(flat.items())), metadata.planner_data or {})
-    state["checkpoint"] = {k: marker[k] for k in ("format", "iteration", "layout", "metadata")}
+    fields = ("format", "iteration", "layout", "model_config", "metadata")
+    state["checkpoint"] = {k: marker.get(k) for k in fields}
     torch.save(state, output)
     return state
 

@@ -85,6 +85,7 @@ class GPTModel(torch.nn.Module):
         super().__init__()
         self.config = config
         self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
         self.vp_stage = vp_stage
         if pre_process is None:
             pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)

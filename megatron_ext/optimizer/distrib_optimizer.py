@@ -87,6 +87,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def get_grad_stats_parallel_group(self) -> list[dist.ProcessGroup]:
         return [self._data_parallel_group, parallel_state.get_model_parallel_group()]
 
+    def _found_inf_groups(self) -> list[dist.ProcessGroup]:
+        return self.get_grad_stats_parallel_group()  # the data-parallel group is among them
+
     def _ddps(self) -> list:
         return list({id(ddp): ddp for ddp, _ in self._buckets}.values())
 

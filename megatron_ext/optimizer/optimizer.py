@@ -209,10 +209,17 @@ class MegatronOptimizer:
             else:
                 s.main.grad = grad.detach().reshape(s.main.shape).to(s.main.dtype, copy=True)
 
+    def _found_inf_groups(self) -> list[dist.ProcessGroup]:
+        """Groups over which the found-inf flag is reduced: every rank holding a copy of a
+        parameter, so all copies skip a step alike even where their gradients differ (Megatron-core
+        reduces over the model-parallel group only, assuming data-parallel copies agree)."""
+        data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        return [data_parallel, *self.get_grad_stats_parallel_group()]
+
     def _unscale_and_check_for_inf(self) -> bool:
         """Divides the main gradients by the loss scale; True if any rank saw an inf or NaN."""
         inv_scale = self.grad_scaler.inv_scale
-        groups = self.get_grad_stats_parallel_group()
+        groups = self._found_inf_groups()
         found = torch.zeros(1, device=comm_device(*groups))
         for s in self._slots:
             if s.main.grad is not None:
