@@ -55,6 +55,7 @@ def saved_at_tp2_pp2(tmp_path_factory):
         (1, 2, 2),
         (2, 2, 1, "--sequence-parallel"),
         (1, 2, 2, "--virtual-pipeline", "2"),
+        (2, 2, 1, "--schedule", "zb-v"),
     ]
     results = run_distributed(4, _save_then_resume_worker, save_dir, layouts, "0.0")
     full, resumed = results[0]
@@ -120,6 +121,27 @@ def test_interleaved_pipeline_checkpoints(saved_at_tp2_pp2, tmp_path):
     # and without them.
     _, full, _ = saved_at_tp2_pp2
     (losses, resumed), _ = run_distributed(2, _interleaved_worker, str(tmp_path / "run"))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(full["losses"]), rtol=1e-9, atol=0)
+    for start_and_losses in resumed.values():
+        _assert_resumed_equal(full["losses"], *start_and_losses)
+
+
+def _zbv_worker(save_dir: str):
+    # ZB-V's V layout: rank 0 holds the embedding (chunk 0) and its tied copy (chunk 1).
+    full = _run((1, 2, 1), "--schedule", "zb-v", "--save", save_dir, "--save-interval", "2")
+    ckpt = os.path.join(save_dir, "iter_0000002")
+    resumed = {
+        layout: _run(layout[:3], "--load", ckpt, *layout[3:])
+        for layout in [(1, 2, 1, "--schedule", "zb-v"), (1, 2, 1), (2, 1, 1)]
+    }
+    return full["losses"], {k: (v["start_step"], v["losses"]) for k, v in resumed.items()}
+
+
+def test_zbv_checkpoints(saved_at_tp2_pp2, tmp_path):
+    # Saved with both copies of the tied embedding on one rank (the copy is saved once and loaded
+    # into both, its optimizer state too) and loaded at layouts with and without the V.
+    _, full, _ = saved_at_tp2_pp2
+    (losses, resumed), _ = run_distributed(2, _zbv_worker, str(tmp_path / "run"))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(full["losses"]), rtol=1e-9, atol=0)
     for start_and_losses in resumed.values():
         _assert_resumed_equal(full["losses"], *start_and_losses)

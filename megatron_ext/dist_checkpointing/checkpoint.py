@@ -166,7 +166,8 @@ def _optimizer_by_global_name(
     for name, state in optimizer.param_state_by_name().items():
         if name not in specs:
             raise ValueError(f"the optimizer names a parameter {name!r} that the model does not have")
-        out[specs[name].global_name] = (name, specs[name], state)
+        if specs[name].copy_of is None:  # a tied copy's state equals its original's
+            out[specs[name].global_name] = (name, specs[name], state)
     return out
 
 
@@ -619,6 +620,15 @@ def load_checkpoint(
     if rng_loaded:
         state["rng"] = {_rng_key(): b""}
     dcp.load(state, storage_reader=FileSystemReader(resolved))
+    with torch.no_grad():
+        for spec in {id(s): s for s in specs.values() if s.copy_of is not None}.values():
+            spec.param.copy_(spec.copy_of.param)
+    if optimizer is not None:
+        for name in optimizer.param_state_by_name():
+            original = specs[name].copy_of
+            if original is not None:
+                targets = optimizer_targets[current[original.global_name][0]]
+                optimizer_targets[name] = {k: v.clone() for k, v in targets.items()}
 
     if optimizer is not None:
         scalars = {"step": state["optimizer"]["step"]}

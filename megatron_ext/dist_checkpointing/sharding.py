@@ -149,6 +149,9 @@ class ParamSpec:
     local_name: str  # as the optimizer contract names it ("chunk{i}." prefix with several chunks)
     global_name: str
     param: torch.nn.Parameter
+    # The tied word embedding's copy held by the same rank as the embedding (ZB-V's V layout):
+    # saved once, through ``copy_of``, and loaded into both.
+    copy_of: ParamSpec | None = None
 
     def sharded(self, tensor: torch.Tensor | None = None) -> torch.Tensor:
         """``tensor`` (default: the parameter's data), which has the parameter's local shape,
@@ -205,7 +208,7 @@ def param_specs(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, Par
     with wrapper prefixes like DDP's ``module.`` removed), each with its global name."""
     chunks = model_chunks(model)
     specs: dict[str, ParamSpec] = {}
-    seen: dict[str, str] = {}
+    seen: dict[str, ParamSpec] = {}
     for i, wrapped in enumerate(chunks):
         chunk = _unwrap(wrapped)
         prefixes = _global_prefixes(chunk)
@@ -213,22 +216,25 @@ def param_specs(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, Par
         for name, param in wrapped.named_parameters():
             bare = _strip_wrappers(name)
             spec = ParamSpec(chunk_prefix + name, _global_name(bare, prefixes, chunk), param)
-            if spec.global_name in seen:
+            if spec.global_name == TIED_EMBEDDING_NAME and spec.global_name in seen:
+                spec.copy_of = seen[spec.global_name]
+            elif spec.global_name in seen:
                 raise RuntimeError(
-                    f"parameters {seen[spec.global_name]!r} and {spec.local_name!r} "
+                    f"parameters {seen[spec.global_name].local_name!r} and {spec.local_name!r} "
                     "map to the same global name "
                     f"{spec.global_name!r}; are the layers' layer_number attributes global?"
                 )
-            seen[spec.global_name] = spec.local_name
+            seen.setdefault(spec.global_name, spec)
             specs[chunk_prefix + name] = spec
             specs.setdefault(chunk_prefix + bare, spec)
     return specs
 
 
 def unique_specs(specs: dict[str, ParamSpec]) -> list[ParamSpec]:
+    """Each parameter once, a tied copy (``copy_of``) not at all."""
     out, ids = [], set()
     for spec in specs.values():
-        if id(spec) not in ids:
+        if id(spec) not in ids and spec.copy_of is None:
             ids.add(id(spec))
             out.append(spec)
     return out
