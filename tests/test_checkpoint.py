@@ -106,42 +106,25 @@ def test_same_layout_restores_rng_streams(tmp_path):
     assert abs(fresh_adam[1] - full["losses"][3]) > 1e-6
 
 
-def _interleaved_worker(save_dir: str):
-    full = _run((1, 2, 1), "--virtual-pipeline", "2", "--save", save_dir, "--save-interval", "2")
+def _chunked_worker(save_dir: str, chunks: tuple[str, ...]):
+    """Trains 4 steps at pp 2 with two model chunks per rank (``chunks``: the interleaved or
+    ZB-V's V layout) saving after step 2, then resumes that checkpoint with and without them."""
+    full = _run((1, 2, 1), *chunks, "--save", save_dir, "--save-interval", "2")
     ckpt = os.path.join(save_dir, "iter_0000002")
     resumed = {
         layout: _run(layout[:3], "--load", ckpt, *layout[3:])
-        for layout in [(1, 2, 1, "--virtual-pipeline", "2"), (1, 2, 1), (2, 1, 1)]
+        for layout in [(1, 2, 1, *chunks), (1, 2, 1), (2, 1, 1)]
     }
     return full["losses"], {k: (v["start_step"], v["losses"]) for k, v in resumed.items()}
 
 
-def test_interleaved_pipeline_checkpoints(saved_at_tp2_pp2, tmp_path):
+@pytest.mark.parametrize("chunks", [("--virtual-pipeline", "2"), ("--schedule", "zb-v")])
+def test_chunked_pipeline_checkpoints(saved_at_tp2_pp2, tmp_path, chunks):
     # Saved from chunk lists (2 chunks per stage, global layer names) and loaded at layouts with
-    # and without them.
+    # and without them. In ZB-V's V, rank 0 holds the embedding (chunk 0) and its tied copy
+    # (chunk 1): the copy is saved once and loaded into both, its optimizer state too.
     _, full, _ = saved_at_tp2_pp2
-    (losses, resumed), _ = run_distributed(2, _interleaved_worker, str(tmp_path / "run"))
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(full["losses"]), rtol=1e-9, atol=0)
-    for start_and_losses in resumed.values():
-        _assert_resumed_equal(full["losses"], *start_and_losses)
-
-
-def _zbv_worker(save_dir: str):
-    # ZB-V's V layout: rank 0 holds the embedding (chunk 0) and its tied copy (chunk 1).
-    full = _run((1, 2, 1), "--schedule", "zb-v", "--save", save_dir, "--save-interval", "2")
-    ckpt = os.path.join(save_dir, "iter_0000002")
-    resumed = {
-        layout: _run(layout[:3], "--load", ckpt, *layout[3:])
-        for layout in [(1, 2, 1, "--schedule", "zb-v"), (1, 2, 1), (2, 1, 1)]
-    }
-    return full["losses"], {k: (v["start_step"], v["losses"]) for k, v in resumed.items()}
-
-
-def test_zbv_checkpoints(saved_at_tp2_pp2, tmp_path):
-    # Saved with both copies of the tied embedding on one rank (the copy is saved once and loaded
-    # into both, its optimizer state too) and loaded at layouts with and without the V.
-    _, full, _ = saved_at_tp2_pp2
-    (losses, resumed), _ = run_distributed(2, _zbv_worker, str(tmp_path / "run"))
+    (losses, resumed), _ = run_distributed(2, _chunked_worker, str(tmp_path / "run"), chunks)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(full["losses"]), rtol=1e-9, atol=0)
     for start_and_losses in resumed.values():
         _assert_resumed_equal(full["losses"], *start_and_losses)
