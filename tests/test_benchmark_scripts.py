@@ -64,3 +64,15 @@ def test_pipeline_bubble_benchmark_script(tmp_path):
     assert list(result["summary"]) == ["megatron_ext 1f1b", "megatron_ext zb-h1", "megatron_ext zb-v"]
     for name, s in result["summary"].items():
         assert s["min_s"] * 1e3 >= sim[name] * 0.99, name
+
+
+def test_attention_benchmark_script(tmp_path):
+    out = tmp_path / "attention.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--without-megatron-core",
+                    "--seq", "64", "128", "--heads", "2", "--head-dim", "8", "--reps", "1", "--json", str(out)],
+                   check=True, timeout=300, capture_output=True)
+    summary = json.loads(out.read_text())["summary"]
+    assert list(summary) == ["64", "128"]
+    for rows in summary.values():
+        assert list(rows) == ["megatron_ext (sdpa)", "megatron_ext unfused"]
+        assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in rows.values())

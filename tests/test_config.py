@@ -329,7 +329,6 @@ def test_replace_round_trip():
         ("recompute_granularity", "selective"),
         ("recompute_method", "block"),
         ("transformer_impl", "inference_optimized"),
-        ("attention_backend", AttnBackend.flash),
         ("embedding_init_method_std", 0.5),
     ],
 )
@@ -377,6 +376,11 @@ def test_implemented_and_inert_fields_accepted():
         attention_backend=AttnBackend.local,
         use_te_rng_tracker=True,
     )
+    # Every Megatron-core attention backend: flash, fused and auto run torch's SDPA.
+    for backend in AttnBackend:
+        assert _small(attention_backend=backend).attention_backend is backend
+    with pytest.raises(ValueError, match="attention_backend='sdpa' is not one of"):
+        _small(attention_backend="sdpa")
     assert config.microbatch_group_size_per_vp_stage == 3 and config.bias_activation_fusion
     with pytest.raises(TypeError):
         _small(no_such_field=1)

@@ -97,3 +97,52 @@ def test_tensor_parallel_gpt_equals_serial():
 
 def test_tied_embedding_across_stages():
     assert run_distributed(2, _tied_embedding_worker) == [True, True]
+
+
+def _attention_worker() -> None:
+    """SDPA (the default backend) equals the unfused attention in float64, with and without a
+    padding mask, forward and backward; with dropout, recomputation replays SDPA's draws."""
+    from megatron_ext.transformer.attention import ParallelAttention
+
+    ps.initialize_model_parallel(2)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(SEQ, BATCH, 16, dtype=torch.float64, generator=g)
+    padding = torch.zeros(BATCH, 1, SEQ, SEQ, dtype=torch.bool)
+    padding[0, :, :, SEQ - 2:] = True  # the last two keys of the first sequence are padding
+    results = {}
+    for backend in ("auto", "unfused"):
+        config = TransformerConfig(
+            tensor_model_parallel_size=2, num_layers=1, hidden_size=16, num_attention_heads=4,
+            attention_dropout=0.0, params_dtype=torch.float64, use_cpu_initialization=True,
+            attention_backend=backend)
+        torch.manual_seed(SEED)
+        layer = ParallelAttention(config)
+        assert layer.unfused == (backend == "unfused")
+        for mask in (None, padding):
+            inp = x.clone().requires_grad_()
+            out, bias = layer(inp, mask)
+            out.backward(torch.cos(out.detach()))
+            weight_grad = layer.query_key_value.weight.grad.clone()
+            layer.zero_grad()
+            results[(backend, mask is None)] = (out.detach(), inp.grad, weight_grad)
+    for no_mask in (True, False):
+        for fused, unfused in zip(results[("auto", no_mask)], results[("unfused", no_mask)]):
+            assert_close(fused, unfused, **EXACT)
+    assert not torch.allclose(results[("auto", True)][0], results[("auto", False)][0])
+    # Dropout inside SDPA draws from the tracker's stream: the same stream, the same output.
+    config = TransformerConfig(
+        tensor_model_parallel_size=2, num_layers=1, hidden_size=16, num_attention_heads=4,
+        attention_dropout=0.5, params_dtype=torch.float64, use_cpu_initialization=True)
+    layer = ParallelAttention(config)
+    outs = []
+    for _ in range(2):
+        tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+        outs.append(layer(x)[0])
+    assert_close(outs[0], outs[1], rtol=0, atol=0)
+    layer.eval()
+    assert not torch.allclose(layer(x)[0], outs[0])  # the training output was dropped out
+    ps.destroy_model_parallel()
+
+
+def test_sdpa_attention_equals_unfused():
+    run_distributed(2, _attention_worker)

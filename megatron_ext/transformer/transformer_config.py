@@ -23,7 +23,8 @@ from megatron_ext.model_parallel_config import ModelParallelConfig, refuse_unimp
 
 
 class AttnBackend(enum.Enum):
-    """Megatron-core's attention backends; megatron_ext's attention is the unfused local one."""
+    """Megatron-core's attention backends. megatron_ext runs ``auto``, ``flash`` and ``fused`` as
+    torch's scaled_dot_product_attention, ``unfused`` and ``local`` as the unfused attention."""
 
     flash = 1
     fused = 2
@@ -348,10 +349,10 @@ class TransformerConfig(ModelParallelConfig):
                 "own (None or 'uniform' with 1 layer)"
             )
         backend = getattr(self.attention_backend, "name", self.attention_backend)
-        if backend not in ("auto", "local", "unfused"):
-            raise NotImplementedError(
-                f"TransformerConfig.attention_backend={self.attention_backend!r} is not supported: "
-                "megatron_ext's attention is the unfused local one (auto, local or unfused)"
+        if backend not in AttnBackend.__members__:
+            raise ValueError(
+                f"TransformerConfig.attention_backend={self.attention_backend!r} is not one of "
+                f"{list(AttnBackend.__members__)}"
             )
         if self.transformer_impl not in ("transformer_engine", "local"):
             raise NotImplementedError(
