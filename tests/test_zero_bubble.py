@@ -366,6 +366,25 @@ def _parallel_linear_worker() -> None:
                     got = p.main_grad if fusion and name == "weight" else p.grad
                     want = q.main_grad if fusion and name == "weight" else q.grad
                     assert_close(got, want, **EXACT, msg=str((where, name)))
+    # The fused output layer + cross-entropy (one C++ node for the hidden and weight gradients).
+    rank = ps.get_tensor_model_parallel_rank()
+    g = torch.Generator().manual_seed(9)
+    hidden = torch.randn(6, 2, 8, dtype=torch.float64, generator=g)
+    weight = torch.randn(32, 8, dtype=torch.float64, generator=g).chunk(2)[rank].contiguous()
+    target = torch.randint(0, 32, (6, 2), generator=g)
+
+    def fused_loss(h, w):
+        return tensor_parallel.vocab_parallel_linear_cross_entropy(torch.tanh(h), w, target, chunk_size=4)
+
+    whole = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+    fused_loss(*whole).sum().backward()
+    split = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+    loss = fused_loss(*split)
+    (gh,), deferred = split_backward.backward_input([loss.sum()], [None], [split[0]])
+    assert split[1].grad is None
+    assert_close(gh, whole[0].grad, **EXACT)
+    split_backward.backward_weight(deferred)
+    assert_close(split[1].grad, whole[1].grad, **EXACT)
     ps.destroy_model_parallel()
 
 
