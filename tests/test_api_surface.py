@@ -7,7 +7,7 @@ import inspect
 import pytest
 
 from megatron_ext import parallel_state, tensor_parallel
-from megatron_ext.tensor_parallel import layers, mappings, random
+from megatron_ext.tensor_parallel import cross_entropy, layers, mappings, random
 
 # Every public function and class of megatron/core/parallel_state.py with its parameters in order
 # (for a class, its __init__'s).
@@ -170,7 +170,8 @@ TENSOR_PARALLEL = [
 ]
 
 # Names user code reaches in the submodules: the region classes of mappings.py, the tracker
-# machinery of random.py, the frozen-weight linear of layers.py.
+# machinery of random.py, the linears' functions and classes of layers.py, the cross-entropy's
+# classes (Megatron-core's fused cross-entropy imports VocabParallelCrossEntropy).
 SUBMODULES = {
     mappings: [
         "_CopyToModelParallelRegion",
@@ -202,7 +203,16 @@ SUBMODULES = {
         "get_data_parallel_rng_tracker_name",
         "get_expert_parallel_rng_tracker_name",
     ],
-    layers: ["linear_with_frozen_weight"],
+    layers: [
+        "linear_with_frozen_weight",
+        "LinearWithFrozenWeight",
+        "LinearWithGradAccumulationAndAsyncCommunication",
+    ],
+    cross_entropy: [
+        "VocabParallelCrossEntropy",
+        "_VocabParallelCrossEntropy",
+        "vocab_parallel_cross_entropy",
+    ],
 }
 
 # Parameters, in order, of the tensor_parallel functions this project mirrors from Megatron-core.
@@ -318,3 +328,55 @@ def test_tensor_parallel_signature(name):
 @pytest.mark.parametrize("name", sorted(REGION_APPLY))
 def test_region_class_apply_signature(name):
     assert _params(getattr(mappings, name).apply) == REGION_APPLY[name]
+
+
+# (class, static method, its parameters) of Megatron-core's other tensor_parallel classes.
+CLASS_METHODS = [
+    (layers.LinearWithFrozenWeight, "apply", ("input", "weight", "bias", "allreduce_dgrad", "tp_group")),
+    (
+        layers.LinearWithGradAccumulationAndAsyncCommunication,
+        "apply",
+        (
+            "input",
+            "weight",
+            "bias",
+            "gradient_accumulation_fusion",
+            "allreduce_dgrad",
+            "sequence_parallel",
+            "grad_output_buffer",
+            "wgrad_deferral_limit",
+            "tp_group",
+        ),
+    ),
+    (
+        cross_entropy._VocabParallelCrossEntropy,
+        "apply",
+        ("vocab_parallel_logits", "target", "label_smoothing"),
+    ),
+    (cross_entropy.VocabParallelCrossEntropy, "calculate_logits_max", ("vocab_parallel_logits",)),
+    (
+        cross_entropy.VocabParallelCrossEntropy,
+        "calculate_predicted_logits",
+        ("vocab_parallel_logits", "target", "logits_max", "vocab_start_index", "vocab_end_index"),
+    ),
+    (
+        cross_entropy.VocabParallelCrossEntropy,
+        "calculate_cross_entropy_loss",
+        ("exp_logits", "predicted_logits", "sum_exp_logits"),
+    ),
+    (
+        cross_entropy.VocabParallelCrossEntropy,
+        "prepare_gradient_calculation_operands",
+        ("softmax", "target_mask"),
+    ),
+    (
+        cross_entropy.VocabParallelCrossEntropy,
+        "calculate_gradients",
+        ("grad_2d", "arange_1d", "masked_target_1d", "softmax_update", "grad_input", "grad_output"),
+    ),
+] + [(getattr(mappings, name), "backward", ("ctx", "grad_output")) for name in REGION_APPLY]
+
+
+@pytest.mark.parametrize("cls,method,params", CLASS_METHODS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_class_method_signature(cls, method, params):
+    assert _params(getattr(cls, method)) == params

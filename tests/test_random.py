@@ -177,8 +177,25 @@ def _check_tracker_variants() -> None:
     assert tp_rank in (0, 1)
 
     if not torch.cuda.is_available():
-        with pytest.raises(AssertionError, match="use_cudagraphable_rng=True needs a CUDA device"):
-            tp_.CudaRNGStatesTracker(use_cudagraphable_rng=True)
+        # Without CUDA a graph-safe tracker keeps CPU generators and draws the plain tracker's numbers.
+        draws = []
+        for graph_safe in (False, True):
+            tracker = tp_.CudaRNGStatesTracker(use_cudagraphable_rng=graph_safe)
+            tracker.add("a", 5)
+            tracker.add("b", 6)
+            before = torch.get_rng_state()
+            with tracker.fork("a"):
+                draw = [torch.rand(2, dtype=torch.float64)]
+                with tracker.fork("b"):
+                    draw.append(torch.rand(2, dtype=torch.float64))
+                draw.append(torch.rand(2, dtype=torch.float64))
+            assert torch.equal(torch.get_rng_state(), before)
+            assert isinstance(tracker.get_states()["a"], torch.Generator) == graph_safe
+            draws.append(torch.cat(draw))
+        assert torch.equal(draws[0], draws[1])
+        a = torch.Generator().manual_seed(5)
+        expected = torch.cat([torch.rand(2, dtype=torch.float64, generator=a) for _ in range(2)])
+        assert torch.equal(draws[1][[0, 1, 4, 5]], expected)
         # The graph-safe form of a CPU state is a Generator holding it, and back.
         state = torch.Generator().manual_seed(11).get_state()
         gen = tp_.convert_cuda_rng_state(state, to_graphable=True)

@@ -64,3 +64,118 @@ def vocab_parallel_cross_entropy(
     return torch.ops.megatron_ext.vocab_parallel_cross_entropy(
         vocab_parallel_logits, target, float(label_smoothing), ignore_index, group_name, group_size, overwrite
     )
+
+
+# Megatron-core's classes ----------------------------------------------------------------------------
+
+
+class VocabParallelCrossEntropy:
+    """The per-rank pieces of Megatron-core's vocabulary-parallel cross-entropy, which its fused
+    cross-entropy (``megatron.core.fusions.fused_cross_entropy``) composes with its own
+    all-reduces: local tensor math, no communication. Composed as there, they give the loss and
+    gradient of :func:`vocab_parallel_cross_entropy` without label smoothing.
+
+    As in Megatron-core, ``calculate_predicted_logits``, ``calculate_cross_entropy_loss`` and
+    ``calculate_gradients`` work in place on the logits-sized tensor they are handed, so one buffer
+    serves from the shifted logits to the gradient. Unlike there, ``calculate_logits_max`` always
+    returns a copy of the logits (in float32, float64 kept), so the caller's logits are never
+    modified.
+    """
+
+    @staticmethod
+    def calculate_logits_max(vocab_parallel_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(logits, logits_max)``: a float32 copy of the logits (float64 logits stay
+        float64) and their max along the last dim (to be MAX-all-reduced over the group)."""
+        logits = vocab_parallel_logits
+        if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+            raise ValueError(
+                "VocabParallelCrossEntropy.calculate_logits_max: vocab_parallel_logits must be a floating "
+                f"tensor, got {getattr(logits, 'dtype', type(logits).__name__)}"
+            )
+        logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32, copy=True)
+        return logits, logits.amax(dim=-1)
+
+    @staticmethod
+    def calculate_predicted_logits(
+        vocab_parallel_logits: torch.Tensor,
+        target: torch.Tensor,
+        logits_max: torch.Tensor,
+        vocab_start_index: int,
+        vocab_end_index: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Shifts the logits by ``logits_max`` and exponentiates them in place.
+
+        Returns ``(target_mask, masked_target_1d, predicted_logits, sum_exp_logits, exp_logits)``:
+        whether each target lies outside ``[vocab_start_index, vocab_end_index)``, each target's
+        local column flattened (0 where outside), the shifted target logit (0 where outside) and the
+        local sum of the exponentials (both to be SUM-all-reduced), and the exponentials (the
+        logits tensor itself).
+        """
+        op = "VocabParallelCrossEntropy.calculate_predicted_logits"
+        if tuple(target.shape) != tuple(vocab_parallel_logits.shape[:-1]):
+            raise ValueError(
+                f"{op}: target shape {list(target.shape)} must equal the logits shape "
+                f"{list(vocab_parallel_logits.shape)} without its last (vocabulary) dim"
+            )
+        if vocab_end_index - vocab_start_index != vocab_parallel_logits.shape[-1]:
+            raise ValueError(
+                f"{op}: the vocabulary range [{vocab_start_index}, {vocab_end_index}) must hold as many ids "
+                f"as the logits' last dim ({vocab_parallel_logits.shape[-1]})"
+            )
+        # The C++ kernel of VocabParallelEmbedding's lookup: local column (0 outside) and the mask.
+        masked_target, target_mask = torch.ops.megatron_ext.vocab_range_mask(
+            target, vocab_start_index, vocab_end_index
+        )
+        vocab_parallel_logits.sub_(logits_max.unsqueeze(-1))
+        predicted_logits = vocab_parallel_logits.gather(-1, masked_target.unsqueeze(-1)).squeeze(-1)
+        predicted_logits.masked_fill_(target_mask, 0.0)
+        exp_logits = vocab_parallel_logits.exp_()
+        sum_exp_logits = exp_logits.sum(dim=-1)
+        return target_mask, masked_target.view(-1), predicted_logits, sum_exp_logits, exp_logits
+
+    @staticmethod
+    def calculate_cross_entropy_loss(
+        exp_logits: torch.Tensor, predicted_logits: torch.Tensor, sum_exp_logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the all-reduced sums: returns ``(softmax, loss)``, the softmax made by dividing
+        ``exp_logits`` in place, ``loss = log(sum_exp_logits) - predicted_logits``."""
+        loss = torch.log(sum_exp_logits) - predicted_logits
+        return exp_logits.div_(sum_exp_logits.unsqueeze(-1)), loss
+
+    @staticmethod
+    def prepare_gradient_calculation_operands(
+        softmax: torch.Tensor, target_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns ``(grad_2d, arange_1d, softmax_update, grad_input)``: ``grad_input`` is
+        ``softmax`` itself and ``grad_2d`` its ``[tokens, V/tp]`` view, ``arange_1d`` the token
+        indices and ``softmax_update`` 1 for a target this rank holds, else 0 (float32)."""
+        grad_2d = softmax.view(-1, softmax.shape[-1])
+        arange_1d = torch.arange(grad_2d.shape[0], device=softmax.device)
+        softmax_update = 1.0 - target_mask.reshape(-1).float()
+        return grad_2d, arange_1d, softmax_update, softmax
+
+    @staticmethod
+    def calculate_gradients(
+        grad_2d: torch.Tensor,
+        arange_1d: torch.Tensor,
+        masked_target_1d: torch.Tensor,
+        softmax_update: torch.Tensor,
+        grad_input: torch.Tensor,
+        grad_output: torch.Tensor,
+    ) -> torch.Tensor:
+        """``(softmax - one_hot(target)) * grad_output``, written into ``grad_input`` (through its
+        view ``grad_2d``) and returned."""
+        grad_2d[arange_1d, masked_target_1d] -= softmax_update
+        return grad_input.mul_(grad_output.unsqueeze(-1))
+
+
+class _VocabParallelCrossEntropy:
+    """Megatron-core's autograd function of the loss. Here the autograd node is the C++ op's
+    (:func:`vocab_parallel_cross_entropy`), so this is a plain class whose ``apply`` takes
+    Megatron-core's arguments (the group is the tensor-model-parallel group)."""
+
+    @staticmethod
+    def apply(
+        vocab_parallel_logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0
+    ) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing)

@@ -621,3 +621,55 @@ def linear_with_frozen_weight(
     if allreduce_dgrad:
         input = copy_to_tensor_model_parallel_region(input, tp_group)
     return torch.nn.functional.linear(input, weight.detach(), bias)
+
+
+# Megatron-core's autograd functions of the linears ---------------------------------------------------
+#
+# Here the autograd nodes are C++ (the C++ op behind linear_with_grad_accumulation_and_async_allreduce,
+# the copy and gather regions), so these are plain classes whose static ``apply`` takes Megatron-core's
+# arguments in its order and calls the functions above.
+
+
+class LinearWithGradAccumulationAndAsyncCommunication:
+    """``input @ weight.T + bias``; see :func:`linear_with_grad_accumulation_and_async_allreduce`."""
+
+    @staticmethod
+    def apply(
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        gradient_accumulation_fusion: bool,
+        allreduce_dgrad: bool,
+        sequence_parallel: bool,
+        grad_output_buffer: list[torch.Tensor] | None,
+        wgrad_deferral_limit: int | None,
+        tp_group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
+        return linear_with_grad_accumulation_and_async_allreduce(
+            input,
+            weight,
+            bias,
+            gradient_accumulation_fusion,
+            allreduce_dgrad,
+            sequence_parallel,
+            grad_output_buffer,
+            wgrad_deferral_limit,
+            tp_group=tp_group,
+        )
+
+
+class LinearWithFrozenWeight:
+    """``input @ weight.T + bias`` for a weight that is not trained: backward computes the input
+    gradient only, all-reduced over ``tp_group`` (None: the tensor-parallel group) when
+    ``allreduce_dgrad``. Sequence parallelism's gather is :func:`linear_with_frozen_weight`'s, as in
+    Megatron-core. A bias that requires grad gets its gradient (Megatron-core's gives none)."""
+
+    @staticmethod
+    def apply(
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        allreduce_dgrad: bool,
+        tp_group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
+        return linear_with_frozen_weight(input, weight, bias, False, allreduce_dgrad, False, tp_group)

@@ -222,8 +222,21 @@ _register_fake("reduce_scatter_last_dim_to_tensor_parallel_region", "reduce_scat
 # order and calls the C++ op. Uneven first-dim splits (``output_split_sizes`` /
 # ``input_split_sizes``, used by expert routing) run as one all-to-all of torch's functional
 # collectives, whose autograd is C++ as well.
+#
+# Megatron-core's ``symbolic(graph, ...)`` and ``backward(ctx, grad_output)`` are kept for code that
+# calls them directly: ``symbolic`` returns what ``apply`` returns; ``backward`` runs the conjugate
+# region on ``grad_output`` (reading the group and options from ``ctx`` under Megatron-core's
+# attribute names) and returns it with a None for each other argument of ``apply``.
 
 from megatron_ext.parallel_state import ParallelStateError  # kept with the classes below
+
+
+class _RegionClass:
+    """``symbolic`` for the region classes: the forward's value, as Megatron-core's tracing hook."""
+
+    @classmethod
+    def symbolic(cls, graph, *args, **kwargs) -> torch.Tensor:
+        return cls.apply(*args, **kwargs)
 
 
 def _group_size_rank(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
@@ -252,47 +265,67 @@ def _check_split_sizes(what: str, sizes: list[int], world: int) -> list[int]:
     return sizes
 
 
-class _CopyToModelParallelRegion:
+class _CopyToModelParallelRegion(_RegionClass):
     """Forward: identity. Backward: all-reduce."""
 
     @staticmethod
     def apply(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         return copy_to_tensor_model_parallel_region(input_, group)
 
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple:
+        return reduce_from_tensor_model_parallel_region(grad_output, ctx.group), None
 
-class _ReduceFromModelParallelRegion:
+
+class _ReduceFromModelParallelRegion(_RegionClass):
     """Forward: all-reduce. Backward: identity."""
 
     @staticmethod
     def apply(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         return reduce_from_tensor_model_parallel_region(input_, group)
 
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple:
+        return grad_output, None
 
-class _ScatterToModelParallelRegion:
+
+class _ScatterToModelParallelRegion(_RegionClass):
     """Forward: this rank's chunk of the last dim. Backward: all-gather along the last dim."""
 
     @staticmethod
     def apply(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         return scatter_to_tensor_model_parallel_region(input_, group)
 
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple:
+        return gather_from_tensor_model_parallel_region(grad_output, ctx.group), None
 
-class _GatherFromModelParallelRegion:
+
+class _GatherFromModelParallelRegion(_RegionClass):
     """Forward: all-gather along the last dim. Backward: this rank's chunk of the last dim."""
 
     @staticmethod
     def apply(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         return gather_from_tensor_model_parallel_region(input_, group)
 
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple:
+        return scatter_to_tensor_model_parallel_region(grad_output, ctx.group), None
 
-class _ScatterToSequenceParallelRegion:
+
+class _ScatterToSequenceParallelRegion(_RegionClass):
     """Forward: this rank's chunk of the first dim. Backward: all-gather along the first dim."""
 
     @staticmethod
     def apply(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         return scatter_to_sequence_parallel_region(input_, group)
 
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple:
+        return gather_from_sequence_parallel_region(grad_output, True, ctx.group), None
 
-class _GatherFromSequenceParallelRegion:
+
+class _GatherFromSequenceParallelRegion(_RegionClass):
     """Forward: all-gather along the first dim (rank r contributing ``output_split_sizes[r]`` rows
     when given). Backward: reduce-scatter along the first dim, or this rank's chunk when
     ``tensor_parallel_output_grad`` is False. ``use_global_buffer`` is an allocation hint of
@@ -325,8 +358,22 @@ class _GatherFromSequenceParallelRegion:
         repeated = input_.repeat(world, *([1] * (input_.dim() - 1)))
         return _all_to_all_autograd(repeated, sizes, [input_.shape[0]] * world, group)
 
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple:
+        if ctx.tensor_parallel_output_grad:
+            grad = _ReduceScatterToSequenceParallelRegion.apply(
+                grad_output, ctx.group, ctx.output_split_sizes, ctx.use_global_buffer
+            )
+        else:
+            if ctx.output_split_sizes is not None:
+                raise ParallelStateError(
+                    "output_split_sizes needs tensor_parallel_output_grad=True (as in Megatron-core)"
+                )
+            grad = scatter_to_sequence_parallel_region(grad_output, ctx.group)
+        return grad, None, None, None, None
 
-class _ReduceScatterToSequenceParallelRegion:
+
+class _ReduceScatterToSequenceParallelRegion(_RegionClass):
     """Forward: reduce-scatter along the first dim (rank r receiving ``input_split_sizes[r]`` rows
     when given). Backward: all-gather along the first dim."""
 
@@ -350,24 +397,39 @@ class _ReduceScatterToSequenceParallelRegion:
         pieces = _all_to_all_autograd(input_, [sizes[rank]] * world, sizes, group)
         return pieces.view(world, sizes[rank], *input_.shape[1:]).sum(dim=0)
 
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple:
+        grad = _GatherFromSequenceParallelRegion.apply(
+            grad_output, ctx.group, True, ctx.input_split_sizes, ctx.use_global_buffer
+        )
+        return grad, None, None, None
 
-class _AllGatherFromTensorParallelRegion:
+
+class _AllGatherFromTensorParallelRegion(_RegionClass):
     """Forward: all-gather along the last dim. Backward: reduce-scatter along the last dim."""
 
     @staticmethod
     def apply(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         return all_gather_last_dim_from_tensor_parallel_region(input_, group)
 
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple:
+        return reduce_scatter_last_dim_to_tensor_parallel_region(grad_output, ctx.group), None
 
-class _ReduceScatterToTensorParallelRegion:
+
+class _ReduceScatterToTensorParallelRegion(_RegionClass):
     """Forward: reduce-scatter along the last dim. Backward: all-gather along the last dim."""
 
     @staticmethod
     def apply(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         return reduce_scatter_last_dim_to_tensor_parallel_region(input_, group)
 
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple:
+        return all_gather_last_dim_from_tensor_parallel_region(grad_output, ctx.group), None
 
-class _AllToAll:
+
+class _AllToAll(_RegionClass):
     """All-to-all along the first dim (equal chunks, or ``input_split_sizes`` rows to each rank
     and ``output_split_sizes`` rows from each). Backward: the reverse all-to-all."""
 
@@ -396,6 +458,11 @@ class _AllToAll:
                     f"but the input has {input.shape[0]} rows"
                 )
         return _all_to_all_autograd(input, output_split_sizes, input_split_sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple:
+        grad = _AllToAll.apply(ctx.group, grad_output, ctx.input_split_sizes, ctx.output_split_sizes)
+        return None, grad, None, None
 
 
 def all_to_all(

@@ -43,15 +43,18 @@ def _cuda_generator() -> torch.Generator:
 
 def _get_rng_state(graph_safe: bool = False) -> torch.Tensor | torch.Generator:
     """State of the generator the tracker forks: the current CUDA device's, else the CPU's.
-    ``graph_safe``: the CUDA generator's graph-safe state object (for CUDA graphs)."""
+    ``graph_safe``: the state as a generator object (the CUDA generator's graph-safe state, as CUDA
+    graphs need; without CUDA a copy of the CPU generator, which has no graph-safe state)."""
     if graph_safe:
-        return _cuda_generator().graphsafe_get_state()
+        return _cuda_generator().graphsafe_get_state() if _uses_cuda() else torch.default_generator.clone_state()
     return torch.cuda.get_rng_state() if _uses_cuda() else torch.get_rng_state()
 
 
 def _set_rng_state(state: torch.Tensor | torch.Generator, graph_safe: bool = False) -> None:
-    if graph_safe:
+    if graph_safe and _uses_cuda():
         _cuda_generator().graphsafe_set_state(state)
+    elif graph_safe:
+        torch.set_rng_state(state.get_state())
     elif _uses_cuda():
         torch.cuda.set_rng_state(state)
     else:
@@ -61,7 +64,7 @@ def _set_rng_state(state: torch.Tensor | torch.Generator, graph_safe: bool = Fal
 def _seeded_state(seed: int, graph_safe: bool = False) -> torch.Tensor | torch.Generator:
     """The state a generator seeded with ``seed`` starts from; the current state is kept."""
     if graph_safe:
-        state = _cuda_generator().clone_state()
+        state = _cuda_generator().clone_state() if _uses_cuda() else torch.Generator()
         state.manual_seed(seed)
         return state
     if _uses_cuda():
@@ -107,19 +110,15 @@ class CudaRNGStatesTracker:
     outer state back. Forks nest: entering a stream saves the progress of the tracked stream being
     left, so ``fork("a")`` inside ``fork("b")`` inside ``fork("a")`` continues stream "a" and never
     repeats its numbers. Names and seeds are unique. (The name is Megatron-core's; without CUDA the
-    states are the CPU generator's.) ``use_cudagraphable_rng`` keeps graph-safe CUDA generator
-    states, as CUDA graphs need.
+    states are the CPU generator's.) ``use_cudagraphable_rng`` keeps the states as generator
+    objects: graph-safe CUDA generator states, as CUDA graphs need, or without CUDA CPU generators
+    (the same numbers as the tensor states; the CPU has no graphs to capture).
     """
 
     def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False) -> None:
         self.reset()
         self.use_cudagraphable_rng = use_cudagraphable_rng
         self.is_inference_rng_tracker = is_inference_rng_tracker
-        if use_cudagraphable_rng and not _uses_cuda():
-            raise ParallelStateError(
-                "use_cudagraphable_rng=True needs a CUDA device (graph-safe generator states exist "
-                "only for CUDA generators); no CUDA device is available"
-            )
 
     def is_initialized(self) -> bool:
         return self._is_initialized
@@ -313,7 +312,7 @@ def _rng_snapshot() -> tuple[torch.Tensor, Any, dict]:
     tracker = get_cuda_rng_tracker()
     graph_safe = is_graph_safe_cuda_rng_tracker(tracker)
     cuda_state = _get_rng_state(graph_safe) if _uses_cuda() else None
-    if graph_safe:
+    if graph_safe and cuda_state is not None:
         cuda_state = convert_cuda_rng_state(convert_cuda_rng_state(cuda_state), to_graphable=True)
     states = {
         k: v.clone_state() if isinstance(v, torch.Generator) else v for k, v in tracker.get_states().items()
