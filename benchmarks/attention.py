@@ -85,6 +85,8 @@ def _worker(args) -> dict:
                 out = mcore(*(t.permute(2, 0, 1, 3) for t in (q, k, v)), attention_mask=causal)
                 torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
             variants["megatron-core DotProductAttention"] = run_mcore
+        if args.only:
+            variants = {name: run for name, run in variants.items() if name in args.only}
         results[str(s)] = run_interleaved(variants, args.reps)
     ps.destroy_model_parallel()
     return results
@@ -97,6 +99,9 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--without-megatron-core", action="store_true", help="megatron_ext's paths only")
+    p.add_argument("--only", nargs="+", default=None,
+                   help="run only these variants (a process that ran none of the others measures "
+                        "its memory from a fresh heap)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     require_megatron_core(args.without_megatron_core)

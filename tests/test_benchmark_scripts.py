@@ -44,15 +44,20 @@ def test_gpu_benchmark_script_on_cpu(tmp_path):
             assert diffs[0] == 0.0 and all(d < 0.1 for d in diffs), (r["op"], diffs)
 
 
+def _run_script(name: str, *argv: str) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *argv], timeout=300,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, f"{name} exited with {done.returncode}:\n{done.stderr[-4000:]}"
+
+
 def test_pipeline_bubble_benchmark_script(tmp_path):
     # The measured step cannot beat the simulated one (the model's costs are sleeps), and the
     # simulated steps are the closed forms: 1F1B (m + p - 1) 3 L c, ZB-H1 m 3 L c + (p - 1) L c.
     out = tmp_path / "pipeline_bubble.json"
     m, layers, cost = 7, 2, 2.0
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pipeline_bubble.py"), "--without-megatron-core",
-                    "--microbatches", str(m), "--layers", str(layers), "--f", str(cost), "--i", str(cost),
-                    "--w", str(cost), "--reps", "1", "--json", str(out)],
-                   check=True, timeout=300, capture_output=True)
+    _run_script("pipeline_bubble.py", "--without-megatron-core", "--microbatches", str(m), "--layers",
+                str(layers), "--f", str(cost), "--i", str(cost), "--w", str(cost), "--reps", "1",
+                "--json", str(out))
     result = json.loads(out.read_text())
     p = 4
     stage = layers * cost
@@ -68,9 +73,8 @@ def test_pipeline_bubble_benchmark_script(tmp_path):
 
 def test_attention_benchmark_script(tmp_path):
     out = tmp_path / "attention.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--without-megatron-core",
-                    "--seq", "64", "128", "--heads", "2", "--head-dim", "8", "--reps", "1", "--json", str(out)],
-                   check=True, timeout=300, capture_output=True)
+    _run_script("attention.py", "--without-megatron-core", "--seq", "64", "128", "--heads", "2",
+                "--head-dim", "8", "--reps", "1", "--json", str(out))
     summary = json.loads(out.read_text())["summary"]
     assert list(summary) == ["64", "128"]
     for rows in summary.values():
