@@ -113,9 +113,9 @@ class GPTModel(torch.nn.Module):
                     gather_output=not parallel_output,
                     skip_weight_param_allocation=tied_here,
                 )
-        self._setup_tied_output_weight(seed, max_sequence_length)
+        self._setup_tied_output_weight(seed)
 
-    def _setup_tied_output_weight(self, seed: int, max_sequence_length: int) -> None:
+    def _setup_tied_output_weight(self, seed: int) -> None:
         """Makes the last stage's copy of the word embedding equal to the first stage's."""
         if not self.share_embeddings_and_output_weights:
             return
@@ -135,7 +135,7 @@ class GPTModel(torch.nn.Module):
             if parallel_state.get_pipeline_model_parallel_layout() == "v":
                 # The first stage is model chunk 0 of this rank: draw the embedding it draws.
                 with initialization_seed(seed, 0):
-                    first = GPTEmbedding(self.config, self.vocab_size, max_sequence_length)
+                    first = GPTEmbedding(self.config, self.vocab_size, self.max_sequence_length)
                 weight.data.copy_(first.word_embeddings.weight.data)
                 return
             weight.data.zero_()

@@ -587,6 +587,12 @@ _DISCONNECTED = (
 )
 
 
+def _scaled_loss(output: torch.Tensor, grad: torch.Tensor | None, config: Any) -> torch.Tensor:
+    """The last stage's loss (``grad`` None) through ``config.grad_scale_func`` when set."""
+    grad_scale_func = getattr(config, "grad_scale_func", None)
+    return grad_scale_func(output) if grad is None and grad_scale_func is not None else output
+
+
 def backward_step(
     input_tensor: torch.Tensor | list | None,
     output_tensor: torch.Tensor | list,
@@ -605,9 +611,7 @@ def backward_step(
                 x.retain_grad()
         output = output_tensor[0] if isinstance(output_tensor, list) else output_tensor
         grad = output_tensor_grad[0] if isinstance(output_tensor_grad, list) else output_tensor_grad
-        grad_scale_func = getattr(config, "grad_scale_func", None)
-        if grad is None and grad_scale_func is not None:
-            output = grad_scale_func(output)
+        output = _scaled_loss(output, grad, config)
         if output.requires_grad:
             if _deallocates(config):
                 custom_backward(output, grad)
@@ -708,8 +712,8 @@ class _RankRun:
         self.param_sync = (None if forward_only or self.num_chunks == 1
                            else _per_chunk(config, "param_sync_func", self.num_chunks))
 
-    def stage(self, chunk: int, rank: int | None = None) -> int:
-        return virtual_stage(self.pp_rank if rank is None else rank, chunk, self.pp_size, self.layout)
+    def stage(self, chunk: int) -> int:
+        return virtual_stage(self.pp_rank, chunk, self.pp_size, self.layout)
 
     def run(self) -> tuple[list, int]:
         self.sync.disable()
@@ -765,9 +769,7 @@ class _RankRun:
         """Runs I: the input gradient only, the weight gradients deferred to W."""
         input_tensor, output_tensor = self.in_flight.pop((mb, chunk))
         output_grad = self.output_grad(mb, chunk)
-        grad_scale_func = getattr(self.config, "grad_scale_func", None)
-        if output_grad is None and grad_scale_func is not None:
-            output_tensor = grad_scale_func(output_tensor)
+        output_tensor = _scaled_loss(output_tensor, output_grad, self.config)
         with _timed(self.config, "backward-compute", 2):
             (input_grad,), self.deferred[(mb, chunk)] = backward_input(
                 [output_tensor], [output_grad], [input_tensor])
