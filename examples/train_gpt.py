@@ -49,9 +49,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp x pp))")
+    p.add_argument("--arch", choices=["gpt", "llama"], default="gpt",
+                   help="gpt: LayerNorm, biased linears, GeLU, learned positions, tied output layer; llama: "
+                        "RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases, untied output layer")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value heads for grouped-query attention (default: --heads)")
+    p.add_argument("--ffn-hidden", type=int, default=None,
+                   help="MLP width (default: 4 x --hidden for gpt, 8/3 x --hidden rounded up to a multiple of 32 for llama)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--vocab-size", type=int, default=256, help=">= 256 (bytes); padded rows are never targets")
     p.add_argument("--micro-batch-size", type=int, default=4)
@@ -136,6 +143,17 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--heads {args.heads} is not divisible by --tp {args.tp}")
     if args.hidden % args.heads != 0:
         raise ValueError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    if args.num_query_groups is not None:
+        groups = args.num_query_groups
+        if groups < 1 or args.heads % groups != 0:
+            raise ValueError(f"--num-query-groups {groups} must be a positive divisor of --heads {args.heads}")
+        if groups % args.tp != 0 and args.tp % groups != 0:
+            raise ValueError(f"--num-query-groups {groups} must be a multiple or a divisor of --tp {args.tp}")
+    if args.ffn_hidden is not None and (args.ffn_hidden < 1 or args.ffn_hidden % args.tp != 0):
+        raise ValueError(f"--ffn-hidden {args.ffn_hidden} must be >= 1 and divisible by --tp {args.tp}")
+    if args.arch == "llama" and args.ffn_hidden is None and llama_ffn_hidden(args.hidden) % args.tp != 0:
+        raise ValueError(f"the MLP width {llama_ffn_hidden(args.hidden)} is not divisible by --tp {args.tp}; "
+                         "set --ffn-hidden")
     if args.layers % args.pp != 0:
         raise ValueError(f"--layers {args.layers} is not divisible by --pp {args.pp}")
     if args.schedule in ("zb-h1", "zb-v") and args.pp < 2:
@@ -308,15 +326,30 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else DTYPES[args.dtype]
 
 
+def llama_ffn_hidden(hidden: int) -> int:
+    """Llama's MLP width: 8/3 of the hidden size, rounded up to a multiple of 32."""
+    return -(-8 * hidden // 3 // 32) * 32
+
+
 def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") -> list[GPTModel]:
     """This rank's model chunks: one GPTModel, or one per virtual pipeline stage."""
     dtype = params_dtype(args)
+    llama = args.arch == "llama"
+    ffn_hidden = args.ffn_hidden
+    if ffn_hidden is None and llama:
+        ffn_hidden = llama_ffn_hidden(args.hidden)
     config = TransformerConfig(
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
         num_layers=args.layers,
         hidden_size=args.hidden,
         num_attention_heads=args.heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=ffn_hidden,
+        normalization="RMSNorm" if llama else "LayerNorm",
+        gated_linear_unit=llama,
+        activation_func=torch.nn.functional.silu if llama else torch.nn.functional.gelu,
+        add_bias_linear=not llama,
         hidden_dropout=args.dropout,
         attention_dropout=args.dropout,
         params_dtype=dtype,
@@ -336,7 +369,8 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
     stages = [None] if args.virtual_pipeline is None else range(args.virtual_pipeline)
     return [
         GPTModel(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_len, init_seed=args.seed,
-                 vp_stage=vp_stage).to(device)
+                 vp_stage=vp_stage, share_embeddings_and_output_weights=not llama,
+                 position_embedding_type="rope" if llama else "learned_absolute").to(device)
         for vp_stage in stages
     ]
 

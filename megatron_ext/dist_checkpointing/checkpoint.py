@@ -224,6 +224,10 @@ def _model_config(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, A
         "activation": getattr(activation, "__name__", repr(activation)),
         "gated_linear_unit": getattr(config, "gated_linear_unit", None),
         "add_bias_linear": getattr(config, "add_bias_linear", None),
+        "qk_layernorm": getattr(config, "qk_layernorm", None),
+        "rotary_interleaved": getattr(config, "rotary_interleaved", None),
+        "position_embedding_type": getattr(inner, "position_embedding_type", None),
+        "share_embeddings_and_output_weights": getattr(inner, "share_embeddings_and_output_weights", None),
         "params_dtype": str(getattr(config, "params_dtype", None)).replace("torch.", ""),
     }
 

@@ -101,7 +101,9 @@ def allreduce_layernorm_grads(
     """Sums over the tensor-parallel group the gradients of the parameters marked
     ``sequence_parallel`` (LayerNorms and row-parallel biases): under sequence parallelism each
     rank computed them from its own part of the sequence (Megatron-core's
-    ``_allreduce_layernorm_grads``). ``tp_group`` defaults to parallel_state's."""
+    ``_allreduce_layernorm_grads``); and with ``config.qk_layernorm`` those of the query and key
+    normalisations (``q_layernorm`` / ``k_layernorm`` in the name, Megatron's rule), which each
+    rank computed from its own heads. ``tp_group`` defaults to parallel_state's."""
     if tp_group is None:
         tp_group = parallel_state.get_tensor_model_parallel_group()
     if dist.get_world_size(tp_group) == 1:
@@ -112,10 +114,16 @@ def allreduce_layernorm_grads(
             config = get_attr_wrapped_model(chunk, "config")
         except AttributeError:  # a plain module: no sequence parallelism
             continue
-        if not getattr(config, "sequence_parallel", False):
-            continue
+        sequence_parallel = getattr(config, "sequence_parallel", False)
+        qk_layernorm = getattr(config, "qk_layernorm", False)
         params.extend(
-            p for p in chunk.parameters() if p.requires_grad and getattr(p, "sequence_parallel", False)
+            p
+            for name, p in chunk.named_parameters()
+            if p.requires_grad
+            and (
+                (sequence_parallel and getattr(p, "sequence_parallel", False))
+                or (qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))
+            )
         )
     if params:
         allreduce_gradients(params, tp_group, average=False)

@@ -8,36 +8,52 @@ import torch.distributed as dist
 from megatron_ext import parallel_state, tensor_parallel
 from megatron_ext.tensor_parallel.utils import comm_device
 from megatron_ext.transformer import ParallelTransformer, TransformerConfig
+from megatron_ext.transformer.rotary import RotaryEmbedding
 from megatron_ext.transformer.utils import initialization_seed
+
+_POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 
 
 class GPTEmbedding(torch.nn.Module):
-    """Vocab-parallel word embedding + learned position embedding + dropout -> ``[s, b, h]``.
+    """Vocab-parallel word embedding (+ learned position embedding with ``position_embedding_type``
+    ``"learned_absolute"``) + dropout -> ``[s, b, h]``.
 
     Under sequence parallelism the output is this rank's ``[s / tp, b, h]`` slice of the
     sequence (scattered along dim 0), and its dropout draws from the model-parallel RNG stream:
     each rank drops different positions of different tokens, as in Megatron-core.
     """
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        max_sequence_length: int,
+        position_embedding_type: str = "learned_absolute",
+    ):
         super().__init__()
         self.config = config
         self.max_sequence_length = max_sequence_length
         self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
             vocab_size, config.hidden_size, init_method=config.init_method, config=config
         )
-        self.position_embeddings = torch.nn.Embedding(
-            max_sequence_length, config.hidden_size, dtype=config.params_dtype
-        )
-        if config.perform_initialization:
-            config.init_method(self.position_embeddings.weight.data)
+        self.position_embeddings = None
+        if position_embedding_type == "learned_absolute":
+            self.position_embeddings = torch.nn.Embedding(
+                max_sequence_length, config.hidden_size, dtype=config.params_dtype
+            )
+            if config.perform_initialization:
+                config.init_method(self.position_embeddings.weight.data)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         if input_ids.size(-1) > self.max_sequence_length:
             raise ValueError(
                 f"sequence length {input_ids.size(-1)} exceeds max_sequence_length {self.max_sequence_length}"
             )
-        embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        embeddings = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                raise ValueError("position_ids are needed with learned absolute position embeddings")
+            embeddings = embeddings + self.position_embeddings(position_ids)
         embeddings = embeddings.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
         if self.config.sequence_parallel:
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
@@ -53,7 +69,8 @@ class GPTModel(torch.nn.Module):
     stage embeds, only the last chunk of the last stage computes the loss).
 
     The first stage (``pre_process``) embeds tokens; the last (``post_process``) applies the final
-    LayerNorm and computes vocab-parallel logits with the word-embedding matrix, never gathering
+    normalisation and computes vocab-parallel logits with the word-embedding matrix (or, with
+    ``share_embeddings_and_output_weights=False``, an output matrix of its own), never gathering
     them: with ``labels`` the forward returns the per-token loss ``[b, s]`` from
     ``vocab_parallel_cross_entropy`` with ``overwrite_logits=True``, whose backward writes the
     gradient over the logits nobody else reads (or, with ``config.fused_output_cross_entropy``, from
@@ -68,6 +85,12 @@ class GPTModel(torch.nn.Module):
     which stage builds it. ``init_seed`` defaults to ``torch.initial_seed()`` (what
     ``torch.manual_seed`` last set). With ``config.use_cpu_initialization`` every parallel layout
     therefore starts from the serial model's weights.
+
+    Positions, as Megatron-core's ``GPTModel`` takes them: ``position_embedding_type``
+    ``"learned_absolute"`` (a learned table added to the word embedding), ``"rope"`` (rotary
+    embeddings of the queries and keys in every layer, with ``rotary_percent``, ``rotary_base``,
+    ``seq_len_interpolation_factor`` and ``config.rotary_interleaved``; positions ``0 .. s - 1``,
+    ``position_ids`` are not read) or ``"none"``.
     """
 
     def __init__(
@@ -81,9 +104,20 @@ class GPTModel(torch.nn.Module):
         parallel_output: bool = True,
         init_seed: int | None = None,
         vp_stage: int | None = None,
+        position_embedding_type: str = "learned_absolute",
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        seq_len_interpolation_factor: float | None = None,
     ):
         super().__init__()
+        if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
+            raise ValueError(
+                f"position_embedding_type={position_embedding_type!r} is not one of {list(_POSITION_EMBEDDING_TYPES)}"
+            )
         self.config = config
+        self.position_embedding_type = position_embedding_type
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         self.vp_stage = vp_stage
@@ -97,7 +131,18 @@ class GPTModel(torch.nn.Module):
 
         if self.pre_process:
             with initialization_seed(seed, 0):
-                self.embedding = GPTEmbedding(config, vocab_size, max_sequence_length)
+                self.embedding = GPTEmbedding(config, vocab_size, max_sequence_length, position_embedding_type)
+        if position_embedding_type == "rope":
+            # Every stage rotates its own layers' queries and keys.
+            self.rotary_pos_emb = RotaryEmbedding(
+                config.kv_channels,
+                rotary_percent,
+                rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+                rotary_base=rotary_base,
+                rope_scaling=rope_scaling,
+                rope_scaling_factor=rope_scaling_factor,
+            )
         self.decoder = ParallelTransformer(
             config, self.pre_process, self.post_process, init_seed=seed, vp_stage=vp_stage
         )
@@ -135,7 +180,9 @@ class GPTModel(torch.nn.Module):
             if parallel_state.get_pipeline_model_parallel_layout() == "v":
                 # The first stage is model chunk 0 of this rank: draw the embedding it draws.
                 with initialization_seed(seed, 0):
-                    first = GPTEmbedding(self.config, self.vocab_size, self.max_sequence_length)
+                    first = GPTEmbedding(
+                        self.config, self.vocab_size, self.max_sequence_length, self.position_embedding_type
+                    )
                 weight.data.copy_(first.word_embeddings.weight.data)
                 return
             weight.data.zero_()
@@ -169,7 +216,19 @@ class GPTModel(torch.nn.Module):
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
-        hidden = self.decoder(hidden, attention_mask)
+        rotary_pos_emb = None
+        if self.position_embedding_type == "rope":
+            if self.pre_process:
+                seq_len, device = input_ids.size(1), input_ids.device
+            else:
+                received = self.decoder.input_tensor
+                if received is None:
+                    raise RuntimeError("GPTModel: no input (on a later pipeline stage call set_input_tensor first)")
+                seq_len, device = received.size(0), received.device
+                if self.config.sequence_parallel:
+                    seq_len *= parallel_state.get_tensor_model_parallel_world_size()
+            rotary_pos_emb = self.rotary_pos_emb(seq_len, device=device)
+        hidden = self.decoder(hidden, attention_mask, rotary_pos_emb)
         if not self.post_process:
             return hidden
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None

@@ -1,4 +1,4 @@
-"""Causal self-attention with heads split across tensor-parallel ranks."""
+"""Causal self-attention with heads (and key/value groups) split across tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -9,18 +9,37 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext import parallel_state
-from megatron_ext.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_cuda_rng_tracker
+from megatron_ext.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    all_gather_last_dim_from_tensor_parallel_region,
+    get_cuda_rng_tracker,
+)
 from megatron_ext.tensor_parallel.utils import divide
+from megatron_ext.transformer.rotary import apply_rotary_pos_emb
 from megatron_ext.transformer.transformer_config import TransformerConfig
+from megatron_ext.transformer.utils import layer_norm
 
 
 class ParallelAttention(torch.nn.Module):
-    """Self-attention over ``[s, b, h]`` hidden states.
+    """Self-attention over ``[s, b, h]`` hidden states, with grouped-query attention.
 
-    The fused QKV projection is column-parallel: its output features are laid out head by head
-    (``[head][q | k | v][kv_channels]``), so each rank's contiguous slice holds whole heads and
-    attends with them alone. The output projection is row-parallel and sums the heads' partial
-    outputs. The attention itself is ``torch.nn.functional.scaled_dot_product_attention`` with the
+    ``config.num_query_groups`` groups of ``num_attention_heads / num_query_groups`` query heads
+    share one key and value head (groups == heads: multi-head attention). The fused QKV
+    projection is column-parallel, its output features laid out group by group, Megatron-core's
+    ``[group][q_1 .. q_{heads/groups} | k | v][kv_channels]``: with ``groups >= tp`` each rank's
+    contiguous slice holds whole groups and attends with them alone. With ``tp > groups`` (each
+    group's key and value serve several ranks) the projection's outputs are all-gathered, every
+    rank takes its group's key and value and its ``heads / tp`` query heads, and the gather's
+    backward reduce-scatters the gradients back to their owners, as Megatron-core does. The output
+    projection is row-parallel and sums the heads' partial outputs.
+
+    Biases on the projections with ``config.add_bias_linear`` (on QKV also with
+    ``config.add_qkv_bias``); with ``config.qk_layernorm`` each query and key head is normalised
+    (``config.normalization``) over its channels; rotary embeddings when the caller passes
+    ``rotary_pos_emb`` (``transformer.rotary``).
+
+    The attention itself is ``torch.nn.functional.scaled_dot_product_attention`` with the
     causal mask as a flag (flash or memory-efficient kernels on GPUs, the fused kernel on CPUs):
     its memory grows linearly with the sequence, the ``[b, heads, s, s]`` scores are never held.
     ``config.attention_backend`` ``"unfused"`` or ``"local"`` (Megatron-core's names for its
@@ -37,49 +56,94 @@ class ParallelAttention(torch.nn.Module):
         self.config = config
         self.layer_number = layer_number
         tp = parallel_state.get_tensor_model_parallel_world_size()
-        self.num_heads_per_partition = divide(config.num_attention_heads, tp)
+        heads, groups = config.num_attention_heads, config.num_query_groups
+        self.tp_size = tp
+        self.num_heads_per_partition = divide(heads, tp)
+        self.heads_per_group = divide(heads, groups)
+        # With tp > groups every rank attends with one whole group's key and value.
+        self.groups_per_partition = divide(groups, tp) if groups >= tp else 1
         self.head_dim = config.kv_channels
         backend = getattr(config.attention_backend, "name", config.attention_backend)
         self.unfused = backend in ("unfused", "local")
-        projection_size = config.kv_channels * config.num_attention_heads
+        bias = bool(config.add_bias_linear)
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size,
-            3 * projection_size,
+            config.kv_channels * (heads + 2 * groups),
             config=config,
             init_method=config.init_method,
-            bias=True,
+            bias=bias or bool(getattr(config, "add_qkv_bias", False)),
             gather_output=False,
         )
+        if getattr(config, "qk_layernorm", False):
+            self.q_layernorm = layer_norm(config, self.head_dim)
+            self.k_layernorm = layer_norm(config, self.head_dim)
+            for param in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
+                # Each rank normalises its own heads: the gradients are partial sums over
+                # tensor-parallel ranks (summed by finalize_model_grads), whatever the sequence does.
+                param.sequence_parallel = False
+        else:
+            self.q_layernorm = self.k_layernorm = None
         self.dense = RowParallelLinear(
-            projection_size,
+            config.kv_channels * heads,
             config.hidden_size,
             config=config,
             init_method=config.output_layer_init_method,
-            bias=True,
+            bias=bias,
             input_is_parallel=True,
             skip_bias_add=True,
         )
 
     def forward(
-        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``attention_mask`` (optional, boolean, True = masked out) is broadcast to
-        ``[b, heads, s, s]`` and combined with the causal mask."""
-        qkv, _ = self.query_key_value(hidden_states)
-        s, b, _ = qkv.shape  # the full sequence, also under sequence parallelism
-        qkv = qkv.view(s, b, self.num_heads_per_partition, 3 * self.head_dim)
-        query, key, value = (t.permute(1, 2, 0, 3) for t in qkv.split(self.head_dim, dim=-1))  # [b, n, s, d]
+        ``[b, heads, s, s]`` and combined with the causal mask; ``rotary_pos_emb`` (optional,
+        ``[>= s, 1, 1, dim]`` angles) rotates the queries and keys."""
+        query, key, value = self.query_key_value_heads(hidden_states)  # [s, b, heads or groups, d]
+        if self.q_layernorm is not None:
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
+        if rotary_pos_emb is not None:
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.config)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, self.config)
+        s, b = query.shape[:2]
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
         context = self.core_attention(query, key, value, attention_mask)
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_partition * self.head_dim)
         return self.dense(context)
+
+    def query_key_value_heads(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's query heads ``[s, b, heads / tp, d]`` and its groups' keys and values
+        ``[s, b, groups / tp (or 1), d]``, from the fused projection."""
+        qkv, _ = self.query_key_value(hidden_states)
+        s, b, _ = qkv.shape  # the full sequence, also under sequence parallelism
+        per_group = (self.heads_per_group + 2) * self.head_dim
+        groups = self.config.num_query_groups
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        if groups < self.tp_size:
+            ranks_per_group = self.tp_size // groups
+            qkv = all_gather_last_dim_from_tensor_parallel_region(qkv, group=self.query_key_value.tp_group)
+            group = rank // ranks_per_group
+            qkv = qkv[..., group * per_group : (group + 1) * per_group]
+        qkv = qkv.view(s, b, self.groups_per_partition, per_group)
+        query, key, value = qkv.split([self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
+        query = query.reshape(s, b, -1, self.head_dim)
+        if groups < self.tp_size:
+            first = (rank % ranks_per_group) * self.num_heads_per_partition
+            query = query[:, :, first : first + self.num_heads_per_partition]
+        return query, key, value
 
     def core_attention(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """softmax(q k^T / sqrt(d), causal and ``attention_mask``) v with dropout, over
-        ``[b, heads, s, d]`` tensors."""
+        ``[b, heads, s, d]`` queries and ``[b, groups, s, d]`` keys and values (each group serving
+        ``heads / groups`` consecutive query heads)."""
         s = query.shape[-2]
+        gqa = key.shape[1] != query.shape[1]
         p = self.config.attention_dropout if self.training else 0.0
         # Each rank drops its own heads. Under sequence parallelism the block already runs on the
         # model-parallel stream, and forking it again would replay the stream's saved state.
@@ -88,13 +152,16 @@ class ParallelAttention(torch.nn.Module):
         fork = p > 0 and not self.config.sequence_parallel
         with get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
             if self.unfused:
+                if gqa:
+                    repeats = query.shape[1] // key.shape[1]
+                    key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
                 context = self._unfused_attention(query, key, value, attention_mask, p)
             else:
                 mask = None
                 if attention_mask is not None:  # SDPA's boolean mask says who takes part
                     mask = ~(_causal_mask(s, query.device) | attention_mask.to(torch.bool))
                 context = F.scaled_dot_product_attention(
-                    query, key, value, attn_mask=mask, dropout_p=p, is_causal=mask is None)
+                    query, key, value, attn_mask=mask, dropout_p=p, is_causal=mask is None, enable_gqa=gqa)
         return context
 
     def _unfused_attention(self, query, key, value, attention_mask, p: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The tensor-parallel MLP: column-parallel h -> ffn, GeLU, row-parallel ffn -> h."""
+"""The tensor-parallel MLP: column-parallel h -> ffn, activation (or gated unit), row-parallel ffn -> h."""
 
 from __future__ import annotations
 
@@ -12,11 +12,16 @@ from megatron_ext.transformer.transformer_config import TransformerConfig
 
 
 class ParallelMLP(torch.nn.Module):
-    """Y = GeLU(X A + a) B + b with A split by columns and B by rows across tensor-parallel ranks.
+    """Y = act(X A + a) B + b with A split by columns and B by rows across tensor-parallel ranks.
 
     Forward needs one all-reduce (after B), backward one (of the input gradient of A). Returns
     ``(output, output_bias)`` with the bias of B not yet added, as Megatron-core does, so the caller
-    can fuse it into bias-dropout-add.
+    can fuse it into bias-dropout-add. Without ``config.add_bias_linear`` neither linear has a bias.
+
+    With ``config.gated_linear_unit`` A has ``2 ffn`` columns, the gate's and the linear half's,
+    and Y = (act(X A_gate) * (X A_up)) B: SwiGLU with ``activation_func=F.silu``. Each rank holds
+    matching columns of both halves, its ``[gate_r | up_r]`` (a stride-2 split of ``[gate | up]``),
+    so the serial model's ``[gate | up]`` weight deals out as Megatron's checkpoints lay it out.
 
     With ``config.bias_activation_fusion`` the bias add and the GeLU run as one kernel (forward and
     backward). It computes the GeLU the unfused path does (exact erf form unless
@@ -27,27 +32,30 @@ class ParallelMLP(torch.nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.config = config
+        self.gated = bool(getattr(config, "gated_linear_unit", False))
+        bias = bool(getattr(config, "add_bias_linear", True))
         self.dense_h_to_4h = ColumnParallelLinear(
             config.hidden_size,
-            config.ffn_hidden_size,
+            config.ffn_hidden_size * (2 if self.gated else 1),
             config=config,
             init_method=config.init_method,
-            bias=True,
+            bias=bias,
             gather_output=False,
             skip_bias_add=True,
+            stride=2 if self.gated else 1,
         )
         self.dense_4h_to_h = RowParallelLinear(
             config.ffn_hidden_size,
             config.hidden_size,
             config=config,
             init_method=config.output_layer_init_method,
-            bias=True,
+            bias=bias,
             input_is_parallel=True,
             skip_bias_add=True,
         )
 
         self.gelu_approximate = _gelu_approximate(getattr(config, "activation_func", None))
-        self.bias_activation_fusion = bool(getattr(config, "bias_activation_fusion", False))
+        self.bias_activation_fusion = bool(getattr(config, "bias_activation_fusion", False)) and not self.gated
         if self.bias_activation_fusion and self.gelu_approximate is None:
             raise ValueError(
                 f"bias_activation_fusion supports the GeLU activation only, got activation_func="
@@ -61,11 +69,17 @@ class ParallelMLP(torch.nn.Module):
         else:
             if bias is not None:
                 intermediate = intermediate + bias
-            if self.gelu_approximate is None:
-                intermediate = self.config.activation_func(intermediate)
-            else:
-                intermediate = torch.nn.functional.gelu(intermediate, approximate=self.gelu_approximate)
+            intermediate = self.activation(intermediate)
         return self.dense_4h_to_h(intermediate)
+
+    def activation(self, intermediate: torch.Tensor) -> torch.Tensor:
+        """The activation (of the gate half, times the linear half, when gated)."""
+        if self.gated:
+            gate, up = intermediate.chunk(2, dim=-1)
+            return self.config.activation_func(gate) * up
+        if self.gelu_approximate is None:
+            return self.config.activation_func(intermediate)
+        return torch.nn.functional.gelu(intermediate, approximate=self.gelu_approximate)
 
 
 def _gelu_approximate(activation_func) -> str | None:

@@ -110,7 +110,9 @@ def _virtual_stage(vp_stage: int | None, pp_rank: int | None, pp_size: int, vp_s
 
 class ParallelTransformer(torch.nn.Module):
     """This pipeline stage's layers (``num_layers / pp``, or model chunk ``vp_stage``'s share as
-    ``get_num_layers_to_build`` says), and the final LayerNorm on the last stage.
+    ``get_num_layers_to_build`` says), and the final normalisation on the last stage.
+    ``rotary_pos_emb`` (optional angles from ``transformer.rotary.RotaryEmbedding``) reaches every
+    layer's attention.
 
     On stages other than the first, the input comes from ``set_input_tensor`` (the activation
     received from the previous stage), as in Megatron-core. With
@@ -151,7 +153,12 @@ class ParallelTransformer(torch.nn.Module):
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         self.input_tensor = input_tensor
 
-    def forward(self, hidden_states: torch.Tensor | None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if not self.pre_process:
             hidden_states = self.input_tensor
         if hidden_states is None:
@@ -160,17 +167,19 @@ class ParallelTransformer(torch.nn.Module):
             tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext()
         )
         with rng_context:
-            return self._run_layers(hidden_states, attention_mask)
+            return self._run_layers(hidden_states, attention_mask, rotary_pos_emb)
 
-    def _run_layers(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def _run_layers(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, rotary_pos_emb: torch.Tensor | None
+    ) -> torch.Tensor:
         recompute = self.config.recompute_granularity == "full" and self.training
         for layer in self.layers:
             if recompute:
                 hidden_states = tensor_parallel.checkpoint(
-                    lambda h, layer=layer: layer(h, attention_mask), False, hidden_states
+                    lambda h, layer=layer: layer(h, attention_mask, rotary_pos_emb), False, hidden_states
                 )
             else:
-                hidden_states = layer(hidden_states, attention_mask)
+                hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb)
         if self.post_process:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

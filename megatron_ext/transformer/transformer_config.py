@@ -2,7 +2,7 @@
 TransformerConfig, with its name, default and place in the positional order.
 
 The fields megatron_ext's transformer reads take any valid value; a field whose feature it does not
-implement (mixture of experts, FP8, RMSNorm, gated linear units, CUDA graphs, ...) is accepted at its
+implement (mixture of experts, FP8, sliding windows, CUDA graphs, ...) is accepted at its
 default and raises ``NotImplementedError`` naming it when set to anything else. Options that only
 refine an unimplemented feature (the ``moe_*`` settings without ``num_moe_experts``, the ``fp8_*``
 settings without ``fp8``, ...) change nothing and are accepted.
@@ -58,24 +58,18 @@ _UNIMPLEMENTED = {
     "softmax_type": "off-by-one / learnable softmax",
     "fp32_residual_connection": "fp32 residual connections",
     "layernorm_zero_centered_gamma": "zero-centred LayerNorm gamma",
-    "add_bias_linear": "linear layers without bias",
-    "gated_linear_unit": "gated linear units",
-    "activation_func": "activations other than GeLU",
     "activation_func_fp8_input_store": "FP8 activation storage",
-    "glu_linear_offset": "gated linear units",
+    "glu_linear_offset": "an offset on the linear half of the gated linear unit",
     "activation_func_clamp_value": "activation clamping",
     "num_moe_experts": "mixture-of-experts layers",
-    "rotary_interleaved": "rotary embeddings",
     "window_size": "sliding-window attention",
     "window_attn_skip_freq": "sliding-window attention",
-    "normalization": "RMSNorm",
-    "qk_layernorm": "query/key normalisation",
-    "qk_l2_norm": "query/key normalisation",
+    "qk_l2_norm": "query/key L2 normalisation",
     "qk_clip": "query/key clipping",
     "log_max_attention_logit": "attention-logit logging",
     "attention_output_gate": "gated attention",
     "multi_latent_attention": "multi-latent attention",
-    "no_rope_freq": "rotary embeddings",
+    "no_rope_freq": "rotary embeddings skipped in some layers",
     "experimental_attention_variant": "experimental attention variants",
     "linear_attention_freq": "linear attention",
     "init_model_with_meta_device": "meta-device initialisation",
@@ -330,11 +324,23 @@ class TransformerConfig(ModelParallelConfig):
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        if self.num_query_groups != self.num_attention_heads:
-            raise NotImplementedError(
-                f"TransformerConfig.num_query_groups={self.num_query_groups} is not supported (grouped-query "
-                f"attention); it must equal num_attention_heads ({self.num_attention_heads})"
+        groups = self.num_query_groups
+        if not isinstance(groups, int) or groups < 1 or self.num_attention_heads % groups != 0:
+            raise ValueError(
+                f"TransformerConfig.num_query_groups ({groups!r}) must be a positive divisor of "
+                f"num_attention_heads ({self.num_attention_heads})"
             )
+        if groups % tp != 0 and tp % groups != 0:
+            raise ValueError(
+                f"TransformerConfig.num_query_groups ({groups}) must be a multiple or a divisor of "
+                f"tensor_model_parallel_size ({tp})"
+            )
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(
+                f"TransformerConfig.normalization={self.normalization!r} is not one of 'LayerNorm', 'RMSNorm'"
+            )
+        if not callable(self.activation_func):
+            raise ValueError(f"TransformerConfig.activation_func must be callable, got {self.activation_func!r}")
         if self.recompute_granularity not in (None, "full"):
             raise NotImplementedError(
                 f"TransformerConfig.recompute_granularity={self.recompute_granularity!r} is not supported: "

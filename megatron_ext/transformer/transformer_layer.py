@@ -1,4 +1,4 @@
-"""One pre-LayerNorm transformer layer."""
+"""One pre-normalisation transformer layer."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from megatron_ext.transformer.utils import layer_norm
 
 
 class ParallelTransformerLayer(torch.nn.Module):
-    """x + dropout(attention(LN(x))), then + dropout(MLP(LN(.))), with bias-dropout-add residuals.
+    """x + dropout(attention(LN(x))), then + dropout(MLP(LN(.))), with bias-dropout-add residuals
+    (LN: ``config.normalization``, LayerNorm or RMSNorm).
 
-    LayerNorm parameters are replicated on every tensor-parallel rank; without sequence
+    Normalisation parameters are replicated on every tensor-parallel rank; without sequence
     parallelism each rank sees the same activations, so their gradients agree without
     communication. Under sequence parallelism the layer's input and output are ``[s / tp, b, h]``
     and the LayerNorm (and row-parallel bias) gradients are partial: see ``layer_norm``.
@@ -32,7 +33,12 @@ class ParallelTransformerLayer(torch.nn.Module):
         self.post_attention_layernorm = layer_norm(config, config.hidden_size)
         self.mlp = ParallelMLP(config)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
         dropout = self.config.hidden_dropout
         bias_dropout_add = get_bias_dropout_add(
@@ -40,7 +46,7 @@ class ParallelTransformerLayer(torch.nn.Module):
         )
 
         ln_out = self.input_layernorm(hidden_states)
-        attn_out, attn_bias = self.self_attention(ln_out, attention_mask)
+        attn_out, attn_bias = self.self_attention(ln_out, attention_mask, rotary_pos_emb)
         residual = ln_out if post_ln_residual else hidden_states
         hidden_states = bias_dropout_add((attn_out, attn_bias), residual, dropout)
 

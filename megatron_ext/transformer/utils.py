@@ -26,20 +26,18 @@ def initialization_seed(base_seed: int | None, offset: int) -> Iterator[None]:
         yield
 
 
-def bias_dropout_add(
-    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, prob: float, training: bool
-) -> torch.Tensor:
-    """``residual + dropout(x + bias)``."""
-    if bias is not None:
-        x = x + bias
-    return residual + torch.nn.functional.dropout(x, p=prob, training=training)
-
-
-def layer_norm(config: Any, hidden_size: int) -> torch.nn.LayerNorm:
-    """The transformer's LayerNorm. Its parameters carry ``sequence_parallel`` (Megatron's
-    attribute): under sequence parallelism each tensor-parallel rank normalises its own part of the
-    sequence, so their gradients are partial sums that ``finalize_model_grads`` all-reduces."""
-    norm = torch.nn.LayerNorm(hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+def layer_norm(config: Any, hidden_size: int) -> torch.nn.Module:
+    """The transformer's normalisation over the last ``hidden_size`` features: ``torch.nn.LayerNorm``
+    or, with ``config.normalization == "RMSNorm"``, ``torch.nn.RMSNorm`` (what Megatron-core's local
+    layers build), both with ``config.layernorm_epsilon``. Its parameters carry
+    ``sequence_parallel`` (Megatron's attribute): under sequence parallelism each tensor-parallel
+    rank normalises its own part of the sequence, so their gradients are partial sums that
+    ``finalize_model_grads`` all-reduces."""
+    eps, dtype = config.layernorm_epsilon, config.params_dtype
+    if getattr(config, "normalization", "LayerNorm") == "RMSNorm":
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=dtype)
+    else:
+        norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=dtype)
     for param in norm.parameters():
         param.sequence_parallel = config.sequence_parallel
     return norm

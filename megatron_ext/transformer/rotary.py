@@ -1,0 +1,85 @@
+"""Rotary position embeddings (RoPE) in Megatron-core's layout.
+
+Channel pair ``i`` of a head at position ``p`` is rotated by the angle ``p * base^(-2i / dim)``
+over the first ``dim = kv_channels * rotary_percent`` channels; the rest pass through. The angles
+are ``[s, 1, 1, dim]`` in float32: each angle twice, as ``cat(f, f)`` (rotating channel ``j``
+with ``j + dim / 2``, the GPT-NeoX / Llama convention) or with ``rotary_interleaved`` as
+``f0 f0 f1 f1 ...`` (rotating channels ``2i`` and ``2i + 1``, GPT-J's). The cosines and sines are
+taken in float32 and rounded to the activations' dtype before they multiply, as Megatron-core and
+Hugging Face transformers do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """The rotation angles for positions ``0 .. max_seq_len - 1`` (Megatron-core's signature)."""
+
+    def __init__(
+        self,
+        kv_channels: int,
+        rotary_percent: float,
+        rotary_interleaved: bool = False,
+        seq_len_interpolation_factor: float | None = None,
+        rotary_base: int = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        use_cpu_initialization: bool = False,
+    ):
+        super().__init__()
+        if not 0.0 < rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {rotary_percent}")
+        dim = int(kv_channels * rotary_percent) if rotary_percent < 1.0 else kv_channels
+        if dim < 2 or dim % 2 != 0:
+            raise ValueError(
+                f"kv_channels ({kv_channels}) x rotary_percent ({rotary_percent}) = {dim} rotated channels; "
+                "expected an even number >= 2"
+            )
+        if rope_scaling:
+            raise NotImplementedError("rope_scaling (Llama 3.1's long-context frequency scaling) is not supported")
+        self.dim = dim
+        self.rotary_interleaved = rotary_interleaved
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+        # Neither a parameter nor a buffer: not saved, and float32 whatever dtype the model is cast to.
+        self.inv_freq = 1.0 / (rotary_base**exponents)
+
+    def forward(self, max_seq_len: int, offset: int = 0, device: torch.device | None = None) -> torch.Tensor:
+        """``[max_seq_len, 1, 1, dim]`` float32 angles (on ``device``, default the CPU)."""
+        if self.inv_freq.device != torch.device(device or "cpu"):
+            self.inv_freq = self.inv_freq.to(device)
+        positions = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset
+        if self.seq_len_interpolation_factor is not None:
+            positions = positions / self.seq_len_interpolation_factor
+        freqs = torch.outer(positions, self.inv_freq)
+        if self.rotary_interleaved:
+            angles = freqs.repeat_interleave(2, dim=-1)
+        else:
+            angles = torch.cat((freqs, freqs), dim=-1)
+        return angles[:, None, None, :]
+
+
+def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The partner of each channel with the sign of the sine term: ``(-x2, x1)``."""
+    if not interleaved:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config) -> torch.Tensor:
+    """Rotates ``t`` (``[s, b, heads, d]``) by ``freqs`` (``[>= s, 1, 1, dim]``, from
+    ``RotaryEmbedding``), channels ``dim ..`` passing through; ``config.rotary_interleaved`` picks
+    the channel pairing."""
+    interleaved = bool(getattr(config, "rotary_interleaved", False))
+    dim = freqs.shape[-1]
+    if dim > t.shape[-1]:
+        raise ValueError(f"rotary embeddings of {dim} channels for heads of {t.shape[-1]} channels")
+    freqs = freqs[: t.shape[0]]
+    rotated, passed = t[..., :dim], t[..., dim:]
+    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+    rotated = rotated * cos + _rotate_half(rotated, interleaved) * sin
+    return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated
