@@ -261,7 +261,9 @@ def test_checkpoint_of_another_model_is_refused_naming_the_field(tmp_path):
     assert config == {
         "num_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "num_query_groups": 2, "kv_channels": 16,
         "ffn_hidden_size": 128, "vocab_size": 256, "max_sequence_length": 16, "normalization": "LayerNorm",
-        "activation": "gelu", "gated_linear_unit": False, "add_bias_linear": True, "params_dtype": "float64",
+        "activation": "gelu", "gated_linear_unit": False, "add_bias_linear": True, "qk_layernorm": False,
+        "rotary_interleaved": False, "position_embedding_type": "learned_absolute",
+        "share_embeddings_and_output_weights": True, "params_dtype": "float64",
     }
 
 

@@ -261,11 +261,11 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _agree(error: str | None, prefix: str) -> None:
+def _agree(error: str | None, prefix: str, exception: type[Exception] = CheckpointingException) -> None:
     """Shares every rank's error (None for none): all ranks raise the same exception or none does."""
     errors = sorted({e for e in _all_gather(error) if e})
     if errors:
-        raise CheckpointingException(prefix + "; ".join(errors))
+        raise exception(prefix + "; ".join(errors))
 
 
 # What a save's steps may raise: DCP's own exception is a BaseException.

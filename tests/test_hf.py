@@ -1,0 +1,186 @@
+"""Hugging Face weights in and out: a small randomly initialised ``transformers.LlamaForCausalLM``
+loaded into megatron_ext at tp 1, tp 2 and tp 2 x pp 2 gives transformers' logits in float64, and
+the export gives back its state dict exactly. Needs ``transformers`` (installed by CI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_ext import parallel_state as ps
+from megatron_ext import tensor_parallel
+from megatron_ext.models import GPTModel
+from megatron_ext.models.hf import config_from_hf, export_hf_state_dict, load_hf_state_dict
+from tests.distributed import run_distributed
+
+transformers = pytest.importorskip("transformers")
+
+BATCH, SEQ = 2, 10
+
+
+def _hf_config(model_type: str = "llama", **overrides):
+    kwargs = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5,
+                  rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    kwargs.update(overrides)
+    return transformers.AutoConfig.for_model(model_type, **kwargs)
+
+
+def _hf_model(config, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    with torch.no_grad():  # the norms start at ones: make them tell the layers apart
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def _rms_norm_in_input_dtype(self, hidden_states):
+    """transformers' RMSNorm rounds to float32 whatever the input dtype; in float64 this one does not."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def _reference(config, tokens, float64_norm: bool):
+    model = _hf_model(config)
+    norm_class = type(model.model.norm)
+    saved = norm_class.forward
+    if float64_norm:
+        norm_class.forward = _rms_norm_in_input_dtype
+    try:
+        with torch.no_grad():
+            logits = model(tokens).logits
+    finally:
+        norm_class.forward = saved
+    return model.state_dict(), logits
+
+
+def _load_worker(cases) -> list[dict]:
+    return [_load_and_compare(hf_kwargs, layouts, float64_norm) for hf_kwargs, layouts, float64_norm in cases]
+
+
+def _load_and_compare(hf_kwargs, layouts, float64_norm=True) -> dict:
+    """For each (tp, pp, vp) layout that fits this world: loads transformers' weights, checks that
+    the export gives them back exactly, and returns the logits' largest difference from
+    transformers' relative to their largest magnitude (on the last stage's ranks)."""
+    config = _hf_config(**hf_kwargs)
+    tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    hf_state, hf_logits = _reference(config, tokens, float64_norm)
+    out = {}
+    for tp, pp, vp in layouts:
+        if tp * pp != dist.get_world_size():
+            continue
+        ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        mconfig, kwargs = config_from_hf(
+            config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vp, params_dtype=torch.float64, use_cpu_initialization=True,
+        )
+        chunks = [GPTModel(mconfig, parallel_output=False, vp_stage=v, **kwargs).eval()
+                  for v in ([None] if vp is None else range(vp))]
+        load_hf_state_dict(chunks if vp else chunks[0], hf_state)
+        exported = export_hf_state_dict(chunks if vp else chunks[0])
+        assert list(exported) == list(hf_state)
+        for name, tensor in hf_state.items():
+            assert torch.equal(exported[name], tensor), name
+        logits = _forward(chunks, tokens)
+        if logits is not None:  # the largest difference relative to the largest logit
+            out[(tp, pp, vp)] = ((logits - hf_logits).abs().max() / hf_logits.abs().max()).item()
+        ps.destroy_model_parallel()
+    return out
+
+
+def _forward(chunks, tokens):
+    """The logits of a model split over pipeline stages, passed stage to stage by hand; None on
+    ranks that do not hold the last stage."""
+    hidden = None
+    pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    group = ps.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    with torch.no_grad():
+        for stage in range(pp * len(chunks)):
+            owner, chunk = stage % pp, stage // pp
+            if owner == rank:
+                model = chunks[chunk]
+                if stage > 0:
+                    model.set_input_tensor(hidden)
+                hidden = model(tokens if stage == 0 else None, None)
+            if stage < pp * len(chunks) - 1:
+                if hidden is None or owner != rank:
+                    shape = (SEQ, BATCH, chunks[0].config.hidden_size)
+                    hidden = torch.empty(shape, dtype=torch.float64)
+                dist.broadcast(hidden, src=ranks[owner], group=group)
+    return hidden if rank == pp - 1 else None
+
+
+LAYOUTS = [(1, 1, None), (2, 1, None), (2, 2, None), (1, 2, 2)]
+VARIANTS = [
+    # tied embeddings (the last stage's copy loads the embedding) with biases on every linear
+    dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    dict(model_type="qwen2"),  # biases on the query/key/value projections only
+    dict(model_type="qwen3", head_dim=12),  # query/key norms, heads wider than hidden / heads
+    dict(model_type="mistral", sliding_window=16),
+]
+
+
+def _compared(results) -> dict:
+    """Every rank's differences merged: case index -> layout -> difference."""
+    merged: dict = {}
+    for rank_result in results:
+        for case, out in enumerate(rank_result):
+            merged.setdefault(case, {}).update(out)
+    return merged
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_hf_weights_give_transformers_logits(world):
+    fits = [lay for lay in LAYOUTS if lay[0] * lay[1] == world]
+    cases = [({}, LAYOUTS, True)] + [(variant, fits[:1], True) for variant in VARIANTS]
+    if world == 1:
+        # transformers' RMSNorm rounds to float32 whatever the input dtype: with it the logits
+        # differ by float32 rounding only, the mapping being right and the precision transformers'.
+        cases.append(({}, LAYOUTS, False))
+    compared = _compared(run_distributed(world, _load_worker, cases))
+    for case, (hf_kwargs, _, float64_norm) in enumerate(cases):
+        assert set(compared[case]) == set(fits if case == 0 or not float64_norm else fits[:1]), (case, compared)
+        for layout, err in compared[case].items():
+            if float64_norm:
+                assert err < 1e-9, (hf_kwargs, layout, err)
+            else:
+                assert 1e-9 < err < 1e-5, (layout, err)
+
+
+def _directory_worker(path: str) -> list[str]:
+    config = _hf_config()
+    hf_state = _hf_model(config).state_dict()
+    ps.initialize_model_parallel(1, 2)
+    mconfig, kwargs = config_from_hf(config, pipeline_model_parallel_size=2, params_dtype=torch.float64,
+                                     use_cpu_initialization=True)
+    model = GPTModel(mconfig, **kwargs)
+    load_hf_state_dict(model, path)  # sharded safetensors with their index, read lazily
+    exported = export_hf_state_dict(model)
+    assert list(exported) == list(hf_state) and all(torch.equal(exported[k], v) for k, v in hf_state.items())
+    errors = []
+    missing = {k: v for k, v in hf_state.items() if k != "model.layers.3.mlp.up_proj.weight"}
+    extra = dict(hf_state, **{"model.layers.0.self_attn.o_proj.bias": torch.zeros(32, dtype=torch.float64)})
+    for bad in (missing, extra, path + "/nothing"):
+        with pytest.raises(ValueError) as info:
+            load_hf_state_dict(model, bad)
+        errors.append(str(info.value))
+    ps.destroy_model_parallel()
+    return errors
+
+
+def test_safetensors_directory_and_refusals(tmp_path):
+    # Every rank raises the same error, naming the rank that found it and the tensor.
+    _hf_model(_hf_config()).save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    first, second = run_distributed(2, _directory_worker, str(tmp_path))
+    assert first == second
+    missing, extra, nothing = first
+    assert missing == ("load_hf_state_dict: rank 1: the Hugging Face state dict has no "
+                       "'model.layers.3.mlp.up_proj.weight' (for decoder.layers.1.mlp.dense_h_to_4h.weight)")
+    assert "rank 0: tensors the model has no place for, e.g. ['model.layers.0.self_attn.o_proj.bias']" in extra
+    assert "nothing': no such file or directory of safetensors files" in nothing
