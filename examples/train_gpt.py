@@ -34,6 +34,7 @@ from megatron_ext.dist_checkpointing import (
 from megatron_ext.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron_ext.distributed.distributed_data_parallel import DEFAULT_BUCKET_SIZE_BYTES
 from megatron_ext.models import GPTModel
+from megatron_ext.models.hf import config_from_hf, export_hf_state_dict, hf_config_dict, load_hf_state_dict
 from megatron_ext.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron_ext.pipeline_parallel import get_forward_backward_func
 from megatron_ext.tensor_parallel.utils import comm_device
@@ -119,13 +120,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="do not check each step's loss and gradients for NaN and Inf before the update")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="skip (on every rank) a step whose loss or gradients are not finite, instead of stopping")
+    p.add_argument("--load-hf", default=None,
+                   help="start from Hugging Face weights: a directory with config.json and safetensors files "
+                        "(Llama, Mistral, Qwen2, Qwen3); the model's shape comes from its config.json, not from "
+                        "--arch --layers --hidden --heads --num-query-groups --ffn-hidden --vocab-size")
+    p.add_argument("--export-hf", default=None,
+                   help="after training, write the weights as Hugging Face safetensors + config.json to this "
+                        "directory (Llama-shaped models: --arch llama or --load-hf)")
     p.add_argument("--no-load-rng", action="store_true", help="with --load, keep the fresh random states")
+    p.set_defaults(hf_config=None)  # --load-hf's config.json, read by check_args
     p.add_argument("--no-load-optim", action="store_true", help="with --load, keep the fresh optimizer state")
     return p.parse_args(argv)
 
 
 def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Every rank runs this on the same arguments, so every rank raises the same error."""
+    args.hf_config = read_hf_config(args.load_hf) if args.load_hf is not None else None
+    if args.export_hf is not None and args.arch != "llama" and args.load_hf is None:
+        raise ValueError("--export-hf writes Llama-shaped models: use --arch llama or --load-hf")
+    if args.export_hf is not None and os.path.exists(args.export_hf) and not os.path.isdir(args.export_hf):
+        raise ValueError(f"--export-hf {args.export_hf!r} is not a directory")
+    if args.hf_config is not None:
+        config, kwargs = config_from_hf(args.hf_config)
+        args.arch, args.layers, args.hidden = "hf", config.num_layers, config.hidden_size
+        args.heads, args.num_query_groups = config.num_attention_heads, config.num_query_groups
+        args.ffn_hidden, args.vocab_size = config.ffn_hidden_size, kwargs["vocab_size"]
+        if args.seq_len > kwargs["max_sequence_length"]:
+            raise ValueError(
+                f"--seq-len {args.seq_len} exceeds the --load-hf model's {kwargs['max_sequence_length']} positions"
+            )
     for name in ("tp", "pp", "layers", "hidden", "heads", "seq_len", "micro_batch_size", "global_batch_size", "steps",
                  "grad_bucket_bytes"):
         if getattr(args, name) < 1:
@@ -141,7 +164,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.heads % args.tp != 0:
         raise ValueError(f"--heads {args.heads} is not divisible by --tp {args.tp}")
-    if args.hidden % args.heads != 0:
+    if args.hidden % args.heads != 0 and args.hf_config is None:
         raise ValueError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
     if args.num_query_groups is not None:
         groups = args.num_query_groups
@@ -210,6 +233,20 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
     check_checkpoint_paths(args)
     resolve_timeout(args)
+
+
+def read_hf_config(path: str) -> dict:
+    """--load-hf's config.json, whose shape replaces the model arguments."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise ValueError(f"--load-hf {path!r} holds no config.json; expected a Hugging Face model directory")
+    with open(file) as f:
+        hf_config = json.load(f)
+    config, kwargs = config_from_hf(hf_config)  # refuses what it cannot map
+    if kwargs["vocab_size"] < BYTE_VOCAB:
+        raise ValueError(f"--load-hf {path!r}: a vocabulary of {kwargs['vocab_size']} < {BYTE_VOCAB} tokens cannot "
+                         "hold the byte-level data")
+    return hf_config
 
 
 def check_checkpoint_paths(args: argparse.Namespace) -> None:
@@ -334,22 +371,9 @@ def llama_ffn_hidden(hidden: int) -> int:
 def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") -> list[GPTModel]:
     """This rank's model chunks: one GPTModel, or one per virtual pipeline stage."""
     dtype = params_dtype(args)
-    llama = args.arch == "llama"
-    ffn_hidden = args.ffn_hidden
-    if ffn_hidden is None and llama:
-        ffn_hidden = llama_ffn_hidden(args.hidden)
-    config = TransformerConfig(
+    training = dict(
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=args.heads,
-        num_query_groups=args.num_query_groups,
-        ffn_hidden_size=ffn_hidden,
-        normalization="RMSNorm" if llama else "LayerNorm",
-        gated_linear_unit=llama,
-        activation_func=torch.nn.functional.silu if llama else torch.nn.functional.gelu,
-        add_bias_linear=not llama,
         hidden_dropout=args.dropout,
         attention_dropout=args.dropout,
         params_dtype=dtype,
@@ -364,15 +388,32 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
         finalize_model_grads_func=finalize_model_grads,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline,
     )
+    if args.hf_config is not None:
+        config, model_kwargs = config_from_hf(args.hf_config, **training)
+    else:
+        llama = args.arch == "llama"
+        config = TransformerConfig(
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_attention_heads=args.heads,
+            num_query_groups=args.num_query_groups,
+            ffn_hidden_size=args.ffn_hidden or (llama_ffn_hidden(args.hidden) if llama else None),
+            normalization="RMSNorm" if llama else "LayerNorm",
+            gated_linear_unit=llama,
+            activation_func=torch.nn.functional.silu if llama else torch.nn.functional.gelu,
+            add_bias_linear=not llama,
+            **training,
+        )
+        model_kwargs = dict(vocab_size=args.vocab_size, max_sequence_length=args.seq_len,
+                            share_embeddings_and_output_weights=not llama,
+                            position_embedding_type="rope" if llama else "learned_absolute")
     torch.manual_seed(args.seed)  # the CPU generator: dropout outside tensor-parallel regions on CPU
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     stages = [None] if args.virtual_pipeline is None else range(args.virtual_pipeline)
-    return [
-        GPTModel(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_len, init_seed=args.seed,
-                 vp_stage=vp_stage, share_embeddings_and_output_weights=not llama,
-                 position_embedding_type="rope" if llama else "learned_absolute").to(device)
-        for vp_stage in stages
-    ]
+    models = [GPTModel(config, init_seed=args.seed, vp_stage=vp_stage, **model_kwargs) for vp_stage in stages]
+    if args.load_hf is not None:
+        load_hf_state_dict(models, args.load_hf)
+    return [model.to(device) for model in models]
 
 
 def global_mean_loss(losses: list[dict[str, torch.Tensor]], device: torch.device | str = "cpu") -> float:
@@ -512,9 +553,30 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
             log_event(args, event="save", iteration=step + 1, path=save(args, step + 1, model, optimizer))
     if progress is not None:
         progress.close()
+    if args.export_hf is not None:
+        log_event(args, event="export_hf", path=export_hf(args, [c.module for c in chunks]))
     log_event(args, event="end", steps=len(losses), skipped_steps=skipped)
     return {"config": run_config(args), "start_step": start_step, "losses": losses, "tokens_per_s": tokens_per_s,
             "grad_norms": grad_norms, "skipped_steps": skipped}
+
+
+def export_hf(args: argparse.Namespace, models: list[GPTModel]) -> str:
+    """Writes the trained weights as Hugging Face safetensors and config.json (rank 0 writes, every
+    rank gathers); returns the directory."""
+    state = export_hf_state_dict(models)
+    hf_config = args.hf_config or hf_config_dict(models)
+    if dist.get_rank() == 0:
+        from safetensors.torch import save_file
+
+        os.makedirs(args.export_hf, exist_ok=True)
+        tensors = {name: t.contiguous() for name, t in state.items()}
+        if hf_config.get("tie_word_embeddings"):
+            del tensors["lm_head.weight"]  # the embedding, as save_pretrained stores a tied model
+        save_file(tensors, os.path.join(args.export_hf, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(args.export_hf, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2)
+    dist.barrier()
+    return args.export_hf
 
 
 def nonfinite_report(losses: list[dict[str, torch.Tensor]], chunks: list[DistributedDataParallel],

@@ -4,6 +4,9 @@ the export gives back its state dict exactly. Needs ``transformers`` (installed 
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -184,3 +187,57 @@ def test_safetensors_directory_and_refusals(tmp_path):
                        "'model.layers.3.mlp.up_proj.weight' (for decoder.layers.1.mlp.dense_h_to_4h.weight)")
     assert "rank 0: tensors the model has no place for, e.g. ['model.layers.0.self_attn.o_proj.bias']" in extra
     assert "nothing': no such file or directory of safetensors files" in nothing
+
+
+# --- examples/train_gpt.py --export-hf / --load-hf --------------------------------------------------
+
+TINY = ["--arch", "llama", "--num-query-groups", "2", "--layers", "4", "--hidden", "32", "--heads", "4",
+        "--seq-len", "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--dtype", "float64",
+        "--no-progress", "--plot", ""]
+
+
+def _example_worker(export_dir: str) -> dict:
+    from tests.test_gpt_training import _train_gpt
+
+    train_gpt = _train_gpt()
+
+    def run(*argv):
+        return train_gpt.train(train_gpt.parse_args(TINY + list(argv)))["losses"]
+
+    trained = run("--tp", "2", "--pp", "2", "--steps", "2", "--export-hf", export_dir)
+    # The exported weights, trained two steps, evaluated on step 1's batch (lr 0: no update).
+    loaded = {layout: run("--tp", layout[0], "--pp", layout[1], "--steps", "1", "--lr", "0", "--load-hf", export_dir)
+              for layout in (("1", "2"), ("4", "1"))}
+    return {"trained": trained, "loaded": loaded}
+
+
+def _transformers_loss_worker(export_dir: str) -> float:
+    """transformers' mean loss of the exported model on the example's first global batch."""
+    from tests.test_gpt_training import _train_gpt
+
+    train_gpt = _train_gpt()
+    args = train_gpt.parse_args(TINY + ["--tp", "1", "--pp", "1", "--dp", "1"])
+    ps.initialize_model_parallel(1)
+    batches = train_gpt.step_microbatches(train_gpt.load_corpus(None, args.seq_len + 2), 0, args)
+    ps.destroy_model_parallel()
+    model = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float64).eval()
+    type(model.model.norm).forward = _rms_norm_in_input_dtype
+    with torch.no_grad():
+        losses = [torch.nn.functional.cross_entropy(model(b["tokens"]).logits.flatten(0, 1), b["labels"].flatten())
+                  for b in batches]
+    return torch.stack(losses).mean().item()
+
+
+def test_example_exports_and_loads_hf_weights(tmp_path):
+    export_dir = str(tmp_path / "hf")
+    results = run_distributed(4, _example_worker, export_dir)
+    assert all(r == results[0] for r in results)
+    trained, loaded = results[0]["trained"], results[0]["loaded"]
+    with open(os.path.join(export_dir, "config.json")) as f:
+        config = json.load(f)
+    assert config["model_type"] == "llama" and config["num_key_value_heads"] == 2
+    assert config["tie_word_embeddings"] is False and config["intermediate_size"] == 96
+    (hf_loss,) = run_distributed(1, _transformers_loss_worker, export_dir)
+    for layout, losses in loaded.items():
+        assert abs(losses[0] - hf_loss) < 1e-9 * hf_loss, (layout, losses, hf_loss)
+    assert abs(trained[0] - hf_loss) > 1e-3  # the exported weights are the trained ones, not the initial ones

@@ -136,6 +136,51 @@ def config_from_hf(
     return TransformerConfig(**fields), model_kwargs
 
 
+def hf_config_dict(model_chunks, vocab_size: int | None = None) -> dict[str, Any]:
+    """A ``LlamaConfig``'s ``config.json`` for a Llama-shaped GPTModel (RMSNorm, a SiLU gated MLP,
+    rotary embeddings, biases on every linear or none, no query/key norms): what
+    ``transformers.AutoModelForCausalLM.from_pretrained`` needs beside ``export_hf_state_dict``'s
+    tensors. ``vocab_size`` drops padded vocabulary rows. ValueError for other models."""
+    model = _chunks(model_chunks)[0]
+    config = model.config
+    checks = {
+        "normalization": (config.normalization, "RMSNorm"),
+        "gated_linear_unit": (config.gated_linear_unit, True),
+        "activation_func": (config.activation_func, F.silu),
+        "position_embedding_type": (model.position_embedding_type, "rope"),
+        "qk_layernorm": (config.qk_layernorm, False),
+        "rotary_interleaved": (config.rotary_interleaved, False),
+        "add_qkv_bias": (config.add_qkv_bias and not config.add_bias_linear, False),
+    }
+    differ = [f"{name}={got!r} (expected {want!r})" for name, (got, want) in checks.items() if got != want]
+    if differ:
+        raise ValueError("the model is not Llama-shaped: " + ", ".join(differ))
+    rope = model.rotary_pos_emb
+    if rope.dim != config.kv_channels or rope.seq_len_interpolation_factor is not None:
+        raise ValueError("the model rotates part of each head or interpolates positions; a LlamaConfig cannot say so")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size or model.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_query_groups,
+        "head_dim": config.kv_channels,
+        "hidden_act": "silu",
+        "max_position_embeddings": model.max_sequence_length,
+        "rms_norm_eps": config.layernorm_epsilon,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(rope.rotary_base)},
+        "attention_bias": bool(config.add_bias_linear),
+        "mlp_bias": bool(config.add_bias_linear),
+        "attention_dropout": config.attention_dropout,
+        "initializer_range": config.init_method_std,
+        "tie_word_embeddings": bool(model.share_embeddings_and_output_weights),
+        "dtype": str(config.params_dtype).replace("torch.", ""),
+    }
+
+
 # --- name and layout mapping ----------------------------------------------------------------------
 
 _LAYER_NAMES = {  # megatron_ext name inside a layer -> Hugging Face name inside model.layers.{i}

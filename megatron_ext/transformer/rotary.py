@@ -40,6 +40,7 @@ class RotaryEmbedding(torch.nn.Module):
         if rope_scaling:
             raise NotImplementedError("rope_scaling (Llama 3.1's long-context frequency scaling) is not supported")
         self.dim = dim
+        self.rotary_base = rotary_base
         self.rotary_interleaved = rotary_interleaved
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
