@@ -144,6 +144,15 @@ def test_zero_bubble_schedules_match_serial(serial_losses):
         (["--tp", "1", "--pp", "1", "--data", "/nonexistent/corpus.txt"], 1, "no such file"),
         (["--tp", "2", "--pp", "1", "--hidden", "30", "--heads", "4"], 2, "--hidden 30 is not divisible by --heads 4"),
         (["--timeout", "0"], 1, "--timeout must be positive, got 0.0"),
+        (["--arch", "llama", "--num-query-groups", "3"], 1, "--num-query-groups 3 must be a positive divisor of --heads 4"),
+        (["--arch", "llama", "--tp", "4", "--pp", "1", "--heads", "8", "--num-query-groups", "6", "--hidden", "48"], 4,
+         "--num-query-groups 6 must be a positive divisor of --heads 8"),
+        (["--arch", "llama", "--tp", "4", "--pp", "1", "--heads", "12", "--num-query-groups", "6", "--hidden", "48"],
+         4, "--num-query-groups 6 must be a multiple or a divisor of --tp 4"),
+        (["--arch", "llama", "--ffn-hidden", "30", "--tp", "4", "--pp", "1"], 4,
+         "--ffn-hidden 30 must be >= 1 and divisible by --tp 4"),
+        (["--export-hf", "/tmp/out"], 1, "--export-hf writes Llama-shaped models: use --arch llama or --load-hf"),
+        (["--load-hf", "/nonexistent/model"], 1, "--load-hf '/nonexistent/model' holds no config.json"),
     ],
 )
 def test_bad_arguments_raise_before_training(argv, world, message):
