@@ -47,7 +47,22 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
 
 
 def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 300) -> list[Any]:
-    """Runs ``fn(*args)`` on ``world_size`` ranks; returns each rank's return value in rank order."""
+    """Runs ``fn(*args)`` on ``world_size`` ranks; returns each rank's return value in rank order.
+    A port taken by another process between choosing and binding it (tests running side by side)
+    starts the ranks again on another port, up to twice."""
+    for _ in range(2):
+        try:
+            return _run_once(world_size, fn, args, timeout)
+        except _PortTaken:
+            continue
+    return _run_once(world_size, fn, args, timeout)
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _run_once(world_size: int, fn: Callable, args: tuple, timeout: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
@@ -78,6 +93,8 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
                 continue
             if error is None:
                 values[rank] = value
+            elif "EADDRINUSE" in error and not values:
+                raise _PortTaken()
             else:
                 errors[rank] = error
     finally:
