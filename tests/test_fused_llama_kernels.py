@@ -226,7 +226,7 @@ def _swiglu_chain(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-SWIGLU_SHAPES = [(5, 3, 2 * 37), (4, 2 * 40), (3, 2, 2 * 100), (2, 2)]
+SWIGLU_SHAPES = [(5, 3, 2 * 37), (4, 2 * 40), (3, 2, 2 * 100), (2, 2 * 1061), (2, 2)]  # 1061: two blocks
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

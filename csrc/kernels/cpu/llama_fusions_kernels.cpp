@@ -246,6 +246,9 @@ void rotary_heads(const void* input, const void* cos_ptr, const void* sin_ptr,
 
 // ---- SwiGLU ------------------------------------------------------------------------------------
 
+// Values of a row handled per block: the blocks' buffers stay in L1 however wide the row is.
+constexpr int64_t kSwigluBlock = 1024;
+
 // n values of ``row`` plus ``bias`` (when there is one) in the accumulation type.
 template <typename scalar_t>
 const acc_type<scalar_t>* biased_row(const scalar_t* row, const acc_type<scalar_t>* bias,
@@ -267,6 +270,7 @@ const acc_type<scalar_t>* biased_row(const scalar_t* row, const acc_type<scalar_
 template <typename acc_t>
 int64_t vector_lanes(int64_t f) {
   constexpr int64_t step = 2 * at::vec::Vectorized<acc_t>::size();
+  static_assert(kSwigluBlock % step == 0, "a block must end on a vector step");
   return f - f % step;
 }
 
@@ -280,21 +284,23 @@ void swiglu_forward_rows(const void* y_ptr, const void* bias_ptr, int64_t f, int
   const auto* y = static_cast<const scalar_t*>(y_ptr);
   const auto* bias = static_cast<const acc_t*>(bias_ptr);
   auto* out = static_cast<scalar_t*>(out_ptr);
-  const bool buffered = bias != nullptr || !kIsAcc<scalar_t>;
-  std::vector<acc_t> gate_buffer(buffered ? f : 0), up_buffer(buffered ? f : 0);
-  auto out_buffer = row_buffer<scalar_t>(f);
+  alignas(64) acc_t gate_buffer[kSwigluBlock], up_buffer[kSwigluBlock], out_buffer[kSwigluBlock];
   const Vec one(1);
   for (int64_t i = begin; i < end; ++i) {
-    const scalar_t* row = y + i * 2 * f;
-    const acc_t* gate = biased_row(row, bias, gate_buffer.data(), f);
-    const acc_t* up = biased_row(row + f, bias ? bias + f : nullptr, up_buffer.data(), f);
-    acc_t* o = acc_out(out + i * f, out_buffer.data());
-    for (int64_t j = 0; j < fv; j += L) {
-      const Vec x = Vec::loadu(gate + j);
-      ((x / (one + x.neg().exp())) * Vec::loadu(up + j)).store(o + j);
+    for (int64_t c = 0; c < f; c += kSwigluBlock) {
+      const int64_t n = std::min(kSwigluBlock, f - c);
+      const scalar_t* row = y + i * 2 * f + c;
+      const acc_t* gate = biased_row(row, bias ? bias + c : nullptr, gate_buffer, n);
+      const acc_t* up = biased_row(row + f, bias ? bias + f + c : nullptr, up_buffer, n);
+      acc_t* o = acc_out(out + i * f + c, out_buffer);
+      const int64_t nv = std::clamp<int64_t>(fv - c, 0, n);
+      for (int64_t j = 0; j < nv; j += L) {
+        const Vec x = Vec::loadu(gate + j);
+        ((x / (one + x.neg().exp())) * Vec::loadu(up + j)).store(o + j);
+      }
+      for (int64_t j = nv; j < n; ++j) o[j] = swiglu_out(gate[j], up[j]);
+      store_row(o, out + i * f + c, n);
     }
-    for (int64_t j = fv; j < f; ++j) o[j] = swiglu_out(gate[j], up[j]);
-    store_row(o, out + i * f, f);
   }
 }
 
@@ -309,31 +315,36 @@ void swiglu_backward_rows(const void* grad_ptr, const void* y_ptr, const void* b
   const auto* y = static_cast<const scalar_t*>(y_ptr);
   const auto* bias = static_cast<const acc_t*>(bias_ptr);
   auto* grad_y = static_cast<scalar_t*>(grad_y_ptr);
-  const bool buffered = bias != nullptr || !kIsAcc<scalar_t>;
-  std::vector<acc_t> gate_buffer(buffered ? f : 0), up_buffer(buffered ? f : 0);
-  auto grad_buffer = row_buffer<scalar_t>(f);
-  auto out_buffer = row_buffer<scalar_t>(2 * f);
+  alignas(64) acc_t gate_buffer[kSwigluBlock], up_buffer[kSwigluBlock], grad_buffer[kSwigluBlock];
+  alignas(64) acc_t gate_out_buffer[kSwigluBlock], up_out_buffer[kSwigluBlock];
   const Vec one(1);
   for (int64_t i = begin; i < end; ++i) {
-    const scalar_t* row = y + i * 2 * f;
-    const acc_t* gate = biased_row(row, bias, gate_buffer.data(), f);
-    const acc_t* up = biased_row(row + f, bias ? bias + f : nullptr, up_buffer.data(), f);
-    const acc_t* g = acc_row(grad + i * f, grad_buffer.data(), f);
-    acc_t* o = acc_out(grad_y + i * 2 * f, out_buffer.data());
-    for (int64_t j = 0; j < fv; j += L) {
-      const Vec x = Vec::loadu(gate + j), gj = Vec::loadu(g + j);
-      const Vec denom = one + x.neg().exp();
-      const Vec sigmoid = one / denom;
-      const Vec slope = at::vec::fmadd(x, one - sigmoid, one);  // fma_acc's lanes
-      (((gj * Vec::loadu(up + j)) * sigmoid) * slope).store(o + j);
-      (gj * (x / denom)).store(o + f + j);
+    for (int64_t c = 0; c < f; c += kSwigluBlock) {
+      const int64_t n = std::min(kSwigluBlock, f - c);
+      const scalar_t* row = y + i * 2 * f + c;
+      const acc_t* gate = biased_row(row, bias ? bias + c : nullptr, gate_buffer, n);
+      const acc_t* up = biased_row(row + f, bias ? bias + f + c : nullptr, up_buffer, n);
+      const acc_t* g = acc_row(grad + i * f + c, grad_buffer, n);
+      scalar_t* grad_row = grad_y + i * 2 * f + c;
+      acc_t* og = acc_out(grad_row, gate_out_buffer);
+      acc_t* ou = acc_out(grad_row + f, up_out_buffer);
+      const int64_t nv = std::clamp<int64_t>(fv - c, 0, n);
+      for (int64_t j = 0; j < nv; j += L) {
+        const Vec x = Vec::loadu(gate + j), gj = Vec::loadu(g + j);
+        const Vec denom = one + x.neg().exp();
+        const Vec sigmoid = one / denom;
+        const Vec slope = at::vec::fmadd(x, one - sigmoid, one);  // fma_acc's lanes
+        (((gj * Vec::loadu(up + j)) * sigmoid) * slope).store(og + j);
+        (gj * (x / denom)).store(ou + j);
+      }
+      for (int64_t j = nv; j < n; ++j) {
+        const SwigluGrads<acc_t> grads = swiglu_grads(g[j], gate[j], up[j]);
+        og[j] = grads.gate;
+        ou[j] = grads.up;
+      }
+      store_row(og, grad_row, n);
+      store_row(ou, grad_row + f, n);
     }
-    for (int64_t j = fv; j < f; ++j) {
-      const SwigluGrads<acc_t> grads = swiglu_grads(g[j], gate[j], up[j]);
-      o[j] = grads.gate;
-      o[f + j] = grads.up;
-    }
-    store_row(o, grad_y + i * 2 * f, 2 * f);
   }
 }
 
