@@ -199,27 +199,34 @@ def _fusion_acc_dtype(t: torch.Tensor) -> torch.dtype:
 
 def _check_fusion_dtype(op: str, name: str, t: torch.Tensor) -> None:
     torch._check_value(
-        t.dtype in _FUSION_DTYPES, lambda: f"{op}: {name} must be float64, float32, bfloat16 or float16, got {t.dtype}"
+        t.dtype in _FUSION_DTYPES,
+        lambda: f"{op}: {name} must be float64, float32, bfloat16 or float16, got {t.dtype}",
     )
 
 
-def _check_like(op: str, name: str, other: torch.Tensor, input: torch.Tensor, input_name: str = "input") -> None:
+def _check_like(op: str, name: str, other: torch.Tensor, input: torch.Tensor,
+                input_name: str = "input") -> None:
     torch._check_value(
         other.dtype == input.dtype,
         lambda: f"{op}: {name} dtype {other.dtype} differs from the {input_name} dtype {input.dtype}",
     )
     torch._check_value(
-        other.device == input.device, lambda: f"{op}: {name} is on {other.device} but the {input_name} is on {input.device}"
+        other.device == input.device,
+        lambda: f"{op}: {name} is on {other.device} but the {input_name} is on {input.device}",
     )
 
 
 def _check_rms_norm(op: str, input: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     _check_fusion_dtype(op, "input", input)
-    torch._check_value(input.dim() >= 1, lambda: f"{op}: input must have a last (normalized) dim, got a scalar")
-    torch._check_value(input.shape[-1] > 0, lambda: f"{op}: input must have a non-empty last dim, got {input.shape}")
+    torch._check_value(input.dim() >= 1, lambda: f"{op}: input must have a last dim, got a scalar")
+    torch._check_value(
+        input.shape[-1] > 0,
+        lambda: f"{op}: input must have a non-empty last (normalized) dim, got shape {list(input.shape)}",
+    )
     torch._check_value(
         weight.dim() == 1 and weight.shape[0] == input.shape[-1],
-        lambda: f"{op}: weight must have shape [{input.shape[-1]}] (the input's last dim), got {list(weight.shape)}",
+        lambda: f"{op}: weight must have shape [{input.shape[-1]}] (the input's last dim), got "
+        f"{list(weight.shape)}",
     )
     _check_like(op, "weight", weight, input)
     torch._check_value(eps >= 0, lambda: f"{op}: eps must be >= 0, got {eps}")
@@ -243,7 +250,8 @@ def _(grad_output, input, weight, rstd):
     _check_rms_norm(op, input, weight, 0.0)
     torch._check_value(
         grad_output.shape == input.shape,
-        lambda: f"{op}: grad_output has shape {list(grad_output.shape)} but the input has shape {list(input.shape)}",
+        lambda: f"{op}: grad_output has shape {list(grad_output.shape)} but the input has shape "
+        f"{list(input.shape)}",
     )
     _check_like(op, "grad_output", grad_output, input)
     torch._check_value(
@@ -257,7 +265,8 @@ def _(grad_output, input, weight, rstd):
 def _check_rotary_width(op: str, rot_dim, dim) -> None:
     torch._check_value(
         rot_dim > 0 and rot_dim % 2 == 0 and rot_dim <= dim,
-        lambda: f"{op}: the rotary width (freqs' last dim) must be even and in (0, {dim}] (the head dim), got {rot_dim}",
+        lambda: f"{op}: the rotary width (freqs' last dim) must be even and in (0, {dim}] (the head dim), "
+        f"got {rot_dim}",
     )
 
 
@@ -270,14 +279,18 @@ def _check_rotary_input(op: str, name: str, t: torch.Tensor) -> None:
 def _(t, freqs, interleaved):
     op = "rotary_pos_emb"
     _check_rotary_input(op, "t", t)
-    torch._check_value(freqs.dtype.is_floating_point, lambda: f"{op}: freqs must be a floating tensor, got {freqs.dtype}")
+    torch._check_value(
+        freqs.dtype.is_floating_point, lambda: f"{op}: freqs must be a floating tensor, got {freqs.dtype}"
+    )
     torch._check_value(
         freqs.dim() == 4 and freqs.shape[0] == t.shape[0] and freqs.shape[1] == 1 and freqs.shape[2] == 1,
         lambda: f"{op}: freqs must have shape [{t.shape[0]}, 1, 1, d_rot] (t is {list(t.shape)}), got "
         f"{list(freqs.shape)}",
     )
     _check_rotary_width(op, freqs.shape[3], t.shape[3])
-    torch._check_value(freqs.device == t.device, lambda: f"{op}: freqs is on {freqs.device} but t is on {t.device}")
+    torch._check_value(
+        freqs.device == t.device, lambda: f"{op}: freqs is on {freqs.device} but t is on {t.device}"
+    )
     return t.new_empty(t.shape)
 
 
@@ -290,7 +303,8 @@ def _rotary_kernel_fake(op: str, input: torch.Tensor, cos: torch.Tensor, sin: to
         )
         _check_like(op, name, table, input)
     torch._check_value(
-        cos.shape == sin.shape, lambda: f"{op}: cos has shape {list(cos.shape)} but sin has shape {list(sin.shape)}"
+        cos.shape == sin.shape,
+        lambda: f"{op}: cos has shape {list(cos.shape)} but sin has shape {list(sin.shape)}",
     )
     _check_rotary_width(op, cos.shape[1], input.shape[3])
     return input.new_empty(input.shape)
@@ -317,7 +331,8 @@ def _check_swiglu(op: str, input: torch.Tensor, bias) -> None:
     if bias is not None:
         torch._check_value(
             bias.dim() == 1 and bias.shape[0] == input.shape[-1],
-            lambda: f"{op}: bias must have shape [{input.shape[-1]}] (the input's last dim), got {list(bias.shape)}",
+            lambda: f"{op}: bias must have shape [{input.shape[-1]}] (the input's last dim), got "
+            f"{list(bias.shape)}",
         )
         _check_like(op, "bias", bias, input)
 

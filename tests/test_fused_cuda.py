@@ -183,7 +183,8 @@ def test_swiglu_kernels_equal_cpu_twin(dtype, with_bias):
     g = _randn(17, 3, 129, dtype=dtype, seed=37)
     cuda_b = b.cuda() if with_bias else None
     assert_close(ops.swiglu_forward(y.cuda(), cuda_b).cpu(), ops.swiglu_forward(y, b), **TOL[dtype])
-    assert_close(ops.swiglu_backward(g.cuda(), y.cuda(), cuda_b).cpu(), ops.swiglu_backward(g, y, b), **TOL[dtype])
+    assert_close(ops.swiglu_backward(g.cuda(), y.cuda(), cuda_b).cpu(), ops.swiglu_backward(g, y, b),
+                 **TOL[dtype])
 
 
 def test_llama_fusions_autograd_on_gpu_equal_cpu():

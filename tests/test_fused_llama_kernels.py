@@ -20,7 +20,13 @@ from torch.testing import assert_close
 
 import megatron_ext
 from megatron_ext import _C
-from megatron_ext.fusions import bias_swiglu, bias_swiglu_impl, fused_apply_rotary_pos_emb, fused_rms_norm, swiglu
+from megatron_ext.fusions import (
+    bias_swiglu,
+    bias_swiglu_impl,
+    fused_apply_rotary_pos_emb,
+    fused_rms_norm,
+    swiglu,
+)
 
 ops = torch.ops.megatron_ext
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
@@ -30,7 +36,8 @@ BF16_HALF_ULP = dict(rtol=2.0**-8, atol=1e-6)
 SAME_ISA = _C.cpu_capability() == torch.backends.cpu.get_cpu_capability().lower()
 
 
-def _randn(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+def _randn(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0,
+           scale: float = 1.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
@@ -45,7 +52,8 @@ def _leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 def _assert_equal(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:
     assert got.dtype == want.dtype and got.shape == want.shape, msg
-    assert torch.equal(got, want), f"{msg}: max |diff| {(got.double() - want.double()).abs().max().item():.3e}"
+    diff = (got.double() - want.double()).abs().max().item()
+    assert torch.equal(got, want), f"{msg}: max |diff| {diff:.3e}"
 
 
 # --- RMSNorm ---------------------------------------------------------------------------------
@@ -291,7 +299,8 @@ def test_opcheck_every_op():
     out, rstd = ops.rms_norm_forward(x.detach(), w.detach(), 1e-5)
     torch.library.opcheck(ops.rms_norm.default, (x, w, 1e-5))
     torch.library.opcheck(ops.rms_norm_forward.default, (x.detach(), w.detach(), 1e-5))
-    torch.library.opcheck(ops.rms_norm_backward.default, (torch.randn_like(out), x.detach(), w.detach(), rstd))
+    torch.library.opcheck(ops.rms_norm_backward.default,
+                          (torch.randn_like(out), x.detach(), w.detach(), rstd))
 
     t = _randn(4, 2, 3, 8, seed=42).requires_grad_()
     freqs = _freqs(4, 6, False)
@@ -306,8 +315,9 @@ def test_opcheck_every_op():
     g = _randn(3, 4, 5, seed=45)
     for bias in (None, b):
         torch.library.opcheck(ops.swiglu.default, (y, bias))
-        torch.library.opcheck(ops.swiglu_forward.default, (y.detach(), bias if bias is None else bias.detach()))
-        torch.library.opcheck(ops.swiglu_backward.default, (g, y.detach(), bias if bias is None else bias.detach()))
+        plain = None if bias is None else bias.detach()
+        torch.library.opcheck(ops.swiglu_forward.default, (y.detach(), plain))
+        torch.library.opcheck(ops.swiglu_backward.default, (g, y.detach(), plain))
 
 
 def _llama_block(x, w, freqs, y, b):

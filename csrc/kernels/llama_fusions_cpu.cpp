@@ -88,7 +88,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
   const int64_t h = x.size(-1);
   const int64_t rows = x.numel() / h;
   auto grad_x = at::empty(x.sizes(), x.options());
-  const int64_t per_block = std::max<int64_t>(1, (rows + kWeightGradBlocks - 1) / kWeightGradBlocks);
+  const int64_t per_block =
+      std::max<int64_t>(1, (rows + kWeightGradBlocks - 1) / kWeightGradBlocks);
   const int64_t blocks = (rows + per_block - 1) / per_block;
   auto partial = at::zeros({std::max<int64_t>(blocks, 1), h}, w.options());
   const auto& k = cpu_kernels();

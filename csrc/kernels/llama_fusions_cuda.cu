@@ -237,9 +237,10 @@ at::Tensor rotary_cuda(const char* op, const at::Tensor& input, const at::Tensor
                             t.stride(0), t.stride(1), t.stride(2), interleaved};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "rotary_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    rotary_kernel<scalar_t, acc_t><<<blocks_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        t.const_data_ptr<scalar_t>(), c.const_data_ptr<scalar_t>(), s.const_data_ptr<scalar_t>(),
-        layout, n, backward, out.mutable_data_ptr<scalar_t>());
+    rotary_kernel<scalar_t, acc_t>
+        <<<blocks_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+            t.const_data_ptr<scalar_t>(), c.const_data_ptr<scalar_t>(),
+            s.const_data_ptr<scalar_t>(), layout, n, backward, out.mutable_data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;

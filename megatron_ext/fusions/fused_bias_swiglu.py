@@ -22,13 +22,20 @@ def swiglu(y: torch.Tensor) -> torch.Tensor:
 
 
 def bias_swiglu_impl(
-    input: torch.Tensor, bias: torch.Tensor | None, fp8_input_store: bool = False, cpu_offload_input: bool = False
+    input: torch.Tensor,
+    bias: torch.Tensor | None,
+    fp8_input_store: bool = False,
+    cpu_offload_input: bool = False,
 ) -> torch.Tensor:
     """Megatron-core's ``bias_swiglu_impl``: ``bias_swiglu(input, bias)`` (for inputs of any rank, not
     only 2 or 3). Keeping the input for backward in float8 and marking it for CPU offloading are not
     supported: either flag set raises NotImplementedError."""
     if fp8_input_store:
-        raise NotImplementedError("bias_swiglu_impl: fp8_input_store=True (keeping the input in float8) is not supported")
+        raise NotImplementedError(
+            "bias_swiglu_impl: fp8_input_store=True (keeping the input in float8) is not supported"
+        )
     if cpu_offload_input:
-        raise NotImplementedError("bias_swiglu_impl: cpu_offload_input=True (activation offloading) is not supported")
+        raise NotImplementedError(
+            "bias_swiglu_impl: cpu_offload_input=True (activation offloading) is not supported"
+        )
     return bias_swiglu(input, bias)

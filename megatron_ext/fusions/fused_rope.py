@@ -1,4 +1,5 @@
-"""Rotary position embedding in one kernel, forward and backward (``torch.ops.megatron_ext.rotary_pos_emb``)."""
+"""Rotary position embedding in one kernel, forward and backward
+(``torch.ops.megatron_ext.rotary_pos_emb``)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ def fused_apply_rotary_pos_emb(
     (``fused_apply_rotary_pos_emb(t, freqs, interleaved=...)``), accepted for its callers."""
     if interleaved is not None:
         if rotary_interleaved and not interleaved:
-            raise ValueError("fused_apply_rotary_pos_emb: rotary_interleaved=True contradicts interleaved=False")
+            raise ValueError(
+                "fused_apply_rotary_pos_emb: rotary_interleaved=True contradicts interleaved=False"
+            )
         rotary_interleaved = interleaved
     return torch.ops.megatron_ext.rotary_pos_emb(t, freqs, bool(rotary_interleaved))

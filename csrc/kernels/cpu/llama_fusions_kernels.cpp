@@ -259,7 +259,9 @@ const acc_type<scalar_t>* biased_row(const scalar_t* row, const acc_type<scalar_
   const acc_t* values = acc_row(row, buffer, n);
   if (bias == nullptr) return values;
   const int64_t nv = n - n % L;
-  for (int64_t j = 0; j < nv; j += L) (Vec::loadu(values + j) + Vec::loadu(bias + j)).store(buffer + j);
+  for (int64_t j = 0; j < nv; j += L) {
+    (Vec::loadu(values + j) + Vec::loadu(bias + j)).store(buffer + j);
+  }
   for (int64_t j = nv; j < n; ++j) buffer[j] = values[j] + bias[j];
   return buffer;
 }

@@ -1,9 +1,10 @@
 #pragma once
-// The CPU loops of RMSNorm, rotary embedding and SwiGLU (their arithmetic: kernels/llama_fusions.h),
-// compiled once per instruction set (llama_fusions_kernels.cpp, see kernels/cpu_capability.h).
-// Plain pointers at the interface, as kernels/cpu/cross_entropy_kernels.h. Every loop takes a
-// range of rows, so the caller threads them; values of the accumulation type (float for 16-bit
-// and float32 tensors, double for float64) are marked ``acc``.
+// The CPU loops of RMSNorm, rotary embedding and SwiGLU (their arithmetic:
+// kernels/llama_fusions.h), compiled once per instruction set (llama_fusions_kernels.cpp, see
+// kernels/cpu_capability.h). Plain pointers at the interface, as
+// kernels/cpu/cross_entropy_kernels.h. Every loop takes a range of rows, so the caller threads
+// them; values of the accumulation type (float for 16-bit and float32 tensors, double for float64)
+// are marked ``acc``.
 #include <cstdint>
 
 #include "kernels/llama_fusions.h"
