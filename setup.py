@@ -157,7 +157,9 @@ def _extension():
     generated = _write_build_config(cuda)
     include_dirs = [os.path.join(here, "csrc"), generated]
     isa_macros = [(f"MEGATRON_EXT_CPU_{name}", None) for name, _ in CPU_CAPABILITIES] if _build_cpu_capabilities() else []
-    cxx_flags = ["-O3", "-std=c++20"]
+    # No floating-point contraction: a CPU kernel rounds each product its source writes, as the torch
+    # ops it is compared with do (a fused multiply-add appears only where written out).
+    cxx_flags = ["-O3", "-std=c++20", "-ffp-contract=off"]
     werror = _flag("MEGATRON_EXT_WERROR")
     # torch's headers as system headers, so that warnings-as-errors judges this project's code only.
     torch_includes = include_paths(device_type="cuda" if cuda else "cpu")

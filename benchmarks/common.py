@@ -53,21 +53,26 @@ def reset_peak_rss() -> None:
         f.write("5")
 
 
-def run_interleaved(variants: dict[str, Callable[[], Any]], reps: int) -> dict[str, dict[str, list[float]]]:
+def run_interleaved(variants: dict[str, Callable[..., Any]], reps: int,
+                    prepare: Callable[[], Any] | None = None) -> dict[str, dict[str, list[float]]]:
     """Runs every variant once per repetition (plus one warm-up), in rotating order, each after a
-    barrier over the default group. Returns this rank's times (s) and peak extra memory (MiB)."""
+    barrier over the default group. Returns this rank's times (s) and peak extra memory (MiB).
+    With ``prepare``, every run is called with a fresh ``prepare()`` (its inputs), made before the
+    barrier, outside the run's time and memory."""
     names = list(variants)
     out = {name: {"times_s": [], "cpu_s": [], "peak_extra_mib": []} for name in names}
     for rep in range(reps + 1):
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
+            args = () if prepare is None else (prepare(),)
             dist.barrier()
             reset_peak_rss()
             before = memory_kib("VmRSS")
             start, cpu_start = time.perf_counter(), time.process_time()
-            variants[name]()
+            variants[name](*args)
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
             peak = memory_kib("VmHWM")
+            del args
             if rep > 0:
                 out[name]["times_s"].append(elapsed)
                 out[name]["cpu_s"].append(cpu)

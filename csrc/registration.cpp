@@ -57,6 +57,26 @@ TORCH_LIBRARY(megatron_ext, m) {
       "int offset) -> Tensor");
   m.def("dropout_backward(Tensor grad_output, float prob, int seed, int offset) -> Tensor");
 
+  // Fused RMSNorm, rotary embedding and SwiGLU of the Llama family (ops/llama_fusions.cpp,
+  // kernels/llama_fusions*). The public ops are autograd nodes over the ``_forward`` /
+  // ``_backward`` CPU and CUDA kernels. ``rms_norm_forward`` also returns the per-row rstd
+  // (float32 for 16-bit inputs) its backward takes; the rotary kernels take the cos and sin
+  // tables [s, d_rot] in the input's dtype, which ``rotary_pos_emb`` computes from freqs
+  // [s, 1, 1, d_rot]; ``swiglu``'s input holds (gate, up) as the halves of its last dim.
+  m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm_forward(Tensor input, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def(
+      "rms_norm_backward(Tensor grad_output, Tensor input, Tensor weight, Tensor rstd) -> "
+      "(Tensor, Tensor)");
+  m.def("rotary_pos_emb(Tensor t, Tensor freqs, bool interleaved) -> Tensor");
+  m.def("rotary_pos_emb_forward(Tensor t, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
+  m.def(
+      "rotary_pos_emb_backward(Tensor grad_output, Tensor cos, Tensor sin, bool interleaved) -> "
+      "Tensor");
+  m.def("swiglu(Tensor input, Tensor? bias) -> Tensor");
+  m.def("swiglu_forward(Tensor input, Tensor? bias) -> Tensor");
+  m.def("swiglu_backward(Tensor grad_output, Tensor input, Tensor? bias) -> Tensor");
+
   // Output layer + vocabulary-parallel cross-entropy over chunks of tokens, never holding the
   // [tokens, vocab / tp] logits (ops/linear_cross_entropy.cpp). ``hidden`` [..., h] is replicated
   // over the group, ``weight`` [vocab / tp, h] is this rank's slice. ``_forward`` returns the loss,

@@ -186,3 +186,181 @@ def _(hidden, weight, target, label_smoothing, ignore_index, chunk_size, hidden_
 def _(grad_loss, hidden, weight, target, row_max, log_sum_exp, grad_hidden, grad_weight, label_smoothing,
       ignore_index, chunk_size, precomputed, vocab_start, vocab_size, group_name, group_size):
     return None
+
+
+# --- RMSNorm, rotary embedding and SwiGLU (ops/llama_fusions.cpp): the checks of ops/llama_fusions.h
+
+_FUSION_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fusion_acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _check_fusion_dtype(op: str, name: str, t: torch.Tensor) -> None:
+    torch._check_value(
+        t.dtype in _FUSION_DTYPES,
+        lambda: f"{op}: {name} must be float64, float32, bfloat16 or float16, got {t.dtype}",
+    )
+
+
+def _check_like(op: str, name: str, other: torch.Tensor, input: torch.Tensor,
+                input_name: str = "input") -> None:
+    torch._check_value(
+        other.dtype == input.dtype,
+        lambda: f"{op}: {name} dtype {other.dtype} differs from the {input_name} dtype {input.dtype}",
+    )
+    torch._check_value(
+        other.device == input.device,
+        lambda: f"{op}: {name} is on {other.device} but the {input_name} is on {input.device}",
+    )
+
+
+def _check_rms_norm(op: str, input: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    _check_fusion_dtype(op, "input", input)
+    torch._check_value(input.dim() >= 1, lambda: f"{op}: input must have a last dim, got a scalar")
+    torch._check_value(
+        input.shape[-1] > 0,
+        lambda: f"{op}: input must have a non-empty last (normalized) dim, got shape {list(input.shape)}",
+    )
+    torch._check_value(
+        weight.dim() == 1 and weight.shape[0] == input.shape[-1],
+        lambda: f"{op}: weight must have shape [{input.shape[-1]}] (the input's last dim), got "
+        f"{list(weight.shape)}",
+    )
+    _check_like(op, "weight", weight, input)
+    torch._check_value(eps >= 0, lambda: f"{op}: eps must be >= 0, got {eps}")
+
+
+@torch.library.register_fake("megatron_ext::rms_norm")
+def _(input, weight, eps):
+    _check_rms_norm("rms_norm", input, weight, eps)
+    return input.new_empty(input.shape)
+
+
+@torch.library.register_fake("megatron_ext::rms_norm_forward")
+def _(input, weight, eps):
+    _check_rms_norm("rms_norm_forward", input, weight, eps)
+    return input.new_empty(input.shape), input.new_empty(input.shape[:-1], dtype=_fusion_acc_dtype(input))
+
+
+@torch.library.register_fake("megatron_ext::rms_norm_backward")
+def _(grad_output, input, weight, rstd):
+    op = "rms_norm_backward"
+    _check_rms_norm(op, input, weight, 0.0)
+    torch._check_value(
+        grad_output.shape == input.shape,
+        lambda: f"{op}: grad_output has shape {list(grad_output.shape)} but the input has shape "
+        f"{list(input.shape)}",
+    )
+    _check_like(op, "grad_output", grad_output, input)
+    torch._check_value(
+        rstd.shape == input.shape[:-1] and rstd.dtype == _fusion_acc_dtype(input),
+        lambda: f"{op}: rstd must be {_fusion_acc_dtype(input)} of shape {list(input.shape[:-1])}, got "
+        f"{rstd.dtype} of shape {list(rstd.shape)}",
+    )
+    return input.new_empty(input.shape), weight.new_empty(weight.shape)
+
+
+def _check_rotary_width(op: str, rot_dim, dim) -> None:
+    torch._check_value(
+        rot_dim > 0 and rot_dim % 2 == 0 and rot_dim <= dim,
+        lambda: f"{op}: the rotary width (freqs' last dim) must be even and in (0, {dim}] (the head dim), "
+        f"got {rot_dim}",
+    )
+
+
+def _check_rotary_input(op: str, name: str, t: torch.Tensor) -> None:
+    _check_fusion_dtype(op, name, t)
+    torch._check_value(t.dim() == 4, lambda: f"{op}: {name} must be [s, b, n, d], got shape {list(t.shape)}")
+
+
+@torch.library.register_fake("megatron_ext::rotary_pos_emb")
+def _(t, freqs, interleaved):
+    op = "rotary_pos_emb"
+    _check_rotary_input(op, "t", t)
+    torch._check_value(
+        freqs.dtype.is_floating_point, lambda: f"{op}: freqs must be a floating tensor, got {freqs.dtype}"
+    )
+    torch._check_value(
+        freqs.dim() == 4 and freqs.shape[0] == t.shape[0] and freqs.shape[1] == 1 and freqs.shape[2] == 1,
+        lambda: f"{op}: freqs must have shape [{t.shape[0]}, 1, 1, d_rot] (t is {list(t.shape)}), got "
+        f"{list(freqs.shape)}",
+    )
+    _check_rotary_width(op, freqs.shape[3], t.shape[3])
+    torch._check_value(
+        freqs.device == t.device, lambda: f"{op}: freqs is on {freqs.device} but t is on {t.device}"
+    )
+    return t.new_empty(t.shape)
+
+
+def _rotary_kernel_fake(op: str, input: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    _check_rotary_input(op, "input", input)
+    for name, table in (("cos", cos), ("sin", sin)):
+        torch._check_value(
+            table.dim() == 2 and table.shape[0] == input.shape[0],
+            lambda: f"{op}: {name} must have shape [{input.shape[0]}, d_rot], got {list(table.shape)}",
+        )
+        _check_like(op, name, table, input)
+    torch._check_value(
+        cos.shape == sin.shape,
+        lambda: f"{op}: cos has shape {list(cos.shape)} but sin has shape {list(sin.shape)}",
+    )
+    _check_rotary_width(op, cos.shape[1], input.shape[3])
+    return input.new_empty(input.shape)
+
+
+@torch.library.register_fake("megatron_ext::rotary_pos_emb_forward")
+def _(t, cos, sin, interleaved):
+    return _rotary_kernel_fake("rotary_pos_emb_forward", t, cos, sin)
+
+
+@torch.library.register_fake("megatron_ext::rotary_pos_emb_backward")
+def _(grad_output, cos, sin, interleaved):
+    return _rotary_kernel_fake("rotary_pos_emb_backward", grad_output, cos, sin)
+
+
+def _check_swiglu(op: str, input: torch.Tensor, bias) -> None:
+    _check_fusion_dtype(op, "input", input)
+    torch._check_value(input.dim() >= 1, lambda: f"{op}: input must have a last dim, got a scalar")
+    torch._check_value(
+        input.shape[-1] % 2 == 0,
+        lambda: f"{op}: input's last dim must hold the two halves (gate, up), an even size, got shape "
+        f"{list(input.shape)}",
+    )
+    if bias is not None:
+        torch._check_value(
+            bias.dim() == 1 and bias.shape[0] == input.shape[-1],
+            lambda: f"{op}: bias must have shape [{input.shape[-1]}] (the input's last dim), got "
+            f"{list(bias.shape)}",
+        )
+        _check_like(op, "bias", bias, input)
+
+
+def _swiglu_out(input: torch.Tensor) -> torch.Tensor:
+    return input.new_empty((*input.shape[:-1], input.shape[-1] // 2))
+
+
+@torch.library.register_fake("megatron_ext::swiglu")
+def _(input, bias):
+    _check_swiglu("swiglu", input, bias)
+    return _swiglu_out(input)
+
+
+@torch.library.register_fake("megatron_ext::swiglu_forward")
+def _(input, bias):
+    _check_swiglu("swiglu_forward", input, bias)
+    return _swiglu_out(input)
+
+
+@torch.library.register_fake("megatron_ext::swiglu_backward")
+def _(grad_output, input, bias):
+    op = "swiglu_backward"
+    _check_swiglu(op, input, bias)
+    expected = (*input.shape[:-1], input.shape[-1] // 2)
+    torch._check_value(
+        tuple(grad_output.shape) == expected,
+        lambda: f"{op}: grad_output must have shape {list(expected)}, got {list(grad_output.shape)}",
+    )
+    _check_like(op, "grad_output", grad_output, input)
+    return input.new_empty(input.shape)

@@ -80,3 +80,27 @@ def test_attention_benchmark_script(tmp_path):
     for rows in summary.values():
         assert list(rows) == ["megatron_ext (sdpa)", "megatron_ext unfused"]
         assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in rows.values())
+
+
+def test_llama_kernels_benchmark_script(tmp_path):
+    out = tmp_path / "llama_kernels.json"
+    _run_script("llama_kernels.py", "--without-megatron-core", "--dtypes", "float32", "bfloat16",
+                "--seq", "8", "--batch", "2", "--hidden", "16", "--heads", "2", "--head-dim", "8",
+                "--tokens", "8", "--ffn", "12", "--reps", "1", "--json", str(out))
+    summary = json.loads(out.read_text())["summary"]
+    shapes = (("rms_norm", [8, 2, 16]), ("rope", [8, 2, 2, 8]), ("rope interleaved", [8, 2, 2, 8]),
+              ("swiglu", [8, 24]))
+    assert list(summary) == [f"{op} {dtype} {shape}" for dtype in ("float32", "bfloat16")
+                             for op, shape in shapes]
+    variants = {op.split(" float32")[0]: list(row["results"])
+                for op, row in summary.items() if "float32" in op}
+    assert variants == {"rms_norm": ["megatron_ext fused_rms_norm", "torch.nn.RMSNorm"],
+                        "rope": ["megatron_ext fused_apply_rotary_pos_emb"],
+                        "rope interleaved": ["megatron_ext fused_apply_rotary_pos_emb"],
+                        "swiglu": ["megatron_ext swiglu", "unfused F.silu(gate) * up"]}
+    for op, row in summary.items():
+        assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in row["results"].values())
+        # float32: a few float32 roundings; bfloat16: the unfused chains round every op to bfloat16.
+        bound = 1e-5 if "float32" in op else 2e-2
+        diffs = row["relative_diff_vs_first"]
+        assert all(d <= bound for d in diffs.values()), (op, diffs)

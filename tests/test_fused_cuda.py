@@ -1,6 +1,7 @@
 """The GPU path (marked ``cuda``; skipped without a GPU; ``./dev.sh gpu`` runs it):
 
-* every CUDA kernel against its CPU twin in float32, bfloat16 and float16;
+* every CUDA kernel against its CPU twin in float32, bfloat16 and float16 (the rotary kernels bit
+  for bit, float64 too);
 * the regions, the linear (with gradient-accumulation fusion), the cross-entropy and the per-token
   gradient scaling of ``finalize_model_grads`` on a one-rank NCCL group;
 * the GPT training example (``examples/train_gpt.py``) at tp 1 on one GPU equal to its CPU run in
@@ -47,7 +48,9 @@ def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> to
 
 def test_extension_has_its_cuda_kernels():
     assert megatron_ext.build_info()["cuda_compiled"], "built without CUDA on a machine with a GPU"
-    for op in ("bias_gelu_forward", "bias_dropout_add_forward", "vocab_parallel_cross_entropy_row_stats"):
+    for op in ("bias_gelu_forward", "bias_dropout_add_forward", "vocab_parallel_cross_entropy_row_stats",
+               "rms_norm_forward", "rms_norm_backward", "rotary_pos_emb_forward", "rotary_pos_emb_backward",
+               "swiglu_forward", "swiglu_backward"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_ext::{op}", "CUDA"), op
 
 
@@ -133,6 +136,77 @@ def test_cross_entropy_kernels_equal_cpu_twin(dtype):
         grad_loss.cuda(), logits.cuda(), local.cuda(), row_max.cuda(), lse.cuda(), 0.1, 2000
     )
     assert_close(gpu.cpu(), cpu, **TOL[dtype])
+
+
+def _close_to_scale(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """Within TOL, the absolute part scaled by the largest value (sums whose terms partly cancel)."""
+    tol = TOL[dtype]
+    assert_close(got.cpu().float(), want.float(), rtol=tol["rtol"],
+                 atol=tol["atol"] * max(1.0, want.float().abs().max().item()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_kernels_equal_cpu_twin(dtype):
+    x = _randn(33, 2, 1000 + 3, dtype=dtype, seed=30, scale=2.0)
+    w = _randn(1000 + 3, dtype=dtype, seed=31)
+    g = _randn(33, 2, 1000 + 3, dtype=dtype, seed=32)
+    out, rstd = ops.rms_norm_forward(x, w, 1e-5)
+    gpu_out, gpu_rstd = ops.rms_norm_forward(x.cuda(), w.cuda(), 1e-5)
+    assert gpu_rstd.dtype == rstd.dtype == (torch.float32 if dtype != torch.float64 else torch.float64)
+    assert_close(gpu_rstd.cpu(), rstd, rtol=1e-5, atol=0)
+    assert_close(gpu_out.cpu(), out, **TOL[dtype])
+    for got, want in zip(ops.rms_norm_backward(g.cuda(), x.cuda(), w.cuda(), rstd.cuda()),
+                         ops.rms_norm_backward(g, x, w, rstd)):
+        assert got.dtype == want.dtype
+        _close_to_scale(got, want, dtype)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES])
+def test_rotary_kernels_equal_cpu_twin_bit_for_bit(dtype, interleaved):
+    # Heads read in place from a wider tensor (a fused QKV view); 48 of the 64 lanes rotate. No
+    # transcendental runs in the kernels and each product is rounded on both devices.
+    base = _randn(9, 2, 3, 3 * 64, dtype=dtype, seed=33)
+    t = base[..., 64:128]
+    angles = _randn(9, 48, dtype=torch.float32, seed=34, scale=3.0)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    for fn in (ops.rotary_pos_emb_forward, ops.rotary_pos_emb_backward):
+        got = fn(t.cuda(), cos.cuda(), sin.cuda(), interleaved)
+        assert torch.equal(got.cpu(), fn(t, cos, sin, interleaved)), fn
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_kernels_equal_cpu_twin(dtype, with_bias):
+    y = _randn(17, 3, 2 * 129, dtype=dtype, seed=35, scale=3.0)
+    b = _randn(2 * 129, dtype=dtype, seed=36) if with_bias else None
+    g = _randn(17, 3, 129, dtype=dtype, seed=37)
+    cuda_b = b.cuda() if with_bias else None
+    assert_close(ops.swiglu_forward(y.cuda(), cuda_b).cpu(), ops.swiglu_forward(y, b), **TOL[dtype])
+    assert_close(ops.swiglu_backward(g.cuda(), y.cuda(), cuda_b).cpu(), ops.swiglu_backward(g, y, b),
+                 **TOL[dtype])
+
+
+def test_llama_fusions_autograd_on_gpu_equal_cpu():
+    from megatron_ext.fusions import bias_swiglu, fused_apply_rotary_pos_emb, fused_rms_norm
+
+    x = _randn(8, 2, 64, dtype=torch.float32, seed=38)
+    w = _randn(64, dtype=torch.float32, seed=39)
+    freqs = _randn(8, 1, 1, 16, dtype=torch.float32, seed=40)
+    b = _randn(32, dtype=torch.float32, seed=41)
+
+    def block(x, w, b):
+        h = fused_rms_norm(x, w, 1e-5)
+        q = fused_apply_rotary_pos_emb(h.view(8, 2, 4, 16), freqs.to(x.device), True)
+        return bias_swiglu(q.reshape(8, 2, 64)[..., :32], b)
+
+    results = []
+    for device in ("cpu", "cuda"):
+        leaves = [t.to(device).requires_grad_() for t in (x, w, b)]
+        out = block(*leaves)
+        results.append([out, *torch.autograd.grad(out, leaves, torch.ones_like(out))])
+    for got, want in zip(results[1], results[0]):
+        _close_to_scale(got, want.detach(), torch.float32)
 
 
 def test_vocab_mask_kernel_equals_cpu_twin():

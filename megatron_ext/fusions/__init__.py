@@ -1,4 +1,4 @@
-"""Fused epilogues of the transformer layer, as C++/CUDA ops (``torch.ops.megatron_ext``)."""
+"""Fused kernels of the transformer layer, as C++/CUDA ops (``torch.ops.megatron_ext``)."""
 
 from megatron_ext.fusions.fused_bias_dropout import (
     bias_dropout_add_fused_inference,
@@ -7,6 +7,9 @@ from megatron_ext.fusions.fused_bias_dropout import (
     get_bias_dropout_add,
 )
 from megatron_ext.fusions.fused_bias_gelu import bias_gelu, bias_gelu_impl
+from megatron_ext.fusions.fused_bias_swiglu import bias_swiglu, bias_swiglu_impl, swiglu
+from megatron_ext.fusions.fused_rms_norm import fused_rms_norm
+from megatron_ext.fusions.fused_rope import fused_apply_rotary_pos_emb
 
 __all__ = [
     "bias_dropout_add_fused_inference",
@@ -14,5 +17,10 @@ __all__ = [
     "bias_dropout_add_unfused",
     "bias_gelu",
     "bias_gelu_impl",
+    "bias_swiglu",
+    "bias_swiglu_impl",
+    "fused_apply_rotary_pos_emb",
+    "fused_rms_norm",
     "get_bias_dropout_add",
+    "swiglu",
 ]

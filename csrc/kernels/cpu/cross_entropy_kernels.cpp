@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "kernels/cpu/cross_entropy_kernels.h"
+#include "kernels/cpu/vec_convert.h"
 #include "kernels/cross_entropy.h"
 
 namespace megatron_ext::kernels::CPU_CAPABILITY {
@@ -70,34 +71,6 @@ RowState<acc_t> block_state(const acc_t* p, int64_t n) {
     ss += p[j] - m;
   }
   return {m, se, ss, count};
-}
-
-template <typename scalar_t>
-using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-
-// Converts n 16-bit values to float.
-template <typename scalar_t>
-void to_float(const scalar_t* src, float* dst, int64_t n) {
-  using VecS = at::vec::Vectorized<scalar_t>;
-  constexpr int64_t L = VecS::size();
-  int64_t j = 0;
-  for (; j + L <= n; j += L) {
-    auto [lo, hi] = at::vec::convert_to_float<scalar_t>(VecS::loadu(src + j));
-    lo.store(dst + j);
-    hi.store(dst + j + L / 2);
-  }
-  for (; j < n; ++j) dst[j] = static_cast<float>(src[j]);
-}
-
-template <typename scalar_t>
-void from_float(const float* src, scalar_t* dst, int64_t n) {
-  using VecF = at::vec::Vectorized<float>;
-  constexpr int64_t L = at::vec::Vectorized<scalar_t>::size();
-  int64_t j = 0;
-  for (; j + L <= n; j += L) {
-    at::vec::convert_from_float<scalar_t>(VecF::loadu(src + j), VecF::loadu(src + j + L / 2)).store(dst + j);
-  }
-  for (; j < n; ++j) dst[j] = static_cast<scalar_t>(src[j]);
 }
 
 template <typename scalar_t>

@@ -1,0 +1,353 @@
+// CUDA kernels of RMSNorm, rotary embedding and SwiGLU, the arithmetic of kernels/llama_fusions.h
+// (the CPU twins run the same). RMSNorm takes one block per row (a CUB block reduction for the
+// row's sum) and sums its weight gradient over blocks of rows into a buffer, one column per
+// thread, then over the blocks; rotary embedding and SwiGLU are one grid-stride pass over the
+// output elements.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cub/block/block_reduce.cuh>
+#include <optional>
+#include <tuple>
+
+#include "kernels/llama_fusions.h"
+#include "ops/llama_fusions.h"
+
+namespace megatron_ext {
+namespace {
+
+using namespace kernels;
+
+constexpr int kThreads = 256;
+
+int64_t multiprocessors() {
+  return static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+}
+
+int64_t blocks_for(int64_t work) {
+  return std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads,
+                                                multiprocessors() * 8));
+}
+
+int64_t row_blocks(int64_t rows) {
+  return std::max<int64_t>(1, std::min<int64_t>(rows, multiprocessors() * 32));
+}
+
+__device__ __forceinline__ int64_t global_thread() {
+  return blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+}
+
+__device__ __forceinline__ int64_t grid_threads() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x;
+}
+
+// ---- RMSNorm ---------------------------------------------------------------------------------
+
+template <typename scalar_t, typename acc_t>
+__global__ void rms_norm_forward_kernel(const scalar_t* __restrict__ x,
+                                        const scalar_t* __restrict__ w, int64_t rows, int64_t h,
+                                        acc_t eps, scalar_t* __restrict__ y,
+                                        acc_t* __restrict__ rstd) {
+  using BlockReduce = cub::BlockReduce<acc_t, kThreads>;
+  __shared__ typename BlockReduce::TempStorage storage;
+  __shared__ acc_t row_rstd;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const scalar_t* xr = x + row * h;
+    acc_t squares = 0;
+    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+      const acc_t v = static_cast<acc_t>(xr[j]);
+      squares += v * v;
+    }
+    const acc_t sum = BlockReduce(storage).Sum(squares);
+    if (threadIdx.x == 0) {
+      row_rstd = rms_norm_rstd(sum, h, eps);
+      rstd[row] = row_rstd;
+    }
+    __syncthreads();
+    const acc_t r = row_rstd;
+    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+      y[row * h + j] = static_cast<scalar_t>(
+          rms_norm_out(static_cast<acc_t>(xr[j]), r, static_cast<acc_t>(w[j])));
+    }
+    __syncthreads();  // storage and row_rstd are reused by the next row
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void rms_norm_backward_kernel(const scalar_t* __restrict__ grad,
+                                         const scalar_t* __restrict__ x,
+                                         const scalar_t* __restrict__ w,
+                                         const acc_t* __restrict__ rstd, int64_t rows, int64_t h,
+                                         scalar_t* __restrict__ grad_x) {
+  using BlockReduce = cub::BlockReduce<acc_t, kThreads>;
+  __shared__ typename BlockReduce::TempStorage storage;
+  __shared__ acc_t row_coef;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const scalar_t* gr = grad + row * h;
+    const scalar_t* xr = x + row * h;
+    const acc_t r = rstd[row];
+    acc_t dot = 0;
+    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+      dot += (static_cast<acc_t>(gr[j]) * static_cast<acc_t>(w[j])) * static_cast<acc_t>(xr[j]);
+    }
+    const acc_t total = BlockReduce(storage).Sum(dot);
+    if (threadIdx.x == 0) row_coef = rms_norm_grad_coef(r, total, h);
+    __syncthreads();
+    const acc_t coef = row_coef;
+    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+      grad_x[row * h + j] = static_cast<scalar_t>(
+          rms_norm_grad_input(static_cast<acc_t>(gr[j]), static_cast<acc_t>(xr[j]),
+                              static_cast<acc_t>(w[j]), r, coef));
+    }
+    __syncthreads();
+  }
+}
+
+// partial[chunk, j] = sum over the chunk's rows of g (x rstd), one column per thread: a warp reads
+// consecutive columns of a row.
+template <typename scalar_t, typename acc_t>
+__global__ void rms_norm_weight_grad_kernel(const scalar_t* __restrict__ grad,
+                                            const scalar_t* __restrict__ x,
+                                            const acc_t* __restrict__ rstd, int64_t rows,
+                                            int64_t h, int64_t rows_per_chunk,
+                                            acc_t* __restrict__ partial) {
+  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (j >= h) return;
+  const int64_t first = blockIdx.y * rows_per_chunk;
+  const int64_t last = first + rows_per_chunk < rows ? first + rows_per_chunk : rows;
+  acc_t sum = 0;
+  for (int64_t row = first; row < last; ++row) {
+    sum += rms_norm_grad_weight_term(static_cast<acc_t>(grad[row * h + j]),
+                                     static_cast<acc_t>(x[row * h + j]), rstd[row]);
+  }
+  partial[blockIdx.y * h + j] = sum;
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& input,
+                                                         const at::Tensor& weight, double eps) {
+  check_rms_norm_args("rms_norm_forward", input, weight, eps);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const auto x = input.contiguous();
+  const auto w = weight.contiguous();
+  const int64_t h = x.size(-1);
+  const int64_t rows = x.numel() / h;
+  auto y = at::empty(x.sizes(), x.options());
+  auto rstd = at::empty(x.sizes().slice(0, x.dim() - 1),
+                        x.options().dtype(fusion_acc_type(x.scalar_type())));
+  if (rows == 0) return {y, rstd};
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_forward_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        rms_norm_forward_kernel<scalar_t, acc_t>
+            <<<row_blocks(rows), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                x.const_data_ptr<scalar_t>(), w.const_data_ptr<scalar_t>(), rows, h,
+                static_cast<acc_t>(eps), y.mutable_data_ptr<scalar_t>(),
+                rstd.mutable_data_ptr<acc_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_output,
+                                                          const at::Tensor& input,
+                                                          const at::Tensor& weight,
+                                                          const at::Tensor& rstd) {
+  check_rms_norm_backward_args(grad_output, input, weight, rstd);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const auto g = grad_output.contiguous();
+  const auto x = input.contiguous();
+  const auto w = weight.contiguous();
+  const auto r = rstd.contiguous();
+  const int64_t h = x.size(-1);
+  const int64_t rows = x.numel() / h;
+  auto grad_x = at::empty(x.sizes(), x.options());
+  if (rows == 0) return {grad_x, at::zeros_like(weight)};
+  // Enough chunks of rows that the weight-gradient grid fills the device about four times over.
+  const int64_t column_blocks = (h + kThreads - 1) / kThreads;
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min<int64_t>(rows, (multiprocessors() * 4 + column_blocks - 1) / column_blocks));
+  const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
+  auto partial = at::empty({(rows + rows_per_chunk - 1) / rows_per_chunk, h},
+                           x.options().dtype(fusion_acc_type(x.scalar_type())));
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_backward_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        rms_norm_backward_kernel<scalar_t, acc_t><<<row_blocks(rows), kThreads, 0, stream>>>(
+            g.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
+            w.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), rows, h,
+            grad_x.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const dim3 grid(static_cast<unsigned>(column_blocks),
+                        static_cast<unsigned>(partial.size(0)));
+        rms_norm_weight_grad_kernel<scalar_t, acc_t><<<grid, kThreads, 0, stream>>>(
+            g.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(),
+            rows, h, rows_per_chunk, partial.mutable_data_ptr<acc_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+  // The chunks' sums are added in the accumulation type, then rounded to the weight's dtype.
+  return {grad_x, partial.sum(0).to(weight.scalar_type())};
+}
+
+// ---- rotary embedding ------------------------------------------------------------------------
+
+template <typename scalar_t, typename acc_t>
+__global__ void rotary_kernel(const scalar_t* __restrict__ input, const scalar_t* __restrict__ cos,
+                              const scalar_t* __restrict__ sin, RotaryLayout layout, int64_t n,
+                              bool backward, scalar_t* __restrict__ out) {
+  const int64_t dim = layout.dim, rot = layout.rot_dim;
+  for (int64_t e = global_thread(); e < n; e += grid_threads()) {
+    const int64_t head = e / dim, lane = e % dim;
+    const scalar_t* t = input + rotary_head_offset(layout, head);
+    if (lane >= rot) {
+      out[e] = t[lane];
+      continue;
+    }
+    const scalar_t* c = cos + rotary_position(layout, head) * rot;
+    const scalar_t* s = sin + rotary_position(layout, head) * rot;
+    const int64_t p = rotary_partner(lane, rot, layout.interleaved);
+    const bool negated = rotary_negated(lane, rot, layout.interleaved);
+    const acc_t value =
+        backward ? rotary_backward(static_cast<acc_t>(t[lane]), static_cast<acc_t>(t[p]),
+                                   static_cast<acc_t>(c[lane]), static_cast<acc_t>(s[p]), negated)
+                 : rotary_forward(static_cast<acc_t>(t[lane]), static_cast<acc_t>(t[p]),
+                                  static_cast<acc_t>(c[lane]), static_cast<acc_t>(s[lane]),
+                                  negated);
+    out[e] = static_cast<scalar_t>(value);
+  }
+}
+
+at::Tensor rotary_cuda(const char* op, const at::Tensor& input, const at::Tensor& cos,
+                       const at::Tensor& sin, bool interleaved, bool backward) {
+  check_rotary_kernel_args(op, input, cos, sin);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const auto t = input.stride(3) == 1 ? input : input.contiguous();
+  const auto c = cos.contiguous();
+  const auto s = sin.contiguous();
+  auto out = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t n = out.numel();
+  if (n == 0) return out;
+  const RotaryLayout layout{t.size(1),   t.size(2),   t.size(3),   c.size(1),
+                            t.stride(0), t.stride(1), t.stride(2), interleaved};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "rotary_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    rotary_kernel<scalar_t, acc_t>
+        <<<blocks_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+            t.const_data_ptr<scalar_t>(), c.const_data_ptr<scalar_t>(),
+            s.const_data_ptr<scalar_t>(), layout, n, backward, out.mutable_data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+at::Tensor rotary_forward_cuda(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin,
+                               bool interleaved) {
+  return rotary_cuda("rotary_pos_emb_forward", t, cos, sin, interleaved, false);
+}
+
+at::Tensor rotary_backward_cuda(const at::Tensor& grad_output, const at::Tensor& cos,
+                                const at::Tensor& sin, bool interleaved) {
+  return rotary_cuda("rotary_pos_emb_backward", grad_output, cos, sin, interleaved, true);
+}
+
+// ---- SwiGLU ----------------------------------------------------------------------------------
+
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ acc_t biased(const scalar_t* y, const scalar_t* bias, int64_t row,
+                                        int64_t col, int64_t width) {
+  const acc_t v = static_cast<acc_t>(y[row * width + col]);
+  return bias ? v + static_cast<acc_t>(bias[col]) : v;
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void swiglu_forward_kernel(const scalar_t* __restrict__ y,
+                                      const scalar_t* __restrict__ bias, int64_t n, int64_t f,
+                                      scalar_t* __restrict__ out) {
+  for (int64_t e = global_thread(); e < n; e += grid_threads()) {
+    const int64_t row = e / f, j = e % f;
+    const acc_t gate = biased<scalar_t, acc_t>(y, bias, row, j, 2 * f);
+    const acc_t up = biased<scalar_t, acc_t>(y, bias, row, f + j, 2 * f);
+    out[e] = static_cast<scalar_t>(swiglu_out(gate, up));
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void swiglu_backward_kernel(const scalar_t* __restrict__ grad,
+                                       const scalar_t* __restrict__ y,
+                                       const scalar_t* __restrict__ bias, int64_t n, int64_t f,
+                                       scalar_t* __restrict__ grad_y) {
+  for (int64_t e = global_thread(); e < n; e += grid_threads()) {
+    const int64_t row = e / f, j = e % f;
+    const acc_t gate = biased<scalar_t, acc_t>(y, bias, row, j, 2 * f);
+    const acc_t up = biased<scalar_t, acc_t>(y, bias, row, f + j, 2 * f);
+    const SwigluGrads<acc_t> grads = swiglu_grads(static_cast<acc_t>(grad[e]), gate, up);
+    grad_y[row * 2 * f + j] = static_cast<scalar_t>(grads.gate);
+    grad_y[row * 2 * f + f + j] = static_cast<scalar_t>(grads.up);
+  }
+}
+
+at::Tensor swiglu_forward_cuda(const at::Tensor& input, const std::optional<at::Tensor>& bias) {
+  check_swiglu_args("swiglu_forward", input, bias);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const auto y = input.contiguous();
+  const auto b = has_tensor(bias) ? bias->contiguous() : at::Tensor();
+  const int64_t f = y.size(-1) / 2;
+  auto sizes = y.sizes().vec();
+  sizes.back() = f;
+  auto out = at::empty(sizes, y.options());
+  const int64_t n = out.numel();
+  if (n == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, y.scalar_type(), "swiglu_forward_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        swiglu_forward_kernel<scalar_t, acc_t>
+            <<<blocks_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                y.const_data_ptr<scalar_t>(), b.defined() ? b.const_data_ptr<scalar_t>() : nullptr,
+                n, f, out.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+  return out;
+}
+
+at::Tensor swiglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input,
+                                const std::optional<at::Tensor>& bias) {
+  check_swiglu_backward_args(grad_output, input, bias);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const auto g = grad_output.contiguous();
+  const auto y = input.contiguous();
+  const auto b = has_tensor(bias) ? bias->contiguous() : at::Tensor();
+  auto grad_y = at::empty(y.sizes(), y.options());
+  const int64_t n = g.numel();
+  if (n == 0) return grad_y;
+  const int64_t f = y.size(-1) / 2;
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, y.scalar_type(), "swiglu_backward_cuda", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        swiglu_backward_kernel<scalar_t, acc_t>
+            <<<blocks_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                g.const_data_ptr<scalar_t>(), y.const_data_ptr<scalar_t>(),
+                b.defined() ? b.const_data_ptr<scalar_t>() : nullptr, n, f,
+                grad_y.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+  return grad_y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(megatron_ext, CUDA, m) {
+  m.impl("rms_norm_forward", &rms_norm_forward_cuda);
+  m.impl("rms_norm_backward", &rms_norm_backward_cuda);
+  m.impl("rotary_pos_emb_forward", &rotary_forward_cuda);
+  m.impl("rotary_pos_emb_backward", &rotary_backward_cuda);
+  m.impl("swiglu_forward", &swiglu_forward_cuda);
+  m.impl("swiglu_backward", &swiglu_backward_cuda);
+}
+
+}  // namespace megatron_ext
