@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state, tensor_parallel
+from megatron_ext.comm_errors import reported
 from megatron_ext.dist_checkpointing import (
     CheckpointingException,
     find_checkpoint,
@@ -423,12 +424,14 @@ def global_mean_loss(losses: list[dict[str, torch.Tensor]], device: torch.device
     # The losses are where the last virtual stage is: the last rank, or rank 0 in ZB-V's V.
     if parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=None if vp is None else vp - 1):
         value += torch.stack([d["lm loss"].double() for d in losses]).mean()
-        dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+        with reported("all-reduce of the step's loss", parallel_state.get_data_parallel_group()):
+            dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
         value /= parallel_state.get_data_parallel_world_size()
     v_layout = parallel_state.get_pipeline_model_parallel_layout() == "v"
-    dist.broadcast(value, src=parallel_state.get_pipeline_model_parallel_first_rank() if v_layout
-                   else parallel_state.get_pipeline_model_parallel_last_rank(),
-                   group=parallel_state.get_pipeline_model_parallel_group())
+    src = (parallel_state.get_pipeline_model_parallel_first_rank() if v_layout
+           else parallel_state.get_pipeline_model_parallel_last_rank())
+    with reported("broadcast of the step's loss", parallel_state.get_pipeline_model_parallel_group()):
+        dist.broadcast(value, src=src, group=parallel_state.get_pipeline_model_parallel_group())
     return value.item()
 
 
@@ -592,7 +595,8 @@ def nonfinite_report(losses: list[dict[str, torch.Tensor]], chunks: list[Distrib
     )
     flags = torch.zeros(dist.get_world_size(), 2, device=device)
     flags[dist.get_rank()] = torch.tensor([float(loss_bad), float(grad_bad)])
-    dist.all_reduce(flags)
+    with reported("all-reduce of the non-finite loss and gradient flags", None):
+        dist.all_reduce(flags)
     found = [
         f"non-finite {what} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
         for what, column in (("loss", 0), ("gradients", 1))
@@ -740,3 +744,12 @@ if __name__ == "__main__":
     except (ValueError, CheckpointingException, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except dist.DistBackendError as e:
+        # A rank died or stopped answering: the collective, the group and the ranks this one waited
+        # for, in one line; under torchrun also in its error file, which its "Root Cause" shows.
+        print(f"error: {e}", file=sys.stderr)
+        if "TORCHELASTIC_ERROR_FILE" in os.environ:
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            ErrorHandler().record_exception(e)
+        sys.exit(1)

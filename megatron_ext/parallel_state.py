@@ -18,6 +18,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from megatron_ext.comm_errors import reported
+
 
 class ParallelStateError(RuntimeError, AssertionError):
     """A parallel-state precondition failed (e.g. a group is not initialized).
@@ -227,7 +229,8 @@ def update_pg_timeout(timeout: timedelta, pg: dist.ProcessGroup | None = None) -
     setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if setter is None:
         return
-    dist.barrier(pg)
+    with reported("barrier before a timeout change", pg):
+        dist.barrier(pg)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     groups = [pg] if pg is not None else (_global_process_group_list or [None])
@@ -267,7 +270,11 @@ def create_hierarchical_groups(
                     pg_options=pg_options[level],
                     group_desc=f"HIERARCHICAL_{group_desc}_L{level}",
                 )
-                group_gloo = _gloo_twin(group, sub, timeout) if create_gloo_process_groups else None
+                group_gloo = (
+                    _gloo_twin(group, sub, timeout, f"HIERARCHICAL_{group_desc}_GLOO_L{level}")
+                    if create_gloo_process_groups
+                    else None
+                )
                 if rank in sub:
                     groups.append(group)
                     groups_gloo.append(group_gloo)
@@ -288,11 +295,36 @@ def create_hybrid_dp_cp_groups(rank: int, ranks: list[int], pg_options: Any) -> 
     return result
 
 
-def _gloo_twin(group: Any, ranks: list[int], timeout: timedelta | None) -> Any:
+def _gloo_twin(group: Any, ranks: list[int], timeout: timedelta | None, group_desc: str | None) -> Any:
     # Under a gloo default backend the group already is a gloo group: return it rather than a copy.
     if dist.get_backend() == "gloo":
         return group
-    return create_group(ranks, timeout=timeout, backend="gloo")
+    return create_group(ranks, timeout=timeout, backend="gloo", group_desc=group_desc)
+
+
+# Megatron-core's descriptions of the groups (``group.group_desc``; NCCL's logs and
+# megatron_ext.comm_errors' messages name a group by it), by the kind of group.
+_GROUP_DESCS = {
+    "dp-cp": "DATA_PARALLEL_GROUP_WITH_CP",
+    "dp-cp-ag": "DATA_PARALLEL_GROUP_WITH_CP_AG",
+    "intra-dp-cp": "INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
+    "dp": "DATA_PARALLEL_GROUP",
+    "cp": "CONTEXT_PARALLEL_GROUP",
+    "mp": "MODEL_PARALLEL_GROUP",
+    "tp": "TENSOR_MODEL_PARALLEL_GROUP",
+    "pp": "PIPELINE_MODEL_PARALLEL_GROUP",
+    "embd": "EMBEDDING_GROUP",
+    "pos_embd": "POSITION_EMBEDDING_GROUP",
+    "tp-dp-cp": "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP",
+    "tp-dp": "TENSOR_AND_DATA_PARALLEL_GROUP",
+    "tp-cp": "TENSOR_AND_CONTEXT_PARALLEL_GROUP",
+    "ep": "EXPERT_MODEL_PARALLEL_GROUP",
+    "etp": "EXPERT_TENSOR_PARALLEL_GROUP",
+    "etp-ep": "EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP",
+    "etp-ep-pp": "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP",
+    "edp": "EXPERT_DATA_PARALLEL_GROUP",
+    "intra-dist-opt": "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP",
+}
 
 
 def _require_positive(name: str, value: Any) -> None:
@@ -475,9 +507,12 @@ def initialize_model_parallel(
     ) -> None:
         """Creates one group per rank list; keeps this rank's under ``kind`` (and its gloo twin)."""
         pg_options = None if pg_name is None else options(pg_name)
+        desc = _GROUP_DESCS[kind]
         for ranks in rank_lists:
-            group = create_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options)
-            group_gloo = _gloo_twin(group, ranks, timeout) if gloo and create_gloo_process_groups else None
+            group = create_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options,
+                                 group_desc=desc)
+            twin = gloo and create_gloo_process_groups
+            group_gloo = _gloo_twin(group, ranks, timeout, desc + "_GLOO") if twin else None
             if rank in ranks:
                 _GROUPS[kind] = group
                 _GROUP_RANKS[kind] = list(ranks)

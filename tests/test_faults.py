@@ -81,12 +81,16 @@ def test_checkpoint_paths_and_arguments_are_checked_before_the_process_group(tmp
     with pytest.raises(RuntimeError, match="expected an iteration number, found 'latest'"):
         check("--load", str(tmp_path / "bad"))
 
-    # From the command line: one error: line, exit 2, and no process group (no torchrun here).
-    for load, message in ((missing, f"error: --load {missing!r} does not exist"),
-                          (str(tmp_path / "bad"), "error: " + str(tmp_path / "bad" / TRACKER))):
+    # From the command line: one error: line, exit 2, and no process group (no torchrun here). With
+    # WORLD_SIZE 4 and no rendezvous variables, a process group started first would fail otherwise.
+    bad = str(tmp_path / "bad")
+    for argv, world, message in ((["--load", missing], 1, f"error: --load {missing!r} does not exist"),
+                                 (["--load", bad], 1, "error: " + os.path.join(bad, TRACKER)),
+                                 (["--tp", "2", "--pp", "2", "--heads", "3"], 4,
+                                  "error: --heads 3 is not divisible by --tp 2")):
         done = subprocess.run([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--tp", "1", "--pp", "1",
-                               "--load", load], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+                               *argv], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": str(world)})
         assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
@@ -434,3 +438,92 @@ def test_largest_layout_runs_under_load():
     # bf16 trains the same model: it follows the float64 curve within bf16's drift over 20 steps
     assert len(bf16) == 20 and bf16[-1] < bf16[0] - 1.0
     torch.testing.assert_close(torch.tensor(bf16), torch.tensor(serial), rtol=1e-1, atol=0)
+
+
+# A rank that dies or stops: the others say where they waited -------------------------------------
+
+FAULT_TIMEOUT = 5.0  # seconds: every process group's timeout in these runs
+FAULT_LAYOUTS = {"tensor": ["--tp", "2", "--pp", "1"], "pipeline": ["--tp", "1", "--pp", "2"],
+                 "data": ["--tp", "1", "--pp", "1"]}
+
+
+def _faulty_rank(rank: int, port: int, layout: str, signal_name: str, marks: str, results) -> None:
+    """Trains 3 steps on 2 ranks; rank 1 sends itself ``signal_name`` as step 2 begins, rank 0
+    reports the error it meets and when."""
+    import signal
+    import time
+    from datetime import timedelta
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=FAULT_TIMEOUT))
+    train_gpt = _train_gpt()
+    if rank == 1:
+        step_microbatches = train_gpt.step_microbatches
+
+        def signalled_at_step_2(corpus, step, args, device):
+            if step == 1:
+                pathlib.Path(marks, "signalled").write_text(repr(time.time()))
+                os.kill(os.getpid(), getattr(signal, signal_name))
+            return step_microbatches(corpus, step, args, device)
+
+        train_gpt.step_microbatches = signalled_at_step_2
+    args = train_gpt.parse_args(SMALL + ["--layers", "2", "--dtype", "float64", "--steps", "3",
+                                         "--timeout", str(FAULT_TIMEOUT), *FAULT_LAYOUTS[layout]])
+    try:
+        train_gpt.train(args)
+        outcome = "no error"
+    except Exception as e:  # noqa: BLE001  (reported to the test)
+        outcome = f"{type(e).__name__}: {e}"
+    results.put((rank, outcome, time.time()))
+    results.close()
+    results.join_thread()
+    os._exit(0)  # the group is broken: no teardown that could wait on rank 1
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"])
+@pytest.mark.parametrize("layout", ["tensor", "pipeline", "data"])
+def test_a_dead_or_stopped_rank_is_reported_with_the_collective_group_and_peer(tmp_path, layout, signal_name):
+    # Rank 1 is killed (its sockets close) or stopped (they stay open) as step 2 begins. Rank 0
+    # fails in the collective or exchange it waits in: at once for a killed rank, after the
+    # groups' timeout for a stopped one, naming the operation, the group with its ranks and rank 1.
+    import re
+
+    import torch.multiprocessing as mp
+
+    from tests.distributed import _free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_faulty_rank, args=(r, port, layout, signal_name, str(tmp_path), results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rank, outcome, failed_at = results.get(timeout=180)
+    finally:
+        procs[1].kill()  # SIGKILL ends a stopped process too
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert rank == 0, outcome
+    waited = failed_at - float((tmp_path / "signalled").read_text())
+    where = {
+        "tensor": r"(all-reduce|all-gather|reduce-scatter) in the (forward|backward) of \w+ of a float64 "
+                  r"tensor of shape \[[\d, ]+\] over the tensor-model-parallel group",
+        "pipeline": r"receive from pipeline rank 1 \(the gradient of micro-batch \d, model chunk 0\) of a "
+                    r"float64 tensor of shape \[16, 2, 32\] over the pipeline-model-parallel group",
+        "data": r"all-reduce of the gradients of bucket \d+ \(\d+ parameters?, .*\) of a float64 tensor of "
+                r"shape \[\d+\] over the data-parallel group",
+    }[layout]
+    message = rf"^DistBackendError: {where} \(global ranks \[0, 1\], gloo\) failed on global rank 0, " \
+              r"waiting for global rank 1: "
+    assert re.match(message, outcome), outcome
+    if signal_name == "SIGKILL":
+        assert "Connection closed by peer" in outcome or "Connection reset by peer" in outcome, outcome
+        assert waited < FAULT_TIMEOUT, waited
+    else:
+        assert "Timed out" in outcome, outcome
+        assert FAULT_TIMEOUT - 0.5 < waited < FAULT_TIMEOUT + 10, waited

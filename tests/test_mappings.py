@@ -1,6 +1,8 @@
 """Forward and backward of every communication region against values computed without
 communication, in float64, at tensor-parallel sizes 1, 2 and 4."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -123,10 +125,16 @@ def _check_dtypes(n: int):
 
 
 def _check_unsupported_dtype(n: int):
-    # gloo cannot move uint16: the error names the operation, dtype and backend on every rank.
-    with pytest.raises(RuntimeError, match=r"all-gather of a UInt16 tensor on cpu over process group .* \(backend gloo\)"):
+    # gloo cannot move uint16: the error names the operation, the dtype, the group with its ranks
+    # and backend, and this rank, on every rank (megatron_ext.comm_errors).
+    ranks = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
+    group = (rf"of a uint16 tensor of shape \[2, 2\] over the tensor-model-parallel group \(global ranks "
+             rf"{re.escape(str(ranks))}, gloo\) failed on global rank {dist.get_rank()}")
+    with pytest.raises(dist.DistBackendError,
+                       match=rf"^all-gather in the forward of gather_from_tensor_model_parallel_region {group}"):
         tp_.gather_from_tensor_model_parallel_region(torch.zeros(2, 2, dtype=torch.uint16))
-    with pytest.raises(RuntimeError, match=r"all-reduce of a UInt16 tensor"):
+    with pytest.raises(dist.DistBackendError,
+                       match=rf"^all-reduce in the forward of reduce_from_tensor_model_parallel_region {group}"):
         tp_.reduce_from_tensor_model_parallel_region(torch.zeros(2, 2, dtype=torch.uint16))
 
 

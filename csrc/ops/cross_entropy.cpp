@@ -27,6 +27,7 @@
 #include <string>
 #include <tuple>
 
+#include "comm/functional.h"
 #include "comm/process_group.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/cross_entropy_checks.h"
@@ -41,6 +42,9 @@ using torch::autograd::Function;
 using torch::autograd::variable_list;
 
 constexpr const char* kOp = "vocab_parallel_cross_entropy";
+// Where its two all-reduces run, for a failure's message.
+constexpr const char* kForwardMaxima = "the forward of vocab_parallel_cross_entropy (the row maxima)";
+constexpr const char* kForwardSums = "the forward of vocab_parallel_cross_entropy (the row sums)";
 
 using ForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
@@ -112,7 +116,8 @@ ForwardResult forward_impl(const at::Tensor& logits, const at::Tensor& target, d
     // local size on every rank only if every rank holds as many vocabulary rows.
     const auto slice = at::tensor({static_cast<double>(local_vocab), -static_cast<double>(local_vocab)},
                                   local_max.options());
-    auto packed = comm::all_reduce(at::cat({local_max.reshape(-1), slice}), group, c10d::ReduceOp::MAX);
+    const auto maxima = at::cat({local_max.reshape(-1), slice});
+    auto packed = comm::wait(comm::start_all_reduce(maxima, group, kForwardMaxima, c10d::ReduceOp::MAX));
     const int64_t rows = ids.numel();
     const auto largest = packed[rows].item<double>();
     const auto smallest = -packed[rows + 1].item<double>();
@@ -134,7 +139,7 @@ ForwardResult forward_impl(const at::Tensor& logits, const at::Tensor& target, d
   auto sums = at::stack({stats.select(-1, kernels::kLocalSumExp) * shift.exp(),
                          stats.select(-1, kernels::kLocalSumShift) + shift * static_cast<double>(local_vocab),
                          at::where(holds, stats.select(-1, kernels::kTargetShift) + shift, 0.0)});
-  if (world > 1) sums = comm::all_reduce(sums, group);
+  if (world > 1) sums = comm::wait(comm::start_all_reduce(sums, group, kForwardSums));
 
   const double other = label_smoothing > 0.0 ? label_smoothing / static_cast<double>(vocab_size - 1) : 0.0;
   const double target_weight = 1.0 - label_smoothing - other;

@@ -40,6 +40,11 @@ using torch::autograd::Function;
 using torch::autograd::variable_list;
 
 constexpr const char* kOp = "linear_with_grad_accumulation_and_async_allreduce";
+// Where the backward's collectives run, for a failure's message.
+constexpr const char* kBackward =
+    "the backward of linear_with_grad_accumulation_and_async_allreduce (its input, gathered again)";
+constexpr const char* kInputGrad =
+    "the backward of linear_with_grad_accumulation_and_async_allreduce (the input gradient)";
 
 void check_args(const at::Tensor& input, const at::Tensor& weight,
                 const std::optional<at::Tensor>& bias, bool allreduce_dgrad,
@@ -69,8 +74,8 @@ at::Tensor forward_impl(const at::Tensor& input, const at::Tensor& weight,
                         const std::string& group, int64_t group_size) {
   at::Tensor total_input = input;
   if (sequence_parallel && group_size > 1) {
-    total_input =
-        comm::wait(comm::start_all_gather_dim0(input, group_size, group), "all-gather", group);
+    total_input = comm::wait(comm::start_all_gather_dim0(input, group_size, group,
+                                                         std::string("the forward of ") + kOp));
   }
   return at::linear(total_input, weight, bias);
 }
@@ -173,7 +178,7 @@ struct LinearAsyncFunction : public Function<LinearAsyncFunction> {
     at::Tensor total_input = input;
     std::optional<comm::Pending> gather;
     if (sequence_parallel && need_weight_grad) {
-      gather = comm::start_all_gather_dim0(input, group_size, group);
+      gather = comm::start_all_gather_dim0(input, group_size, group, kBackward);
     }
 
     at::Tensor grad_input;
@@ -181,14 +186,14 @@ struct LinearAsyncFunction : public Function<LinearAsyncFunction> {
     if (need_input_grad) {
       grad_input = at::matmul(grad_output, weight);
       if (allreduce_dgrad) {
-        dgrad = comm::start_all_reduce_owned(std::move(grad_input), group);
+        dgrad = comm::start_all_reduce_owned(std::move(grad_input), group, kInputGrad);
       } else if (sequence_parallel) {
-        dgrad = comm::start_reduce_scatter_dim0(grad_input, group_size, group);
+        dgrad = comm::start_reduce_scatter_dim0(grad_input, group_size, group, kInputGrad);
       }
     }
 
     // Weight and bias gradients are computed while the input-gradient collective runs.
-    if (gather) total_input = comm::wait(std::move(*gather), "all-gather", group);
+    if (gather) total_input = comm::wait(std::move(*gather));
     const auto grad_output_2d = grad_output.reshape_symint({-1, grad_output.sym_size(-1)});
     if (need_weight_grad) {
       const auto input_2d = total_input.reshape_symint({-1, total_input.sym_size(-1)});
@@ -203,7 +208,7 @@ struct LinearAsyncFunction : public Function<LinearAsyncFunction> {
     }
     if (has_bias && ctx->needs_input_grad(2)) result[2] = grad_output_2d.sum(0);
 
-    if (dgrad) grad_input = comm::wait(std::move(*dgrad), "input-gradient collective", group);
+    if (dgrad) grad_input = comm::wait(std::move(*dgrad));
     result[0] = grad_input;
     return result;
   }

@@ -32,6 +32,7 @@
 #include <string>
 #include <tuple>
 
+#include "comm/functional.h"
 #include "comm/process_group.h"
 #include "ops/dispatch.h"
 #include "ops/weight_grad.h"
@@ -44,6 +45,8 @@ using torch::autograd::Function;
 using torch::autograd::variable_list;
 
 constexpr const char* kOp = "vocab_parallel_linear_cross_entropy";
+constexpr const char* kHiddenGrad =
+    "the backward of vocab_parallel_linear_cross_entropy (the hidden-state gradient)";
 
 using ForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
@@ -199,7 +202,7 @@ void backward_impl(const at::Tensor& grad_loss, const at::Tensor& hidden, const 
 
   const std::string group(group_name);
   const bool reduce_hidden = want_hidden && group_size > 1 && rows > 0;
-  c10::intrusive_ptr<c10d::Work> hidden_work;
+  std::optional<comm::Pending> hidden_sum;
   at::Tensor delta = g;  // what each row's P still has to be multiplied by and added
   at::Tensor recompute_rows;  // undefined: every row
   int64_t count = rows;
@@ -207,7 +210,7 @@ void backward_impl(const at::Tensor& grad_loss, const at::Tensor& hidden, const 
     count = 0;
     if (want_hidden) {
       grad_hidden.mul_(g.unsqueeze(1));
-      if (reduce_hidden) hidden_work = comm::all_reduce_async_(grad_hidden, group);
+      if (reduce_hidden) hidden_sum = comm::start_all_reduce_inplace(grad_hidden, group, kHiddenGrad);
     }
     const auto active = ignore_index.has_value() ? ids != *ignore_index : at::ones_like(ids, at::kBool);
     const auto first = active.nonzero();
@@ -249,8 +252,10 @@ void backward_impl(const at::Tensor& grad_loss, const at::Tensor& hidden, const 
       at::mm_out(out, p, weight);
     }
   }
-  if (reduce_hidden && !precomputed) hidden_work = comm::all_reduce_async_(grad_hidden, group);
-  if (hidden_work) hidden_work->wait();
+  if (reduce_hidden && !precomputed) {
+    hidden_sum = comm::start_all_reduce_inplace(grad_hidden, group, kHiddenGrad);
+  }
+  if (hidden_sum) comm::wait(std::move(*hidden_sum));
 }
 
 using ForwardFn = ForwardResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,

@@ -108,32 +108,35 @@ void check_args(const Region& r, const at::Tensor& x, const std::string& group, 
 }
 
 // A region's forward below autograd. Group size 1 and the identity return a view of the input.
+// ``where`` names the pass it runs in, for a failure's message ("the backward of copy_to_...").
 at::Tensor run_forward(const Region& r, const at::Tensor& x, const std::string& group,
-                       int64_t size, int64_t rank) {
+                       int64_t size, int64_t rank, const std::string& where) {
   if (r.forward == Collective::kIdentity || size == 1) return x.alias();
   const int64_t d = at::maybe_wrap_dim(r.dim, x.dim());
   switch (r.forward) {
     case Collective::kAllReduce:
-      return comm::wait(comm::start_all_reduce(x, group), "all-reduce", group);
+      return comm::wait(comm::start_all_reduce(x, group, where));
     case Collective::kSplit: {
       const c10::SymInt chunk = x.sym_size(d) / size;
       return x.narrow_symint(d, chunk * rank, chunk).contiguous();
     }
     case Collective::kAllGather: {
-      auto gathered = comm::wait(comm::start_all_gather_dim0(x, size, group), "all-gather", group);
+      auto gathered = comm::wait(comm::start_all_gather_dim0(x, size, group, where));
       return d == 0 ? gathered : at::cat(gathered.chunk(size, 0), d);
     }
     case Collective::kReduceScatter: {
       // Chunks of ``d`` laid one after another along dim 0, the layout reduce-scatter reads.
       auto stacked = d == 0 ? x : at::cat(x.chunk(size, d), 0);
-      return comm::wait(comm::start_reduce_scatter_dim0(stacked, size, group), "reduce-scatter",
-                        group);
+      return comm::wait(comm::start_reduce_scatter_dim0(stacked, size, group, where));
     }
     case Collective::kIdentity:
       break;
   }
   TORCH_CHECK(false, "unreachable");
 }
+
+std::string forward_of(const Region& r) { return std::string("the forward of ") + r.name; }
+std::string backward_of(const Region& r) { return std::string("the backward of ") + r.name; }
 
 // The conjugate region with autograd, for a backward that is itself differentiated.
 at::Tensor call_with_autograd(const Region& r, const at::Tensor& x, const std::string& group,
@@ -155,7 +158,7 @@ struct RegionFunction : public Function<RegionFunction> {
     // The Function turns a returned input into a view of it carrying this node.
     if (region->forward == Collective::kIdentity) return x;
     at::AutoDispatchBelowADInplaceOrView guard;
-    return run_forward(*region, x, group, size, rank);
+    return run_forward(*region, x, group, size, rank, forward_of(*region));
   }
 
   // ``grads`` by reference: the gradient is then referenced only here and may be reduced in place.
@@ -173,11 +176,10 @@ struct RegionFunction : public Function<RegionFunction> {
       result[0] = std::move(grads[0]);
     } else if (conjugate->forward == Collective::kAllReduce) {
       at::AutoDispatchBelowADInplaceOrView guard;
-      result[0] =
-          comm::wait(comm::start_all_reduce_owned(std::move(grads[0]), group), "all-reduce", group);
+      result[0] = comm::wait(comm::start_all_reduce_owned(std::move(grads[0]), group, backward_of(*region)));
     } else {
       at::AutoDispatchBelowADInplaceOrView guard;
-      result[0] = run_forward(*conjugate, grads[0], group, size, rank);
+      result[0] = run_forward(*conjugate, grads[0], group, size, rank, backward_of(*region));
     }
     return result;
   }
@@ -202,7 +204,7 @@ at::Tensor region_forward(const at::Tensor& x, c10::string_view group, int64_t s
                           int64_t rank) {
   const std::string g(group);
   check_args(R, x, g, size, rank);
-  return run_forward(R, x, g, size, rank);
+  return run_forward(R, x, g, size, rank, forward_of(R));
 }
 
 at::Tensor gather_seq_autograd(const at::Tensor& x, bool tensor_parallel_output_grad,

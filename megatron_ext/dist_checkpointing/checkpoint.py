@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.api import CheckpointException as _DCPExceptio
 from torch.distributed.checkpoint.metadata import Metadata
 
 from megatron_ext import parallel_state
+from megatron_ext.comm_errors import reported
 from megatron_ext.distributed.finalize_model_grads import _find_ddp
 from megatron_ext.dist_checkpointing.sharding import (
     ParamSpec,
@@ -196,7 +197,8 @@ def _finish_param_gathers(model: torch.nn.Module | list[torch.nn.Module]) -> Non
 
 def _all_gather(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    with reported("all-gather of the checkpoint's per-rank records", None):
+        dist.all_gather_object(out, obj)
     return out
 
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from megatron_ext import parallel_state
 from megatron_ext._torch_compat import all_gather_single, reduce_scatter_single
+from megatron_ext.comm_errors import ReportedWork, reported
 from megatron_ext.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron_ext.model_parallel_config import ModelParallelConfig
 
@@ -73,6 +74,12 @@ class _Bucket:
 
     def is_ready(self) -> bool:
         return len(self.ready) == len(self.params)
+
+    def describe(self) -> str:
+        """For a failed collective's message: ``bucket 0 (3 parameters, 'a' ... 'c')``."""
+        if len(self.names) == 1:
+            return f"bucket {self.index} (1 parameter, {self.names[0]!r})"
+        return f"bucket {self.index} ({len(self.names)} parameters, {self.names[0]!r} ... {self.names[-1]!r})"
 
 
 def partition_into_buckets(
@@ -330,13 +337,18 @@ class DistributedDataParallel(torch.nn.Module):
         # Scaled by 1/dp before the sum, as Megatron-core does: a sum of loss-scaled 16-bit
         # gradients over many ranks could overflow where their mean does not.
         flat.mul_(1.0 / self._dp_size)
+        group = self.data_parallel_group
         if self._reduce_scatter:
             shard = self._shard(bucket)
-            work = reduce_scatter_single(shard, flat, group=self.data_parallel_group, async_op=True)
-            self._works.append((work, shard))
+            what = f"reduce-scatter of the gradients of {bucket.describe()}"
+            with reported(what, group, tensor=flat):
+                work = reduce_scatter_single(shard, flat, group=group, async_op=True)
+            self._works.append((ReportedWork(work, what, group, tensor=flat), shard))
         else:
-            work = dist.all_reduce(flat, group=self.data_parallel_group, async_op=True)
-            self._works.append((work, flat))
+            what = f"all-reduce of the gradients of {bucket.describe()}"
+            with reported(what, group, tensor=flat):
+                work = dist.all_reduce(flat, group=group, async_op=True)
+            self._works.append((ReportedWork(work, what, group, tensor=flat), flat))
 
     def _shard(self, bucket: _Bucket) -> torch.Tensor:
         size = bucket.padded_numel // self._dp_size
@@ -403,8 +415,10 @@ class DistributedDataParallel(torch.nn.Module):
             if a < b:
                 mine[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - offset : b - offset])
         full = torch.empty(bucket.padded_numel, dtype=dtype, device=bucket.device)
-        work = all_gather_single(full, mine, group=self.data_parallel_group, async_op=True)
-        bucket.param_gather = (work, full)
+        what, group = f"all-gather of the parameters of {bucket.describe()}", self.data_parallel_group
+        with reported(what, group, tensor=mine):
+            work = all_gather_single(full, mine, group=group, async_op=True)
+        bucket.param_gather = (ReportedWork(work, what, group, tensor=mine), full)
 
     def _finish_bucket_param_sync(self, bucket: _Bucket) -> None:
         """Waits for ``bucket``'s all-gather, if one is in flight, and writes the gathered values

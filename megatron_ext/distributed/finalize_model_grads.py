@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state
+from megatron_ext.comm_errors import reported
 from megatron_ext.distributed.distributed_data_parallel import (
     DEFAULT_BUCKET_SIZE_BYTES,
     DistributedDataParallel,
@@ -48,7 +49,8 @@ def allreduce_gradients(
         flat = torch.cat([g.reshape(-1) for g in bucket.params])
         if divisor != 1:
             flat.mul_(1.0 / divisor)  # before the sum, as the DDP buckets are
-        dist.all_reduce(flat, group=group)
+        with reported(f"all-reduce of the gradients of bucket {bucket.index}", group, tensor=flat):
+            dist.all_reduce(flat, group=group)
         for g, offset in zip(bucket.params, bucket.offsets):
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
 
@@ -90,7 +92,8 @@ def allreduce_embedding_grads(
         grads.append(grad)
     if len(grads) == 2:
         grads[0].add_(grads[1])
-    dist.all_reduce(grads[0], group=embd_group)
+    with reported("all-reduce of the tied word embedding's gradient", embd_group, tensor=grads[0]):
+        dist.all_reduce(grads[0], group=embd_group)
     for grad in grads[1:]:
         grad.copy_(grads[0])
 
@@ -207,8 +210,10 @@ def _scale_by_global_tokens(
     # group, so multiplying by its size gives back the sum Megatron-core divides by the count.
     total = num_tokens.detach().to(comm_device(pp_group), torch.float64).reshape(1).clone()
     pp_ranks = dist.get_process_group_ranks(pp_group)
-    dist.broadcast(total, src=pp_ranks[-1], group=pp_group)
-    dist.all_reduce(total, group=dp_group)
+    with reported("broadcast of the number of loss tokens from the last stage", pp_group):
+        dist.broadcast(total, src=pp_ranks[-1], group=pp_group)
+    with reported("all-reduce of the number of loss tokens", dp_group):
+        dist.all_reduce(total, group=dp_group)
     count = float(total.item())
     if count <= 0:
         return

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state, tensor_parallel
+from megatron_ext.comm_errors import reported
 from megatron_ext.tensor_parallel.utils import comm_device
 from megatron_ext.transformer import ParallelTransformer, TransformerConfig
 from megatron_ext.transformer.rotary import RotaryEmbedding
@@ -189,7 +190,8 @@ class GPTModel(torch.nn.Module):
         group = parallel_state.get_embedding_group()
         device = comm_device(group)  # the model may still be on the CPU when NCCL moves CUDA tensors
         data = weight.data if weight.device == device else weight.data.to(device)
-        dist.all_reduce(data, group=group)
+        with reported("all-reduce of the tied word embedding at initialisation", group, tensor=data):
+            dist.all_reduce(data, group=group)
         if data is not weight.data:
             weight.data.copy_(data)
 

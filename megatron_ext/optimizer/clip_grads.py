@@ -15,6 +15,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from megatron_ext.comm_errors import reported
 from megatron_ext.tensor_parallel.utils import comm_device
 
 
@@ -47,12 +48,14 @@ def get_grad_norm_fp32(
             if g.numel():
                 total = torch.maximum(total, g.detach().abs().max().double().to(total.device).view(1))
         for group in groups:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+            with reported("all-reduce (max) of the gradient norm", group):
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         return total.item()
     for g in grads:
         total += g.detach().double().abs().pow(norm_type).sum().to(total.device)
     for group in groups:
-        dist.all_reduce(total, group=group)
+        with reported("all-reduce of the gradient norm", group):
+            dist.all_reduce(total, group=group)
     return total.item() ** (1.0 / norm_type)
 
 
@@ -80,5 +83,6 @@ def count_zeros_fp32(
     for g in grads:
         total += (g.detach() == 0).sum().double().to(total.device)
     for group in groups:
-        dist.all_reduce(total, group=group)
+        with reported("all-reduce of the count of zero gradients", group):
+            dist.all_reduce(total, group=group)
     return int(total.item())

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_ext import parallel_state
 from megatron_ext._torch_compat import all_gather_single
+from megatron_ext.comm_errors import reported
 from megatron_ext.optimizer.grad_scaler import MegatronGradScaler
 from megatron_ext.optimizer.optimizer import (
     SIXTEEN_BIT,
@@ -135,7 +136,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     value = s.main if key == "param" else self._slot_state(s, key)
                     mine[offset + s.start - lo : offset + s.end - lo].copy_(value.detach())
             full = torch.empty(bucket.padded_numel, dtype=main_dtype, device=bucket.device)
-            all_gather_single(full, mine, group=ddp.data_parallel_group)
+            what = f"all-gather of the optimizer's {key} of {bucket.describe()}"
+            with reported(what, ddp.data_parallel_group, tensor=mine):
+                all_gather_single(full, mine, group=ddp.data_parallel_group)
             for p, offset in zip(bucket.params, bucket.offsets):
                 out[id(p)] = full[offset : offset + p.numel()].view_as(p).clone()
         return out

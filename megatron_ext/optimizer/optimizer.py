@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state
+from megatron_ext.comm_errors import reported
 from megatron_ext.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -227,7 +228,8 @@ class MegatronOptimizer:
                 if not bool(torch.isfinite(s.main.grad).all()):
                     found.fill_(1.0)
         for group in groups:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+            with reported("all-reduce (max) of the found-inf flag", group):
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found.item() > 0)
 
     def prepare_grads(self) -> bool:

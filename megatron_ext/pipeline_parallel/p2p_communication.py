@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state
+from megatron_ext.comm_errors import ReportedWork, reported
 from megatron_ext.tensor_parallel.utils import comm_device
 
 Shape = Union[list[int], torch.Size]
@@ -129,22 +130,40 @@ class P2PCommunicator:
         """Posts the sends (next, then prev) and receives (prev, then next); waits for all of them
         unless ``wait`` is False, in which case the requests are returned by name
         (``"send_next"``, ``"recv_prev"``, ...)."""
-        peer = {"next": self.next_rank, "prev": self.prev_rank}
-        named = [(f"send_{d}", dist.isend, sends[d], peer[d]) for d in ("next", "prev") if d in sends]
-        named += [(f"recv_{d}", dist.irecv, recvs[d], peer[d]) for d in ("prev", "next") if d in recvs]
+        neighbour = {"next": self.next_rank, "prev": self.prev_rank}
+        named = [(f"send_{d}", dist.isend, sends[d], neighbour[d]) for d in ("next", "prev") if d in sends]
+        named += [(f"recv_{d}", dist.irecv, recvs[d], neighbour[d]) for d in ("prev", "next") if d in recvs]
         if not named:
             return {}
+        # A failure names the transfer, the group and the peer (megatron_ext.comm_errors). The peer
+        # by its pipeline rank: with two stages the previous and the next are one rank.
+        pp_rank = {"next": (self.pp_group.rank() + 1) % self.pp_group.size(),
+                   "prev": (self.pp_group.rank() - 1) % self.pp_group.size()}
+        what = {name: f"{'send to' if name.startswith('send') else 'receive from'} pipeline rank "
+                      f"{pp_rank[name[5:]]}" for name, *_ in named}
+        peers = sorted({p for *_, p in named})
+        peer = peers[0] if len(peers) == 1 else peers
+        exchange = "pipeline exchange (" + "; ".join(what.values()) + ")"
         # On NCCL every transfer goes in one batch, whatever batch_p2p_comm says: sends posted one
         # by one before the receives deadlock there (a send waits for its receive, queued behind
         # the peer's own send). NCCL may coalesce a batch into one request: each name waits on it.
         on_gpu = any(t.is_cuda for _, _, t, _ in named)
         if on_gpu or (wait and bool(getattr(self.config, "batch_p2p_comm", True))):
             ops = [dist.P2POp(op, t, p, self.pp_group) for _, op, t, p in named]
-            works = dist.batch_isend_irecv(ops)
-            names = [n for n, *_ in named]
-            reqs = dict(zip(names, works)) if len(works) == len(names) else {n: _AllOf(works) for n in names}
+            with reported(exchange, self.pp_group, peer=peer):
+                works = dist.batch_isend_irecv(ops)
+            if len(works) == len(named):
+                reqs = {n: ReportedWork(w, what[n], self.pp_group, tensor=t, peer=p)
+                        for (n, _, t, p), w in zip(named, works)}
+            else:
+                together = ReportedWork(_AllOf(works), exchange, self.pp_group, peer=peer)
+                reqs = {n: together for n, *_ in named}
         else:
-            reqs = {name: op(t, p, group=self.pp_group) for name, op, t, p in named}
+            reqs = {}
+            for name, op, t, p in named:
+                with reported(what[name], self.pp_group, tensor=t, peer=p):
+                    reqs[name] = ReportedWork(op(t, p, group=self.pp_group), what[name], self.pp_group,
+                                              tensor=t, peer=p)
         if wait:
             for req in reqs.values():
                 req.wait()

@@ -57,6 +57,7 @@ from typing import Any, Callable, Iterator, Sequence, Union
 import torch
 
 from megatron_ext import parallel_state
+from megatron_ext.comm_errors import ReportedWork
 from megatron_ext.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_ext.pipeline_parallel.schedule_tables import (  # noqa: F401  (re-exported)
     BACKWARD,
@@ -849,7 +850,11 @@ class _RankRun:
             if side in incoming:
                 _, mb, chunk, is_activation = incoming[side]
                 store = self.inputs if is_activation else self.grads
-                store[(mb, chunk)] = (tensor, requests[f"recv_{side}"])
+                request = requests[f"recv_{side}"]
+                if isinstance(request, ReportedWork) and request.tensor is not None:  # this receive's own
+                    kind = "activation" if is_activation else "gradient"
+                    request.operation += f" (the {kind} of micro-batch {mb}, model chunk {chunk})"
+                store[(mb, chunk)] = (tensor, request)
         sent = send_next if send_next is not None else send_prev
         if sent is not None and dest[2] and not self.forward_only:
             deallocate_output_tensor(sent, _deallocates(self.config))

@@ -7,6 +7,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_ext.comm_errors import reported
 from megatron_ext.tensor_parallel.utils import comm_device, resolve_tp_group
 
 _MAX_DATA_DIM = 8
@@ -62,7 +63,8 @@ def broadcast_data(
                 header[row] = len(shape)
                 if shape:
                     header[row + 1 : row + 1 + len(shape)] = torch.tensor(shape, dtype=torch.long)
-    dist.broadcast(header, src, group=group)
+    with reported("broadcast_data (the shapes)", group, peer=None if is_src else src):
+        dist.broadcast(header, src, group=group)
     if header[0].item() != _OK:
         if problem is not None:
             raise ValueError(f"broadcast_data: {problem}")
@@ -81,7 +83,8 @@ def broadcast_data(
             flat = torch.empty(0, dtype=datatype, device=device)
     else:
         flat = torch.empty(total, dtype=datatype, device=device)
-    dist.broadcast(flat, src, group=group)
+    with reported("broadcast_data (the data)", group, tensor=flat, peer=None if is_src else src):
+        dist.broadcast(flat, src, group=group)
 
     result: dict[str, torch.Tensor] = {}
     offset = 0
