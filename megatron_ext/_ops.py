@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_ext import _C  # noqa: F401  (registers the ops)
+from megatron_ext import _C  # registers the ops
 
 
 def _integer_ids(ids: torch.Tensor) -> bool:
@@ -40,7 +40,7 @@ def _(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequen
 
 
 def _cross_entropy_acc_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return _C.cross_entropy_acc_dtype(logits.dtype)  # kernels/cross_entropy.h's acc_type
 
 
 _CE = "vocab_parallel_cross_entropy"
@@ -101,7 +101,8 @@ def _(vocab_parallel_logits, target, label_smoothing, ignore_index, group_name, 
 def _(vocab_parallel_logits, target, vocab_start, ignore_index):
     _check_cross_entropy_kernel_args(vocab_parallel_logits, target, "vocab_parallel_cross_entropy_row_stats")
     return torch.empty(
-        (*target.shape, 5), dtype=_cross_entropy_acc_dtype(vocab_parallel_logits), device=vocab_parallel_logits.device
+        (*target.shape, _C.CROSS_ENTROPY_ROW_STATS), dtype=_cross_entropy_acc_dtype(vocab_parallel_logits),
+        device=vocab_parallel_logits.device,
     )
 
 

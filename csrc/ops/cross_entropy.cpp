@@ -142,13 +142,8 @@ ForwardResult forward_impl(const at::Tensor& logits, const at::Tensor& target, d
   auto loss = log_sum_exp - sums[2] * target_weight;
   if (other != 0.0) loss = loss - sums[1] * other;
 
-  const auto column = ids - vocab_start;
-  auto local_target = at::where(column.ge(0).logical_and_(column.lt(local_vocab)), column, kernels::kTargetElsewhere);
-  if (ignore_index.has_value()) {
-    const auto ignored = ids == *ignore_index;
-    loss = loss.masked_fill(ignored, 0.0);
-    local_target.masked_fill_(ignored, kernels::kIgnoredToken);
-  }
+  const auto local_target = local_target_columns(ids, vocab_start, local_vocab, ignore_index);
+  if (ignore_index.has_value()) loss = loss.masked_fill(local_target == kernels::kIgnoredToken, 0.0);
   return {loss, row_max, log_sum_exp, local_target};
 }
 

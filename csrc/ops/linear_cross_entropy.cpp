@@ -33,6 +33,7 @@
 #include <tuple>
 
 #include "comm/process_group.h"
+#include "kernels/cross_entropy_checks.h"
 #include "ops/dispatch.h"
 #include "ops/weight_grad.h"
 
@@ -68,13 +69,8 @@ at::Tensor ce_backward(const at::Tensor& grad_loss, const at::Tensor& logits, co
                        const at::Tensor& row_max, const at::Tensor& log_sum_exp, double label_smoothing,
                        std::optional<int64_t> ignore_index, int64_t vocab_start, int64_t vocab_size) {
   static const auto op = typed_op<CeBackwardFn>("vocab_parallel_cross_entropy_backward");
-  // The cross-entropy's backward takes each token's column in this rank's slice (-1 when another
-  // rank holds it, -2 when ignored), as its forward returns it.
-  const int64_t local_vocab = logits.size(-1);
-  const auto ids = target.to(at::kLong);
-  const auto column = ids - vocab_start;
-  auto local_target = at::where(column.ge(0).logical_and_(column.lt(local_vocab)), column, -1);
-  if (ignore_index.has_value()) local_target.masked_fill_(ids == *ignore_index, -2);
+  // The cross-entropy's backward takes each token's local target, as its forward returns it.
+  const auto local_target = local_target_columns(target.to(at::kLong), vocab_start, logits.size(-1), ignore_index);
   return op.call(grad_loss, logits, local_target, row_max, log_sum_exp, label_smoothing, vocab_size);
 }
 
@@ -112,8 +108,6 @@ void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::
                     "' (size ", size, ", this rank ", rank, ")");
 }
 
-at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
-
 // grad += a^T b, accumulated in grad's dtype (float for 16-bit inputs). On CUDA that is the
 // linear layers' mixed-dtype GEMM; the CPU has none, and rounding the one 16-bit product beats
 // widening copies of both chunks.
@@ -138,7 +132,7 @@ ForwardResult forward_impl(const at::Tensor& hidden, const at::Tensor& weight, c
   const auto h = hidden.reshape({-1, hidden.size(-1)}).contiguous();
   const auto ids = target.reshape({-1}).to(at::kLong).contiguous();
   const int64_t rows = ids.numel();
-  const auto acc = acc_type(hidden.scalar_type());
+  const auto acc = cross_entropy_acc_type(hidden.scalar_type());
   auto loss = at::empty({rows}, hidden.options().dtype(acc));
   auto row_max = at::empty_like(loss);
   auto log_sum_exp = at::empty_like(loss);
@@ -190,7 +184,7 @@ void backward_impl(const at::Tensor& grad_loss, const at::Tensor& hidden, const 
                     grad_hidden.sizes(), ", expected ", h.sizes());
   TORCH_CHECK_VALUE(!want_weight || grad_weight.sizes() == weight.sizes(), kOp,
                     "_backward: grad_weight has shape ", grad_weight.sizes(), ", expected ", weight.sizes());
-  const auto acc = acc_type(hidden.scalar_type());
+  const auto acc = cross_entropy_acc_type(hidden.scalar_type());
   auto g = grad_loss.reshape({-1}).to(acc);
   TORCH_CHECK_VALUE(g.numel() == rows, kOp, "_backward: expected one loss gradient per token (", rows,
                     "), got ", g.numel());
@@ -297,7 +291,7 @@ struct LinearCrossEntropyFunction : public Function<LinearCrossEntropyFunction> 
     const bool want_hidden = ctx->needs_input_grad(0);
     const bool want_weight = ctx->needs_input_grad(1);
     const bool precomputed = ctx->saved_data.count("grad_hidden") > 0;
-    const auto acc = acc_type(hidden.scalar_type());
+    const auto acc = cross_entropy_acc_type(hidden.scalar_type());
     at::Tensor grad_hidden, grad_weight;
     if (precomputed) {
       grad_hidden = ctx->saved_data["grad_hidden"].toTensor();

@@ -72,9 +72,6 @@ RowState<acc_t> block_state(const acc_t* p, int64_t n) {
   return {m, se, ss, count};
 }
 
-template <typename scalar_t>
-using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-
 // Converts n 16-bit values to float.
 template <typename scalar_t>
 void to_float(const scalar_t* src, float* dst, int64_t n) {
