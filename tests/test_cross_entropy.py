@@ -300,6 +300,7 @@ def _check_fakes():
 
     full, target, _ = _inputs(90)
     local = _local(full)
+    n = ps.get_tensor_model_parallel_world_size()
     for logits, tgt in ((local, target.to("meta")), (local.to("meta"), target)):
         with pytest.raises(ValueError, match=r"target is on (meta|cpu) but vocab_parallel_logits are on (cpu|meta)"):
             tp_.vocab_parallel_cross_entropy(logits, tgt)
@@ -313,6 +314,12 @@ def _check_fakes():
             tp_.vocab_parallel_cross_entropy(fx, ft, label_smoothing=-0.5)
         with pytest.raises(ValueError, match="target must hold integer token ids"):
             tp_.vocab_parallel_cross_entropy(fx, ft.float())
+        # The fused op: its fake gives the loss's shape and dtype, the op its own errors.
+        hidden, weight = mode.from_tensor(torch.ones(3, 5, 4)), mode.from_tensor(torch.ones(VOCAB // n, 4))
+        loss = tp_.vocab_parallel_linear_cross_entropy(hidden.bfloat16(), weight.bfloat16(), ft)
+        assert loss.shape == (3, 5) and loss.dtype == torch.float32
+        with pytest.raises(ValueError, match="must equal the hidden size of the weight"):
+            tp_.vocab_parallel_linear_cross_entropy(hidden, weight[:, :3], ft)
     real = tp_.vocab_parallel_cross_entropy(local.transpose(0, 1), target.t())
     assert real.stride() == (5, 1)
 

@@ -76,10 +76,10 @@ at::Tensor ce_backward(const at::Tensor& grad_loss, const at::Tensor& logits, co
 
 // Every check depends only on shapes, dtypes and arguments that all ranks share, so bad input
 // raises the same error on every rank before any collective starts. Target ids out of range are
-// checked by the cross-entropy's forward, on every rank alike.
+// checked by the cross-entropy's forward, on every rank alike. Metadata only: the autograd kernel
+// runs it on fake tensors too.
 void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
-                  int64_t chunk_size, const std::string& group, int64_t group_size,
-                  int64_t group_rank) {
+                  int64_t chunk_size) {
   TORCH_CHECK_VALUE(hidden.defined() && weight.defined() && target.defined(), kOp,
                     ": expected tensors, got an undefined one");
   TORCH_CHECK_VALUE(at::isFloatingType(hidden.scalar_type()), kOp,
@@ -101,6 +101,9 @@ void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::
                     ": hidden, weight and target must be on one device, got ", hidden.device(), ", ",
                     weight.device(), " and ", target.device());
   TORCH_CHECK_VALUE(chunk_size > 0, kOp, ": chunk_size must be positive, got ", chunk_size);
+}
+
+void check_group(const std::string& group, int64_t group_size, int64_t group_rank) {
   const int64_t size = comm::group_size(group);
   const int64_t rank = comm::group_rank(group);
   TORCH_CHECK_VALUE(group_size == size && group_rank == rank, kOp, ": group_size ", group_size,
@@ -127,7 +130,8 @@ ForwardResult forward_impl(const at::Tensor& hidden, const at::Tensor& weight, c
                            int64_t chunk_size, bool hidden_grad, bool weight_grad,
                            c10::string_view group_name, int64_t group_size, int64_t group_rank) {
   const std::string group(group_name);
-  check_inputs(hidden, weight, target, chunk_size, group, group_size, group_rank);
+  check_inputs(hidden, weight, target, chunk_size);
+  check_group(group, group_size, group_rank);
   const int64_t local_vocab = weight.size(0);
   const auto h = hidden.reshape({-1, hidden.size(-1)}).contiguous();
   const auto ids = target.reshape({-1}).to(at::kLong).contiguous();
@@ -327,6 +331,7 @@ at::Tensor linear_cross_entropy_autograd(const at::Tensor& hidden, const at::Ten
                                          const at::Tensor& target, double label_smoothing,
                                          std::optional<int64_t> ignore_index, int64_t chunk_size,
                                          c10::string_view group, int64_t group_size, int64_t group_rank) {
+  check_inputs(hidden, weight, target, chunk_size);
   return LinearCrossEntropyFunction::apply(hidden, weight, target, label_smoothing, ignore_index, chunk_size,
                                            std::string(group), group_size, group_rank);
 }
