@@ -114,7 +114,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // What the cross-entropy's fake kernels (megatron_ext/_ops.py) read from kernels/cross_entropy.h.
   m.def("cross_entropy_acc_dtype", &megatron_ext::cross_entropy_acc_type,
-        "The dtype of the cross-entropy's row statistics and losses for logits of the given dtype.");
+        "The dtype of the cross-entropy's row statistics and losses for logits of a given dtype.");
   m.attr("CROSS_ENTROPY_ROW_STATS") = static_cast<int64_t>(megatron_ext::kernels::kNumRowStats);
   m.attr("CROSS_ENTROPY_TARGET_ELSEWHERE") = megatron_ext::kernels::kTargetElsewhere;
   m.attr("CROSS_ENTROPY_IGNORED_TOKEN") = megatron_ext::kernels::kIgnoredToken;

@@ -276,7 +276,8 @@ def _check_ignored_tokens():
         for overwrite in (False, True):
             x = _local(full).requires_grad_(True)
             logits = x * 1
-            loss = tp_.vocab_parallel_cross_entropy(logits, target, 0.1, None, ignore, overwrite_logits=overwrite)
+            loss = tp_.vocab_parallel_cross_entropy(logits, target, 0.1, None, ignore,
+                                                    overwrite_logits=overwrite)
             loss.backward(grad)
             assert torch.all(loss[ignored] == 0) and torch.all(x.grad[ignored] == 0), (ignore, overwrite)
             assert_close(loss[~ignored], ref_loss[~ignored], **TIGHT)
@@ -286,8 +287,9 @@ def _check_ignored_tokens():
         loss = tp_.vocab_parallel_linear_cross_entropy(hidden, weight, target, 0.1, ignore, chunk_size=4)
         loss.backward(grad)
         logits = (h @ w.T).requires_grad_(True)
-        ref = F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), reduction="none", ignore_index=ignore,
-                              label_smoothing=0.1 * VOCAB / (VOCAB - 1)).reshape(target.shape)
+        ref = F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), reduction="none",
+                              ignore_index=ignore, label_smoothing=0.1 * VOCAB / (VOCAB - 1))
+        ref = ref.reshape(target.shape)
         ref.backward(grad.masked_fill(ignored, 0.0))
         assert_close(loss, ref.detach(), **TIGHT)
         assert_close(hidden.grad, (logits.grad @ w), **TIGHT)
@@ -370,7 +372,8 @@ def _opcheck_worker(tp: int) -> bool:
         ops.vocab_parallel_cross_entropy(local, target, 0.0, None, group_name, n + 1)
 
     # local_target: the target's column in this rank's slice, else the codes of kernels/cross_entropy.h.
-    elsewhere, ignored = megatron_ext._C.CROSS_ENTROPY_TARGET_ELSEWHERE, megatron_ext._C.CROSS_ENTROPY_IGNORED_TOKEN
+    elsewhere = megatron_ext._C.CROSS_ENTROPY_TARGET_ELSEWHERE
+    ignored = megatron_ext._C.CROSS_ENTROPY_IGNORED_TOKEN
     assert (elsewhere, ignored) == (-1, -2)
     r = ps.get_tensor_model_parallel_rank()
     start, width = r * (VOCAB // n), VOCAB // n

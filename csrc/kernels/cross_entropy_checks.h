@@ -41,17 +41,18 @@ inline void check_cross_entropy_inplace(const at::Tensor& logits) {
 // The dtype of the row statistics and losses of ``logits`` floating-point logits: the kernels'
 // kernels::acc_type.
 inline at::ScalarType cross_entropy_acc_type(at::ScalarType logits) {
-  return AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits, "cross_entropy_acc_type", [] {
-    return c10::CppTypeToScalarType<kernels::acc_type<scalar_t>>::value;
-  });
+  return AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, logits, "cross_entropy_acc_type",
+      [] { return c10::CppTypeToScalarType<kernels::acc_type<scalar_t>>::value; });
 }
 
 // Every token's local target (kernels::local_target_index) in a rank holding vocabulary rows
 // [vocab_start, vocab_start + local_vocab), from int64 ``ids``.
-inline at::Tensor local_target_columns(const at::Tensor& ids, int64_t vocab_start, int64_t local_vocab,
-                                       std::optional<int64_t> ignore_index) {
+inline at::Tensor local_target_columns(const at::Tensor& ids, int64_t vocab_start,
+                                       int64_t local_vocab, std::optional<int64_t> ignore_index) {
   const auto column = ids.sub(vocab_start);
-  auto local = at::where(column.ge(0).logical_and_(column.lt(local_vocab)), column, kernels::kTargetElsewhere);
+  const auto held = column.ge(0).logical_and_(column.lt(local_vocab));
+  auto local = at::where(held, column, kernels::kTargetElsewhere);
   if (ignore_index.has_value()) local.masked_fill_(ids.eq(*ignore_index), kernels::kIgnoredToken);
   return local;
 }

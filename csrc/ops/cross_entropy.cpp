@@ -143,7 +143,9 @@ ForwardResult forward_impl(const at::Tensor& logits, const at::Tensor& target, d
   if (other != 0.0) loss = loss - sums[1] * other;
 
   const auto local_target = local_target_columns(ids, vocab_start, local_vocab, ignore_index);
-  if (ignore_index.has_value()) loss = loss.masked_fill(local_target == kernels::kIgnoredToken, 0.0);
+  if (ignore_index.has_value()) {
+    loss = loss.masked_fill(local_target == kernels::kIgnoredToken, 0.0);
+  }
   return {loss, row_max, log_sum_exp, local_target};
 }
 

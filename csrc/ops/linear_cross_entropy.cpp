@@ -70,7 +70,8 @@ at::Tensor ce_backward(const at::Tensor& grad_loss, const at::Tensor& logits, co
                        std::optional<int64_t> ignore_index, int64_t vocab_start, int64_t vocab_size) {
   static const auto op = typed_op<CeBackwardFn>("vocab_parallel_cross_entropy_backward");
   // The cross-entropy's backward takes each token's local target, as its forward returns it.
-  const auto local_target = local_target_columns(target.to(at::kLong), vocab_start, logits.size(-1), ignore_index);
+  const auto local_target =
+      local_target_columns(target.to(at::kLong), vocab_start, logits.size(-1), ignore_index);
   return op.call(grad_loss, logits, local_target, row_max, log_sum_exp, label_smoothing, vocab_size);
 }
 
