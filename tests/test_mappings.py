@@ -176,7 +176,8 @@ def _check_fakes_match_real(n: int):
             with below_autograd(), pytest.raises(RuntimeError, match=f"dim 1 divisible by {n}"):
                 ops.scatter_to_tensor_model_parallel_region(mode.from_tensor(bad), *args)
         with FakeTensorMode() as mode, below_autograd():  # a scalar's all-reduce is a scalar
-            assert ops.reduce_from_tensor_model_parallel_region(mode.from_tensor(torch.ones(())), *args).shape == ()
+            scalar = mode.from_tensor(torch.ones(()))
+            assert ops.reduce_from_tensor_model_parallel_region(scalar, *args).shape == ()
 
 
 def _check_schema_mismatch(n: int):

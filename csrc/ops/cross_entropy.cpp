@@ -54,9 +54,9 @@ void check_inputs(const at::Tensor& logits, const at::Tensor& target, double lab
   TORCH_CHECK_VALUE(at::isIntegralType(target.scalar_type(), /*includeBool=*/false), kOp,
                     ": target must hold integer token ids, got dtype ", target.scalar_type());
   TORCH_CHECK_VALUE(logits.dim() >= 1, kOp, ": vocab_parallel_logits must have a vocabulary dim, got a scalar");
-  TORCH_CHECK_VALUE(target.sym_sizes() == logits.sym_sizes().slice(0, logits.dim() - 1), kOp, ": target shape ",
-                    target.sym_sizes(), " must equal the logits shape ", logits.sym_sizes(),
-                    " without its last (vocabulary) dim");
+  TORCH_CHECK_VALUE(target.sym_sizes() == logits.sym_sizes().slice(0, logits.dim() - 1), kOp,
+                    ": target shape ", target.sym_sizes(), " must equal the logits shape ",
+                    logits.sym_sizes(), " without its last (vocabulary) dim");
   TORCH_CHECK_VALUE(target.device() == logits.device(), kOp, ": target is on ", target.device(),
                     " but vocab_parallel_logits are on ", logits.device());
   TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing < 1.0, kOp,
