@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "kernels/cpu_capability.h"
+#include "kernels/cross_entropy_checks.h"
 #include "megatron_ext_build_config.h"
 
 TORCH_LIBRARY(megatron_ext, m) {
@@ -130,4 +131,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The compiled instruction sets the running CPU supports.");
   m.def("_set_cpu_capability", &megatron_ext::kernels::set_cpu_capability,
         "Forces the CPU kernels' instruction set (for tests); ValueError if the CPU or build lacks it.");
+
+  // What the cross-entropy's fake kernels (megatron_ext/_ops.py) read from kernels/cross_entropy.h.
+  m.def("cross_entropy_acc_dtype", &megatron_ext::cross_entropy_acc_type,
+        "The dtype of the cross-entropy's row statistics and losses for logits of a given dtype.");
+  m.attr("CROSS_ENTROPY_ROW_STATS") = static_cast<int64_t>(megatron_ext::kernels::kNumRowStats);
+  m.attr("CROSS_ENTROPY_TARGET_ELSEWHERE") = megatron_ext::kernels::kTargetElsewhere;
+  m.attr("CROSS_ENTROPY_IGNORED_TOKEN") = megatron_ext::kernels::kIgnoredToken;
 }

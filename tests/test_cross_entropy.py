@@ -259,12 +259,50 @@ def _check_overwrite_logits():
         loss.sum().backward()
 
 
+def _check_ignored_tokens():
+    """Ignored tokens get loss 0 and gradient 0 whatever ``ignore_index`` is (an id of the last or
+    the first rank's slice, one past the vocabulary, or a value the local target uses as a code:
+    -1, -2) and whatever their logits and loss gradients hold (NaN, inf); every other token gets
+    torch's loss and gradient. Unfused (default and overwrite_logits) and fused alike."""
+    n = ps.get_tensor_model_parallel_world_size()
+    h = torch.randn(5, 3, 6, generator=torch.Generator().manual_seed(61), dtype=torch.float64)
+    w = torch.randn(VOCAB, 6, generator=torch.Generator().manual_seed(62), dtype=torch.float64)
+    for ignore in (VOCAB - 1, 0, VOCAB, -1, -2):
+        full, target, grad = _inputs(60, ignore_index=ignore)  # every fourth token ignored
+        ignored = target == ignore
+        ref_loss, ref_dx = _reference(full, target, grad.masked_fill(ignored, 0.0), 0.1, ignore)
+        full.view(-1, VOCAB)[0, 5], full.view(-1, VOCAB)[4, 9] = float("nan"), float("inf")  # ignored rows
+        grad.view(-1)[0] = float("nan")
+        for overwrite in (False, True):
+            x = _local(full).requires_grad_(True)
+            logits = x * 1
+            loss = tp_.vocab_parallel_cross_entropy(logits, target, 0.1, None, ignore,
+                                                    overwrite_logits=overwrite)
+            loss.backward(grad)
+            assert torch.all(loss[ignored] == 0) and torch.all(x.grad[ignored] == 0), (ignore, overwrite)
+            assert_close(loss[~ignored], ref_loss[~ignored], **TIGHT)
+            assert_close(x.grad[~ignored], _local(ref_dx)[~ignored], **TIGHT)
+        hidden = h.clone().requires_grad_(True)
+        weight = w.chunk(n)[ps.get_tensor_model_parallel_rank()].clone().requires_grad_(True)
+        loss = tp_.vocab_parallel_linear_cross_entropy(hidden, weight, target, 0.1, ignore, chunk_size=4)
+        loss.backward(grad)
+        logits = (h @ w.T).requires_grad_(True)
+        ref = F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), reduction="none",
+                              ignore_index=ignore, label_smoothing=0.1 * VOCAB / (VOCAB - 1))
+        ref = ref.reshape(target.shape)
+        ref.backward(grad.masked_fill(ignored, 0.0))
+        assert_close(loss, ref.detach(), **TIGHT)
+        assert_close(hidden.grad, (logits.grad @ w), **TIGHT)
+        assert_close(weight.grad, _local(logits.grad).reshape(-1, VOCAB // n).T @ h.reshape(-1, 6), **TIGHT)
+
+
 def _check_fakes():
     """The fake kernels give the real ops' shapes, strides, devices and errors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     full, target, _ = _inputs(90)
     local = _local(full)
+    n = ps.get_tensor_model_parallel_world_size()
     for logits, tgt in ((local, target.to("meta")), (local.to("meta"), target)):
         with pytest.raises(ValueError, match=r"target is on (meta|cpu) but vocab_parallel_logits are on (cpu|meta)"):
             tp_.vocab_parallel_cross_entropy(logits, tgt)
@@ -278,6 +316,12 @@ def _check_fakes():
             tp_.vocab_parallel_cross_entropy(fx, ft, label_smoothing=-0.5)
         with pytest.raises(ValueError, match="target must hold integer token ids"):
             tp_.vocab_parallel_cross_entropy(fx, ft.float())
+        # The fused op: its fake gives the loss's shape and dtype, the op its own errors.
+        hidden, weight = mode.from_tensor(torch.ones(3, 5, 4)), mode.from_tensor(torch.ones(VOCAB // n, 4))
+        loss = tp_.vocab_parallel_linear_cross_entropy(hidden.bfloat16(), weight.bfloat16(), ft)
+        assert loss.shape == (3, 5) and loss.dtype == torch.float32
+        with pytest.raises(ValueError, match="must equal the hidden size of the weight"):
+            tp_.vocab_parallel_linear_cross_entropy(hidden, weight[:, :3], ft)
     real = tp_.vocab_parallel_cross_entropy(local.transpose(0, 1), target.t())
     assert real.stride() == (5, 1)
 
@@ -294,6 +338,7 @@ def _cross_entropy_worker(tp_sizes: list[int]) -> bool:
         _check_non_finite()
         _check_double_backward()
         _check_overwrite_logits()
+        _check_ignored_tokens()
         _check_fakes()
         ps.destroy_model_parallel()
     return True
@@ -326,12 +371,15 @@ def _opcheck_worker(tp: int) -> bool:
     with pytest.raises(ValueError, match=rf"group_size {n + 1} does not match the size {n} of process group"):
         ops.vocab_parallel_cross_entropy(local, target, 0.0, None, group_name, n + 1)
 
-    # local_target: the target's column in this rank's slice, -1 elsewhere, -2 when ignored.
+    # local_target: the target's column in this rank's slice, else the codes of kernels/cross_entropy.h.
+    elsewhere = megatron_ext._C.CROSS_ENTROPY_TARGET_ELSEWHERE
+    ignored = megatron_ext._C.CROSS_ENTROPY_IGNORED_TOKEN
+    assert (elsewhere, ignored) == (-1, -2)
     r = ps.get_tensor_model_parallel_rank()
     start, width = r * (VOCAB // n), VOCAB // n
     local_target = ops.vocab_parallel_cross_entropy_forward(local, target, 0.0, 20, group_name, n)[3]
-    expected = torch.where((target >= start) & (target < start + width), target - start, -1)
-    assert torch.equal(local_target, torch.where(target == 20, -2, expected))
+    expected = torch.where((target >= start) & (target < start + width), target - start, elsewhere)
+    assert torch.equal(local_target, torch.where(target == 20, ignored, expected))
 
     # Row statistics of one rank holding ids [16, 32) of a 48-id vocabulary.
     local = full[..., 16:32].contiguous()

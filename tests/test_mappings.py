@@ -151,8 +151,8 @@ def _check_fake_shapes(n: int):
 
 
 def _check_fakes_match_real(n: int):
-    """The fakes, reached below autograd, give the real kernels' shapes and strides and raise
-    their errors, from the schema's arguments alone."""
+    """The fakes, reached below autograd, give the real kernels' shapes and strides from the
+    schema's arguments alone; on fake tensors the argument errors are the op's own."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     ops = torch.ops.megatron_ext
@@ -173,11 +173,19 @@ def _check_fakes_match_real(n: int):
             assert fake.shape == real.shape, (name, fake.shape, real.shape)
             assert fake.stride() == real.stride(), (name, fake.stride(), real.stride())
     if n > 1:
-        with FakeTensorMode() as mode, below_autograd():
+        # The argument errors are the op's own, on fake tensors too (its autograd kernel checks);
+        # below autograd the fake only refuses a shape it cannot compute.
+        bad = torch.ones(2, 2 * n + 1)
+        with FakeTensorMode() as mode:
             with pytest.raises(ValueError, match="not divisible by the group size"):
-                ops.scatter_to_tensor_model_parallel_region(mode.from_tensor(torch.ones(2, 2 * n + 1)), *args)
+                ops.scatter_to_tensor_model_parallel_region(mode.from_tensor(bad), *args)
             with pytest.raises(ValueError, match="0 <= rank < group_size"):
                 ops.scatter_to_tensor_model_parallel_region(mode.from_tensor(x), args[0], n, n)
+            with below_autograd(), pytest.raises(RuntimeError, match=f"dim 1 divisible by {n}"):
+                ops.scatter_to_tensor_model_parallel_region(mode.from_tensor(bad), *args)
+        with FakeTensorMode() as mode, below_autograd():  # a scalar's all-reduce is a scalar
+            scalar = mode.from_tensor(torch.ones(()))
+            assert ops.reduce_from_tensor_model_parallel_region(scalar, *args).shape == ()
 
 
 def _check_schema_mismatch(n: int):

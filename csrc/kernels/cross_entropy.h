@@ -1,7 +1,9 @@
 #pragma once
 // Per-row arithmetic of the vocabulary-parallel cross-entropy, shared by the CPU loops and the
-// CUDA kernels so that CPU tests exercise the arithmetic the GPU runs. ``acc_t`` is float for
-// 16-bit and float32 logits, double for float64 ones.
+// CUDA kernels so that CPU tests exercise the arithmetic the GPU runs, and the facts every part of
+// the loss shares: the accumulation type, the columns of the row statistics and the encoding of
+// the per-token local target. The ATen side (kernels/cross_entropy_checks.h) and the Python fakes
+// (through megatron_ext._C) read them from here.
 //
 // Non-finite logits follow torch.nn.functional.cross_entropy: a NaN or +inf logit makes the row's
 // loss and gradient NaN; -inf logits have probability 0, so a -inf target logit (or, with label
@@ -10,10 +12,16 @@
 
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "kernels/host_device.h"
 
 namespace megatron_ext::kernels {
+
+// The type statistics, losses and per-element gradients are computed in: float for 16-bit and
+// float32 logits, double for float64 ones.
+template <typename scalar_t>
+using acc_type = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
 MEGATRON_EXT_HOST_DEVICE float exp_acc(float x) { return ::expf(x); }
 MEGATRON_EXT_HOST_DEVICE double exp_acc(double x) { return ::exp(x); }
@@ -30,8 +38,8 @@ enum RowStat : int64_t {
   kNumRowStats = 5,
 };
 
-// Values of the per-token ``local_target`` tensor the forward hands to the backward besides a
-// column of this rank's slice.
+// The per-token local target the forward hands to the backward: the target's column in this
+// rank's slice, or one of these.
 constexpr int64_t kTargetElsewhere = -1;  // another rank holds the target
 constexpr int64_t kIgnoredToken = -2;     // target == ignore_index: loss and gradient 0
 
@@ -78,14 +86,17 @@ MEGATRON_EXT_HOST_DEVICE RowState<acc_t> row_state_merge(const RowState<acc_t>& 
   return {m, sa + sb, shifted_sum_onto(a, m) + shifted_sum_onto(b, m), a.count + b.count};
 }
 
-// The column of ``target`` in a rank holding vocabulary rows [vocab_start, vocab_start +
-// local_vocab), or -1 when another rank holds it or the token is ignored.
+// The local target of one token (kernels/cross_entropy_checks.h's ``local_target_columns`` is the
+// same for a tensor of tokens): the column of ``target`` in a rank holding vocabulary rows
+// [vocab_start, vocab_start + local_vocab), kIgnoredToken when it equals the ignore index,
+// kTargetElsewhere when another rank holds it. Non-negative exactly when this rank holds the
+// target of a token that counts.
 MEGATRON_EXT_HOST_DEVICE int64_t local_target_index(int64_t target, int64_t vocab_start,
                                                     int64_t local_vocab, bool has_ignore_index,
                                                     int64_t ignore_index) {
-  if (has_ignore_index && target == ignore_index) return -1;
+  if (has_ignore_index && target == ignore_index) return kIgnoredToken;
   const int64_t local = target - vocab_start;
-  return (local >= 0 && local < local_vocab) ? local : -1;
+  return (local >= 0 && local < local_vocab) ? local : kTargetElsewhere;
 }
 
 // Writes a row's statistics (RowStat order) from its summary and its target logit.

@@ -1,10 +1,16 @@
 #pragma once
-// Checks shared by the CPU and CUDA kernels of the cross-entropy's internal ops. The public op
-// validates user input with friendlier messages before any kernel or collective runs
-// (ops/cross_entropy.cpp); these guard direct calls of the internal ops.
+// The ATen side of the cross-entropy's kernels, shared by its CPU and CUDA kernels and by the ops
+// built on them (ops/cross_entropy.cpp, ops/linear_cross_entropy.cpp): the accumulation dtype and
+// the per-token local target as tensors, from the definitions in kernels/cross_entropy.h, and the
+// checks of the internal ops. The public op validates user input with friendlier messages before
+// any kernel or collective runs; these guard direct calls of the internal ops.
+#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/aminmax.h>
+#include <ATen/ops/where.h>
 #include <c10/util/Exception.h>
+
+#include <optional>
 
 #include "kernels/cross_entropy.h"
 
@@ -32,9 +38,23 @@ inline void check_cross_entropy_inplace(const at::Tensor& logits) {
                     "gradient overwrites must be contiguous, got strides ", logits.strides());
 }
 
-// The dtype statistics and losses are accumulated in: float for 16-bit and float32 logits.
+// The dtype of the row statistics and losses of ``logits`` floating-point logits: the kernels'
+// kernels::acc_type.
 inline at::ScalarType cross_entropy_acc_type(at::ScalarType logits) {
-  return logits == at::kDouble ? at::kDouble : at::kFloat;
+  return AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, logits, "cross_entropy_acc_type",
+      [] { return c10::CppTypeToScalarType<kernels::acc_type<scalar_t>>::value; });
+}
+
+// Every token's local target (kernels::local_target_index) in a rank holding vocabulary rows
+// [vocab_start, vocab_start + local_vocab), from int64 ``ids``.
+inline at::Tensor local_target_columns(const at::Tensor& ids, int64_t vocab_start,
+                                       int64_t local_vocab, std::optional<int64_t> ignore_index) {
+  const auto column = ids.sub(vocab_start);
+  const auto held = column.ge(0).logical_and_(column.lt(local_vocab));
+  auto local = at::where(held, column, kernels::kTargetElsewhere);
+  if (ignore_index.has_value()) local.masked_fill_(ids.eq(*ignore_index), kernels::kIgnoredToken);
+  return local;
 }
 
 // The backward kernels' inputs, contiguous, statistics in the accumulation dtype.

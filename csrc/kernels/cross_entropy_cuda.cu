@@ -6,7 +6,6 @@
 // header's, the one the CPU kernels run.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -140,7 +139,7 @@ at::Tensor row_stats_cuda(const at::Tensor& logits, const at::Tensor& target, in
   if (rows == 0) return stats;
   const unsigned int grid = row_grid(rows, kName);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), kName, [&] {
-    using acc_t = at::opmath_type<scalar_t>;
+    using acc_t = acc_type<scalar_t>;
     row_stats_kernel<scalar_t, acc_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         x.const_data_ptr<scalar_t>(), t.const_data_ptr<int64_t>(), vocab, vocab_start, ignore_index.has_value(),
         ignore_index.value_or(0), stats.mutable_data_ptr<acc_t>());
@@ -154,7 +153,7 @@ void launch_backward(const CrossEntropyBackwardInputs& in, const at::Tensor& gra
   const unsigned int grid = row_grid(in.rows, "vocab_parallel_cross_entropy_backward");
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, in.logits.scalar_type(), "vocab_parallel_cross_entropy_backward", [&] {
-        using acc_t = at::opmath_type<scalar_t>;
+        using acc_t = acc_type<scalar_t>;
         grad_kernel<scalar_t, acc_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
             in.grad_loss.const_data_ptr<acc_t>(), in.logits.const_data_ptr<scalar_t>(),
             in.local_target.const_data_ptr<int64_t>(), in.row_max.const_data_ptr<acc_t>(),

@@ -58,9 +58,9 @@ void check_inputs(const at::Tensor& logits, const at::Tensor& target, double lab
   TORCH_CHECK_VALUE(at::isIntegralType(target.scalar_type(), /*includeBool=*/false), kOp,
                     ": target must hold integer token ids, got dtype ", target.scalar_type());
   TORCH_CHECK_VALUE(logits.dim() >= 1, kOp, ": vocab_parallel_logits must have a vocabulary dim, got a scalar");
-  TORCH_CHECK_VALUE(target.sizes() == logits.sizes().slice(0, logits.dim() - 1), kOp, ": target shape ",
-                    target.sizes(), " must equal the logits shape ", logits.sizes(),
-                    " without its last (vocabulary) dim");
+  TORCH_CHECK_VALUE(target.sym_sizes() == logits.sym_sizes().slice(0, logits.dim() - 1), kOp,
+                    ": target shape ", target.sym_sizes(), " must equal the logits shape ",
+                    logits.sym_sizes(), " without its last (vocabulary) dim");
   TORCH_CHECK_VALUE(target.device() == logits.device(), kOp, ": target is on ", target.device(),
                     " but vocab_parallel_logits are on ", logits.device());
   TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing < 1.0, kOp,
@@ -147,12 +147,9 @@ ForwardResult forward_impl(const at::Tensor& logits, const at::Tensor& target, d
   auto loss = log_sum_exp - sums[2] * target_weight;
   if (other != 0.0) loss = loss - sums[1] * other;
 
-  const auto column = ids - vocab_start;
-  auto local_target = at::where(column.ge(0).logical_and_(column.lt(local_vocab)), column, kernels::kTargetElsewhere);
+  const auto local_target = local_target_columns(ids, vocab_start, local_vocab, ignore_index);
   if (ignore_index.has_value()) {
-    const auto ignored = ids == *ignore_index;
-    loss = loss.masked_fill(ignored, 0.0);
-    local_target.masked_fill_(ignored, kernels::kIgnoredToken);
+    loss = loss.masked_fill(local_target == kernels::kIgnoredToken, 0.0);
   }
   return {loss, row_max, log_sum_exp, local_target};
 }
@@ -224,6 +221,8 @@ struct VocabParallelCrossEntropyFunction : public Function<VocabParallelCrossEnt
 at::Tensor cross_entropy_autograd(const at::Tensor& logits, const at::Tensor& target, double label_smoothing,
                                   std::optional<int64_t> ignore_index, c10::string_view group, int64_t group_size,
                                   bool overwrite_logits) {
+  // Checked here too, so a traced call (on fake tensors) raises the op's own errors.
+  check_inputs(logits, target, label_smoothing);
   return VocabParallelCrossEntropyFunction::apply(logits, target, label_smoothing, ignore_index,
                                                   std::string(group), group_size, overwrite_logits);
 }

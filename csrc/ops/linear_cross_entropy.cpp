@@ -34,6 +34,7 @@
 
 #include "comm/functional.h"
 #include "comm/process_group.h"
+#include "kernels/cross_entropy_checks.h"
 #include "ops/dispatch.h"
 #include "ops/weight_grad.h"
 
@@ -71,22 +72,18 @@ at::Tensor ce_backward(const at::Tensor& grad_loss, const at::Tensor& logits, co
                        const at::Tensor& row_max, const at::Tensor& log_sum_exp, double label_smoothing,
                        std::optional<int64_t> ignore_index, int64_t vocab_start, int64_t vocab_size) {
   static const auto op = typed_op<CeBackwardFn>("vocab_parallel_cross_entropy_backward");
-  // The cross-entropy's backward takes each token's column in this rank's slice (-1 when another
-  // rank holds it, -2 when ignored), as its forward returns it.
-  const int64_t local_vocab = logits.size(-1);
-  const auto ids = target.to(at::kLong);
-  const auto column = ids - vocab_start;
-  auto local_target = at::where(column.ge(0).logical_and_(column.lt(local_vocab)), column, -1);
-  if (ignore_index.has_value()) local_target.masked_fill_(ids == *ignore_index, -2);
+  // The cross-entropy's backward takes each token's local target, as its forward returns it.
+  const auto local_target =
+      local_target_columns(target.to(at::kLong), vocab_start, logits.size(-1), ignore_index);
   return op.call(grad_loss, logits, local_target, row_max, log_sum_exp, label_smoothing, vocab_size);
 }
 
 // Every check depends only on shapes, dtypes and arguments that all ranks share, so bad input
 // raises the same error on every rank before any collective starts. Target ids out of range are
-// checked by the cross-entropy's forward, on every rank alike.
+// checked by the cross-entropy's forward, on every rank alike. Metadata only: the autograd kernel
+// runs it on fake tensors too.
 void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
-                  int64_t chunk_size, const std::string& group, int64_t group_size,
-                  int64_t group_rank) {
+                  int64_t chunk_size) {
   TORCH_CHECK_VALUE(hidden.defined() && weight.defined() && target.defined(), kOp,
                     ": expected tensors, got an undefined one");
   TORCH_CHECK_VALUE(at::isFloatingType(hidden.scalar_type()), kOp,
@@ -108,14 +105,15 @@ void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::
                     ": hidden, weight and target must be on one device, got ", hidden.device(), ", ",
                     weight.device(), " and ", target.device());
   TORCH_CHECK_VALUE(chunk_size > 0, kOp, ": chunk_size must be positive, got ", chunk_size);
+}
+
+void check_group(const std::string& group, int64_t group_size, int64_t group_rank) {
   const int64_t size = comm::group_size(group);
   const int64_t rank = comm::group_rank(group);
   TORCH_CHECK_VALUE(group_size == size && group_rank == rank, kOp, ": group_size ", group_size,
                     " and group_rank ", group_rank, " do not match process group '", group,
                     "' (size ", size, ", this rank ", rank, ")");
 }
-
-at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 // grad += a^T b, accumulated in grad's dtype (float for 16-bit inputs). On CUDA that is the
 // linear layers' mixed-dtype GEMM; the CPU has none, and rounding the one 16-bit product beats
@@ -136,12 +134,13 @@ ForwardResult forward_impl(const at::Tensor& hidden, const at::Tensor& weight, c
                            int64_t chunk_size, bool hidden_grad, bool weight_grad,
                            c10::string_view group_name, int64_t group_size, int64_t group_rank) {
   const std::string group(group_name);
-  check_inputs(hidden, weight, target, chunk_size, group, group_size, group_rank);
+  check_inputs(hidden, weight, target, chunk_size);
+  check_group(group, group_size, group_rank);
   const int64_t local_vocab = weight.size(0);
   const auto h = hidden.reshape({-1, hidden.size(-1)}).contiguous();
   const auto ids = target.reshape({-1}).to(at::kLong).contiguous();
   const int64_t rows = ids.numel();
-  const auto acc = acc_type(hidden.scalar_type());
+  const auto acc = cross_entropy_acc_type(hidden.scalar_type());
   auto loss = at::empty({rows}, hidden.options().dtype(acc));
   auto row_max = at::empty_like(loss);
   auto log_sum_exp = at::empty_like(loss);
@@ -193,7 +192,7 @@ void backward_impl(const at::Tensor& grad_loss, const at::Tensor& hidden, const 
                     grad_hidden.sizes(), ", expected ", h.sizes());
   TORCH_CHECK_VALUE(!want_weight || grad_weight.sizes() == weight.sizes(), kOp,
                     "_backward: grad_weight has shape ", grad_weight.sizes(), ", expected ", weight.sizes());
-  const auto acc = acc_type(hidden.scalar_type());
+  const auto acc = cross_entropy_acc_type(hidden.scalar_type());
   auto g = grad_loss.reshape({-1}).to(acc);
   TORCH_CHECK_VALUE(g.numel() == rows, kOp, "_backward: expected one loss gradient per token (", rows,
                     "), got ", g.numel());
@@ -302,7 +301,7 @@ struct LinearCrossEntropyFunction : public Function<LinearCrossEntropyFunction> 
     const bool want_hidden = ctx->needs_input_grad(0);
     const bool want_weight = ctx->needs_input_grad(1);
     const bool precomputed = ctx->saved_data.count("grad_hidden") > 0;
-    const auto acc = acc_type(hidden.scalar_type());
+    const auto acc = cross_entropy_acc_type(hidden.scalar_type());
     at::Tensor grad_hidden, grad_weight;
     if (precomputed) {
       grad_hidden = ctx->saved_data["grad_hidden"].toTensor();
@@ -338,6 +337,7 @@ at::Tensor linear_cross_entropy_autograd(const at::Tensor& hidden, const at::Ten
                                          const at::Tensor& target, double label_smoothing,
                                          std::optional<int64_t> ignore_index, int64_t chunk_size,
                                          c10::string_view group, int64_t group_size, int64_t group_rank) {
+  check_inputs(hidden, weight, target, chunk_size);
   return LinearCrossEntropyFunction::apply(hidden, weight, target, label_smoothing, ignore_index, chunk_size,
                                            std::string(group), group_size, group_rank);
 }

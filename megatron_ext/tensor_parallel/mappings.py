@@ -56,47 +56,33 @@ def _check_tensor(input_: object, region: str) -> torch.Tensor:
 
 
 # --- fake kernels: shapes and strides of the real kernels, from the schema's arguments only -------
+# The conditions a fake's result rests on are ``torch._check``s; the argument errors are the C++
+# op's own (its autograd kernel checks before dispatching, on fake tensors too).
 
 
-def _check_divisible(input_: torch.Tensor, dim: int, group_size: int, region: str) -> None:
-    if input_.dim() == 0:
-        raise ValueError(f"{region}: expected a tensor with at least one dimension, got a scalar")
-    d = dim % input_.dim()
-    if input_.shape[d] % group_size != 0:
-        raise ValueError(
-            f"{region}: dimension {d} of the input has size {input_.shape[d]}, which is not divisible by "
-            f"the group size {group_size} (input shape {tuple(input_.shape)})"
-        )
-
-
-def _fake_forward(kind: str, dim: int, region: str) -> Callable[..., torch.Tensor]:
+def _fake_forward(kind: str, dim: int) -> Callable[..., torch.Tensor]:
     def fake(input_: torch.Tensor, group_name: str, group_size: int, rank: int) -> torch.Tensor:
-        if not 0 <= rank < group_size:
-            raise ValueError(
-                f"{region}: expected 0 <= rank < group_size, got rank {rank} and group_size {group_size}"
-            )
+        torch._check(0 <= rank < group_size, lambda: f"rank {rank} in a group of {group_size}")
         if kind == "identity" or group_size == 1:
             return torch.ops.aten.alias(input_)
-        if kind in ("split", "reduce_scatter"):
-            _check_divisible(input_, dim, group_size, region)
-        elif input_.dim() == 0:
-            raise ValueError(f"{region}: expected a tensor with at least one dimension, got a scalar")
+        if kind == "all_reduce":
+            return input_.new_empty(input_.shape)
+        torch._check(input_.dim() > 0, lambda: "a tensor with at least one dimension")
         d = dim % input_.dim()
+        if kind in ("split", "reduce_scatter"):
+            torch._check(input_.shape[d] % group_size == 0, lambda: f"dim {d} divisible by {group_size}")
         if kind == "split":
             chunk = input_.shape[d] // group_size
             return input_.narrow(d, rank * chunk, chunk).contiguous()
         shape = list(input_.shape)
-        if kind == "all_gather":
-            shape[d] *= group_size
-        elif kind == "reduce_scatter":
-            shape[d] //= group_size
+        shape[d] = shape[d] * group_size if kind == "all_gather" else shape[d] // group_size
         return input_.new_empty(shape)
 
     return fake
 
 
 def _register_fake(name: str, kind: str, dim: int) -> None:
-    torch.library.register_fake(f"megatron_ext::{name}")(_fake_forward(kind, dim, name))
+    torch.library.register_fake(f"megatron_ext::{name}")(_fake_forward(kind, dim))
 
 
 # --- the regions --------------------------------------------------------------------------------
@@ -171,7 +157,7 @@ def gather_from_sequence_parallel_region(
     )
 
 
-_gather_seq_fake = _fake_forward("all_gather", 0, "gather_from_sequence_parallel_region")
+_gather_seq_fake = _fake_forward("all_gather", 0)
 
 
 @torch.library.register_fake("megatron_ext::gather_from_sequence_parallel_region")
