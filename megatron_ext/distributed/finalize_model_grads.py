@@ -41,26 +41,36 @@ def allreduce_gradients(
     ``average``, reduced with SUM (gloo has no AVG) and copied back. Parameters without a gradient
     are skipped (every rank must pass the same set).
     """
+    grads = [g for g in (_grad(p) for p in params) if g is not None]
+    _allreduce_tensors(grads, group, average, bucket_bytes)
+
+
+def _allreduce_tensors(
+    tensors: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    average: bool,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> None:
+    """``allreduce_gradients`` on the tensors themselves."""
     if dist.get_world_size(group) == 1:
         return
-    grads = [g for g in (_grad(p) for p in params) if g is not None]
     divisor = dist.get_world_size(group) if average else 1
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for g in grads:
-        by_kind.setdefault((g.dtype, g.device), []).append(g)
-    for (dtype, _), tensors in by_kind.items():
-        bucket_size = max(1, bucket_bytes // torch.empty(0, dtype=dtype).element_size())
-        buffer = _ParamAndGradBuffer(None, dtype, dtype, tensors, group, bucket_size, {}, 1.0)
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for (dtype, _), same_kind in by_kind.items():
+        bucket_size = max(1, bucket_bytes // dtype.itemsize)
+        buffer = _ParamAndGradBuffer(None, dtype, dtype, same_kind, group, bucket_size, {}, 1.0)
         for bucket in buffer.buckets:
-            for g in bucket.params_list:
-                lo, hi = bucket.param_to_index[g]
-                bucket.grad_data[lo:hi].copy_(g.reshape(-1))
+            for t in bucket.params_list:
+                lo, hi = bucket.param_to_index[t]
+                bucket.grad_data[lo:hi].copy_(t.reshape(-1))
             if divisor != 1:
                 bucket.grad_data.mul_(1.0 / divisor)  # before the sum, as the DDP buckets are
             dist.all_reduce(bucket.grad_data, group=group)
-            for g in bucket.params_list:
-                lo, hi = bucket.param_to_index[g]
-                g.copy_(bucket.grad_data[lo:hi].view_as(g))
+            for t in bucket.params_list:
+                lo, hi = bucket.param_to_index[t]
+                t.copy_(bucket.grad_data[lo:hi].view_as(t))
 
 
 def allreduce_embedding_grads(
@@ -222,7 +232,7 @@ def _allreduce_conditional_embedding_grads(
         for other in grads[1:]:
             grads[0].add_(other)
         firsts.append(grads[0])
-    allreduce_gradients(firsts, pp_group, average=False)
+    _allreduce_tensors(firsts, pp_group, average=False)
     for grads in by_name.values():
         for other in grads[1:]:
             other.copy_(grads[0])
