@@ -252,7 +252,7 @@ _PG_COLLECTION_FIELDS = ("tp", "pp", "embd", "pos_embd", "dp_cp")
 
 
 def finalize_model_grads(
-    model_chunks: list[torch.nn.Module],
+    model: list[torch.nn.Module],
     num_tokens: torch.Tensor | None = None,
     pg_collection: Any = None,
     force_all_reduce: bool | None = False,
@@ -271,8 +271,9 @@ def finalize_model_grads(
     summed over the data-parallel group, and every gradient becomes the data-parallel *sum*
     divided by that global count, as in Megatron-core. ``pg_collection`` (a
     ``ProcessGroupCollection`` with ``tp``, ``pp``, ``embd``, ``pos_embd`` and ``dp_cp``) replaces
-    parallel_state's groups.
+    parallel_state's groups. ``model`` is the list of model chunks.
     """
+    model_chunks = model
     if pg_collection is not None:
         missing = [f for f in _PG_COLLECTION_FIELDS if not hasattr(pg_collection, f)]
         if missing:
