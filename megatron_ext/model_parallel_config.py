@@ -227,3 +227,77 @@ class ModelParallelConfig:
             )
         if self.microbatch_group_size_per_vp_stage is None:
             self.microbatch_group_size_per_vp_stage = self.pipeline_model_parallel_size
+
+
+# Duck typing: the layers, schedules, DDP and optimizer take any config object with the fields
+# they read (Megatron-core's ModelParallelConfig / TransformerConfig included); a field the object
+# lacks reads as ModelParallelConfig's default.
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ModelParallelConfig)}
+
+# Defaults that ModelParallelConfig derives from other fields in __post_init__.
+_DERIVED_DEFAULTS: dict[str, Callable[[Any], Any]] = {
+    "autocast_dtype": lambda config: config_field(config, "params_dtype"),
+    "expert_tensor_parallel_size": lambda config: config_field(config, "tensor_model_parallel_size"),
+    "microbatch_group_size_per_vp_stage": lambda config: config_field(config, "pipeline_model_parallel_size"),
+}
+
+_NOT_CONFIGS = (type(None), bool, int, float, complex, str, bytes, list, tuple, dict, set, torch.Tensor)
+
+
+def config_field(config: Any, name: str) -> Any:
+    """``config.<name>``, or ModelParallelConfig's default for it when ``config`` has no such
+    attribute (derived defaults, such as ``autocast_dtype`` = ``params_dtype``, included)."""
+    value = getattr(config, name, dataclasses.MISSING)
+    if value is not dataclasses.MISSING and not (value is None and name in _DERIVED_DEFAULTS):
+        return value
+    if name in _DERIVED_DEFAULTS:
+        return _DERIVED_DEFAULTS[name](config)
+    if name not in _FIELDS:
+        raise AttributeError(f"{type(config).__name__} has no field {name!r}, nor has ModelParallelConfig")
+    return _default(_FIELDS[name])
+
+
+def check_config_object(config: Any, owner: str) -> Any:
+    """Raises TypeError when ``config`` cannot be a configuration object at all (None, a number,
+    a string, a container, a tensor or a module)."""
+    if isinstance(config, _NOT_CONFIGS) or isinstance(config, torch.nn.Module):
+        raise TypeError(
+            f"{owner}: config must be a configuration object with ModelParallelConfig's fields "
+            "(megatron_ext.ModelParallelConfig or TransformerConfig, Megatron-core's, or any object "
+            f"with the fields read, e.g. sequence_parallel, params_dtype), got {type(config).__name__}"
+        )
+    return config
+
+
+def check_model_parallel_config(config: Any, owner: str) -> Any:
+    """Returns ``config`` if it can serve as a ModelParallelConfig: megatron_ext's own, Megatron-core's
+    ``ModelParallelConfig`` / ``TransformerConfig``, or any object with at least one of its fields
+    (missing fields read as the defaults, see ``config_field``). Raises TypeError for anything else
+    and NotImplementedError for a field set to a feature megatron_ext lacks."""
+    if isinstance(config, ModelParallelConfig):
+        return config  # checked by its __post_init__
+    check_config_object(config, owner)
+    if not any(hasattr(config, name) for name in _FIELDS):
+        raise TypeError(
+            f"{owner}: config must be a configuration object with ModelParallelConfig's fields "
+            "(megatron_ext.ModelParallelConfig or TransformerConfig, Megatron-core's, or any object "
+            f"with the fields read, e.g. sequence_parallel, params_dtype), got {type(config).__name__}"
+        )
+    for name, why in _UNIMPLEMENTED.items():
+        default = _default(_FIELDS[name])
+        value = getattr(config, name, default)
+        if value is not default and value != default:
+            raise NotImplementedError(
+                f"{owner}: config.{name}={value!r} is not supported ({why}); leave it at its default "
+                f"{default!r}"
+            )
+    for name, why in (("context_parallel_size", "context-parallel attention"),
+                      ("expert_model_parallel_size", "mixture-of-experts layers")):
+        if config_field(config, name) != 1:
+            value = config_field(config, name)
+            raise NotImplementedError(f"{owner}: config.{name}={value!r} is not supported ({why})")
+    if not isinstance(config_field(config, "params_dtype"), torch.dtype):
+        dtype = config_field(config, "params_dtype")
+        raise TypeError(f"{owner}: config.params_dtype must be a torch.dtype, got {dtype!r}")
+    return config

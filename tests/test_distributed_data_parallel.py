@@ -1,6 +1,7 @@
 """DistributedDataParallel averages gradients exactly as a post-hoc all-reduce would, starts its
-bucket all-reduces during the backward in bucket-index order, and keeps ranks in step when some
-gradients are missing. The GPT example with small buckets still matches the serial losses."""
+bucket all-reduces during the backward (from the second step on, as Megatron-core) in one order on
+every rank, and keeps ranks in step when some gradients are missing. The GPT example with small
+buckets still matches the serial losses."""
 
 from __future__ import annotations
 
@@ -101,6 +102,17 @@ class _LaunchRecorder:
         dist.all_reduce = self._original
 
 
+def _first_step(ddp: DistributedDataParallel, model: torch.nn.Module, *args) -> int:
+    """Runs the step in which the wrapper counts each parameter's gradients (Megatron-core's
+    first batch): nothing starts during its backward. Returns how many buckets did."""
+    ddp(*args).square().mean().backward()
+    launched = ddp.launched_buckets
+    ddp.finish_grad_sync()
+    ddp.zero_grad_buffer()
+    model.zero_grad(set_to_none=True)
+    return launched
+
+
 def _bucket_numels(ddp: DistributedDataParallel) -> list[int]:
     params = dict(ddp.module.named_parameters())
     return [sum(params[n].numel() for n in names) for names in ddp.buckets]
@@ -113,7 +125,7 @@ def _check_single_backward(rank: int, reverse: bool, bucket_size_bytes: int) -> 
     ddp = DistributedDataParallel(model, dist.group.WORLD, bucket_size_bytes=bucket_size_bytes)
     (x,) = _data(model, 1, seed=100 + rank)  # different data per rank
     expected = _average(_local_grads(reference, [x]))
-    model.zero_grad(set_to_none=True)
+    first_step = _first_step(ddp, model, x)
     with _LaunchRecorder(model) as rec:
         ddp(x).square().mean().backward()
         launched_in_backward = ddp.launched_buckets
@@ -122,7 +134,8 @@ def _check_single_backward(rank: int, reverse: bool, bucket_size_bytes: int) -> 
     _assert_grads(model, expected, f"single backward reverse={reverse} bucket={bucket_size_bytes}")
     # Every bucket starts exactly once, in bucket-index order.
     assert [n for n, _ in rec.launches] == _bucket_numels(ddp)
-    return {"buckets": len(ddp.buckets), "in_backward": launched_in_backward, "launches": rec.launches}
+    return {"buckets": len(ddp.buckets), "in_backward": launched_in_backward, "launches": rec.launches,
+            "first_step": first_step}
 
 
 def _check_accumulation(rank: int, last_synced: bool) -> None:
@@ -132,7 +145,7 @@ def _check_accumulation(rank: int, last_synced: bool) -> None:
     ddp = DistributedDataParallel(model, bucket_size_bytes=64)  # default group: WORLD
     batches = _data(model, 3, seed=200 + rank)
     expected = _average(_local_grads(reference, batches))
-    model.zero_grad(set_to_none=True)
+    _first_step(ddp, model, batches[0])
     with ddp.no_sync():
         for x in batches[:-1]:
             ddp(x).square().mean().backward()
@@ -168,7 +181,7 @@ def _check_missing_grads(rank: int) -> dict:
     assert ddp.buckets[0] == ("extra.0",)
     (x,) = _data(model, 1, seed=400 + rank)
     expected = _average(_local_grads(reference, [x]))
-    model.zero_grad(set_to_none=True)
+    _first_step(ddp, model, x)
     ddp(x).square().mean().backward()
     out["unused_in_backward"] = ddp.launched_buckets
     ddp.finish_grad_sync()
@@ -183,7 +196,7 @@ def _check_missing_grads(rank: int) -> dict:
     (x,) = _data(model, 1, seed=500 + rank)
     use = rank == 0
     expected = _average(_local_grads(reference, [x], use_extra=use))
-    model.zero_grad(set_to_none=True)
+    _first_step(ddp, model, x, use)
     ddp(x, use_extra=use).square().mean().backward()
     out["rank0_only_in_backward"] = ddp.launched_buckets
     ddp.finish_grad_sync()
@@ -221,9 +234,10 @@ def _check_misuse(rank: int) -> None:
     model = Toy()
     ddp = DistributedDataParallel(model, bucket_size_bytes=1)
     (x,) = _data(model, 1, seed=700)
+    _first_step(ddp, model, x)
     ddp(x).square().mean().backward()
     # A second synced backward would add to gradients whose all-reduce already started.
-    with pytest.raises(RuntimeError, match="after the all-reduce of its bucket"):
+    with pytest.raises(RuntimeError, match="after the collective of its bucket"):
         ddp(x).square().mean().backward()
     ddp.zero_grad_buffer()  # waits for the started all-reduces and forgets the step
     assert all(p.grad is None for p in model.parameters()) and ddp.launched_buckets == 0
@@ -253,6 +267,7 @@ def test_ddp_averages_and_overlaps_world4():
             small, medium, large = (out[(reverse, b)] for b in (1, 200, 1 << 20))
             assert small["buckets"] == 8 and large["buckets"] == 1 and 1 < medium["buckets"] < 8
             for r in (small, medium, large):
+                assert r["first_step"] == 0  # the first step only counts the gradients
                 assert r["in_backward"] == r["buckets"]  # every bucket started before finish
         # Registration order matches backward order reversed: the first bucket starts while
         # most parameters still have no gradient, i.e. during the backward.
@@ -275,11 +290,13 @@ def _group_worker() -> None:
     model = Toy()
     reference = copy.deepcopy(model)
     ddp = DistributedDataParallel(model, bucket_size_bytes=100)
-    assert ddp.data_parallel_group is ps.get_data_parallel_group()
+    ranks = dist.get_process_group_ranks
+    assert ranks(ddp.data_parallel_group) == ranks(ps.get_data_parallel_group()) == [rank % 2, rank % 2 + 2]
     wrapper = torch.nn.Module()  # finalize_model_grads finds the DDP inside another wrapper
     wrapper.module = ddp
     batches = _data(model, 2, seed=800 + rank)
     expected = _average(_local_grads(reference, batches), group=ps.get_data_parallel_group())
+    _first_step(ddp, model, batches[0])
     with ddp.no_sync():
         ddp(batches[0]).square().mean().backward()
     ddp(batches[1]).square().mean().backward()
@@ -364,9 +381,10 @@ def test_gpt_small_buckets_match_serial():
         for rank_result in results:
             steps = rank_result[run][1]
             assert len(steps) == 4 and all(buckets > 1 for _, buckets in steps)
-            # Every bucket got its gradients in the last backward, so all started before
-            # finish_grad_sync was called.
-            assert all(started == buckets for started, buckets in steps), (run, steps)
+            # After the first step, which counts the gradients, every bucket got its gradients
+            # in the last backward, so all started before finish_grad_sync was called.
+            assert steps[0][0] == 0, (run, steps)
+            assert all(started == buckets for started, buckets in steps[1:]), (run, steps)
 
 
 # --- Megatron-core mode: DistributedDataParallelConfig, main_grad buffers, reduce-scatter ------------
@@ -388,6 +406,7 @@ def _ddp_config_worker() -> dict:
             ddp = DistributedDataParallel(model, bucket_size_bytes=200, ddp_config=config)
             batches = _data(model, 2, seed=1000 + rank)
             expected = _average(_local_grads(reference, batches))
+            _first_step(ddp, model, batches[0])
             with ddp.no_sync():
                 ddp(batches[0]).square().mean().backward()
             ddp(batches[1]).square().mean().backward()
@@ -492,7 +511,7 @@ def _fusion_worker() -> dict:
     for fusion in (False, True):
         torch.manual_seed(7)
         model = _FusedMlp(fusion)
-        ddp = DistributedDataParallel(model, bucket_size_bytes=150,
+        ddp = DistributedDataParallel(model, bucket_size_bytes=8,
                                       ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True))
         weights = [model.fc1.weight, model.fc2.weight]
         for step in range(2):
@@ -521,8 +540,11 @@ def _fusion_worker() -> dict:
 
 def test_gradient_accumulation_fusion_keeps_overlap():
     for out in run_distributed(2, _fusion_worker):
-        for (launched, buckets, flags, grads), (ref_launched, _, ref_flags, ref_grads) in zip(out[True], out[False]):
-            assert buckets > 2 and launched == buckets == ref_launched
+        steps = list(zip(out[True], out[False]))
+        assert out[True][0][0] == out[False][0][0] == 0  # the first step only counts the gradients
+        for step, (fused, reference) in enumerate(steps):
+            (launched, buckets, flags, grads), (ref_launched, _, ref_flags, ref_grads) = fused, reference
+            assert buckets > 2 and (step == 0 or launched == buckets == ref_launched)
             assert flags == [True, True] and ref_flags == [False, False]
             for a, b in zip(grads, ref_grads):
                 torch.testing.assert_close(a, b, rtol=0, atol=ATOL)

@@ -40,6 +40,10 @@ def _llama(tp: int, groups: int = 2, **overrides) -> GPTModel:
                     share_embeddings_and_output_weights=False, position_embedding_type="rope", **model_kwargs)
 
 
+# The fused kernels: RMSNorm, rotary embedding, SwiGLU.
+FUSED = {"persist_layer_norm": True, "apply_rope_fusion": True, "bias_activation_fusion": True}
+
+
 def _shard(full: torch.Tensor, param: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     """This rank's part of a serial tensor, as the parameter's partition attributes deal it."""
     if full.shape == param.shape:
@@ -85,7 +89,7 @@ def _split_worker(cases) -> list[float]:
     "world,cases",
     [
         # groups == tp, groups > tp, and query/key normalisation, interleaved partial rotary, QKV bias
-        (2, [(2, {}), (4, {"qk_layernorm": True}),
+        (2, [(2, {}), (4, {"qk_layernorm": True}), (2, FUSED),
              (2, {"rotary_interleaved": True, "rotary_percent": 0.5, "add_qkv_bias": True})]),
         # tp > groups: each group's key and value serve two or four ranks; sequence parallelism
         (4, [(2, {}), (1, {"sequence_parallel": True, "qk_layernorm": True})]),
@@ -94,6 +98,37 @@ def _split_worker(cases) -> list[float]:
 def test_tensor_parallel_llama_equals_serial(world, cases):
     results = run_distributed(world, _split_worker, cases)
     assert all(r == results[0] for r in results)  # every rank computed the same global loss
+
+
+def _fused_worker() -> list[float]:
+    """The largest relative differences between the fused and the unfused model: logits, loss and
+    each gradient, in float64."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    ps.initialize_model_parallel(1)
+    out = []
+    for overrides in ({}, FUSED, {**FUSED, "rotary_interleaved": True, "rotary_percent": 0.5}):
+        model = _llama(1, 2, **overrides)
+        logits = model(tokens, None)
+        model(tokens, None, labels=labels).sum().backward()
+        out.append((logits, {n: p.grad for n, p in model.named_parameters()}))
+    ps.destroy_model_parallel()
+    (ref_logits, ref_grads), (logits, grads), _ = out
+
+    def rel(a, b):
+        return ((a - b).abs().max() / b.abs().max()).item()
+
+    errors = [rel(logits, ref_logits)] + [rel(grads[n], ref_grads[n]) for n in ref_grads]
+    assert out[2][0].shape == ref_logits.shape
+    return errors
+
+
+def test_fused_kernels_equal_the_unfused_layers():
+    # persist_layer_norm (RMSNorm), apply_rope_fusion and bias_activation_fusion (SwiGLU) pick the
+    # fused kernels: the same model to float64 rounding.
+    (errors,) = run_distributed(1, _fused_worker)
+    assert max(errors) < 1e-13, errors
 
 
 def test_rotary_embedding_is_a_rotation_of_channel_pairs():
@@ -131,6 +166,7 @@ def test_rotary_embedding_is_a_rotation_of_channel_pairs():
         (dict(normalization="LayerNorm2"), ValueError, r"normalization='LayerNorm2' is not one of"),
         (dict(activation_func="silu"), ValueError, "activation_func must be callable"),
         (dict(glu_linear_offset=1.0), NotImplementedError, "glu_linear_offset"),
+        (dict(persist_layer_norm=True), NotImplementedError, "there is no fused LayerNorm"),
     ],
 )
 def test_bad_llama_configs_are_refused(overrides, error, message):

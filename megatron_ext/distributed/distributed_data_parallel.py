@@ -1,252 +1,250 @@
-"""A data-parallel wrapper whose gradient reductions overlap the backward pass.
+"""A data-parallel wrapper whose gradient reductions overlap the backward pass (Megatron-core's
+``DistributedDataParallel``).
 
-Parameters are grouped into buckets (``partition_into_buckets``, the one bucketer of the package,
-also used by ``finalize_model_grads.allreduce_gradients``). A hook on each parameter notes when
-its gradient for the current backward is complete; once every parameter of a bucket is complete,
-the bucket's collective starts asynchronously while autograd goes on computing the gradients of
-earlier layers. ``finish_grad_sync()`` (called by ``finalize_model_grads``) starts what is left
-and waits.
+The trainable parameters' gradients live in ``_ParamAndGradBuffer``s, one flat buffer per
+(parameter dtype, gradient dtype) pair, cut into buckets (``param_and_grad_buffer.py`` has the
+layout). A hook on each parameter counts its gradient; once every gradient of a bucket group is
+there, the group's collective starts asynchronously while autograd goes on with earlier layers.
+``finish_grad_sync()`` (called by ``finalize_model_grads``) starts what is left and waits.
 
 Two modes:
 
-* without ``ddp_config`` (this package's original API): gradients stay in ``param.grad``; after
+* with a ``DistributedDataParallelConfig`` (Megatron-core's, or any object with its fields): every
+  parameter gets ``param.main_grad``, a view into its buffer (float32 for 16-bit parameters under
+  ``grad_reduce_in_fp32``); each backward's gradient is added into it and ``param.grad`` cleared.
+  With ``use_distributed_optimizer`` a bucket is reduce-scattered: data-parallel rank r keeps the
+  reduced r-th of dp equal slices of the (padded) bucket, the part the distributed optimizer
+  updates.
+* without one (this package's original API): gradients stay in ``param.grad``; after
   ``finish_grad_sync()`` they hold the data-parallel average.
-* with a ``DistributedDataParallelConfig`` (Megatron-core's): every parameter gets
-  ``param.main_grad``, a view into a persistent flat bucket buffer (float32 for 16-bit
-  parameters when ``grad_reduce_in_fp32``). Each backward's gradient is added into it and
-  ``param.grad`` is cleared, as Megatron-core does. With ``use_distributed_optimizer`` a
-  bucket is reduce-scattered: data-parallel rank r receives the average of the r-th of ``dp``
-  equal slices of the (padded) bucket, which is the part the distributed optimizer updates.
 
 With ``use_distributed_optimizer`` the wrapper also gathers the parameters back: after the
 optimizer has written its updated slices into each parameter, ``start_param_sync()`` all-gathers
 every bucket's slices over the data-parallel group into the parameters. Under
 ``overlap_param_gather`` the all-gathers are left running when the optimizer step returns and a
-forward pre-hook on each module waits for the bucket(s) of that module's own parameters, so the
-gathers overlap the next forward pass (Megatron-core's design).
+forward pre-hook on each module waits for the bucket(s) of the parameters that module reads, so
+the gathers overlap the next forward pass (Megatron-core's design).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state
-from megatron_ext._torch_compat import all_gather_single, reduce_scatter_single
 from megatron_ext.comm_errors import ReportedWork, reported
-from megatron_ext.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron_ext.model_parallel_config import ModelParallelConfig
+from megatron_ext.distributed.distributed_data_parallel_config import as_ddp_config
+from megatron_ext.distributed.param_and_grad_buffer import (
+    _ParamAndGradBucket,
+    _ParamAndGradBucketGroup,
+    _ParamAndGradBuffer,
+    dist_all_gather_func,
+    partition_buckets,
+)
+from megatron_ext.model_parallel_config import check_config_object
+from megatron_ext.process_groups_config import ProcessGroupCollection
 
 DEFAULT_BUCKET_SIZE_BYTES = 40 * 1024 * 1024
 
-_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
-@dataclass
-class _Bucket:
-    """Parameters whose gradients travel in one flat collective.
-
-    ``offsets[i]`` is where parameter i starts in the flat buffer; ``padded_numel`` is ``numel``
-    rounded up to a multiple of the padding (the data-parallel size for reduce-scatter)."""
-
-    index: int
-    dtype: torch.dtype
-    device: torch.device
-    element_size: int
-    params: list[torch.Tensor] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    numel: int = 0
-    padded_numel: int = 0
-    grad_data: torch.Tensor | None = None
-    # Per-step state: ids of the parameters whose gradient is complete.
-    ready: set[int] = field(default_factory=set)
-    # An all-gather of the parameters in flight: (work, gathered flat buffer).
-    param_gather: tuple[Any, torch.Tensor] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.element_size
-
-    def is_ready(self) -> bool:
-        return len(self.ready) == len(self.params)
-
-    def describe(self) -> str:
-        """For a failed collective's message: ``bucket 0 (3 parameters, 'a' ... 'c')``."""
-        if len(self.names) == 1:
-            return f"bucket {self.index} (1 parameter, {self.names[0]!r})"
-        return f"bucket {self.index} ({len(self.names)} parameters, {self.names[0]!r} ... {self.names[-1]!r})"
-
-
-def partition_into_buckets(
-    named: list[tuple[str, torch.Tensor]],
-    bucket_size_bytes: int,
-    grad_dtype: dict[int, torch.dtype] | None = None,
-    pad_to: int = 1,
-) -> list[_Bucket]:
-    """Groups ``named`` tensors into buckets of one (gradient) dtype and device, taken in reverse
-    order (close to the order in which backward produces the gradients), up to
-    ``bucket_size_bytes`` each; a larger tensor gets a bucket of its own, and so does a
-    ``shared_embedding`` parameter (its gradient is also summed over the embedding group, which
-    needs the same slicing on the first and last pipeline stage). ``grad_dtype`` maps ``id(t)`` to
-    the gradient dtype where it differs from ``t.dtype``."""
-    buckets: list[_Bucket] = []
-    open_bucket: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
-
-    def new_bucket(dtype: torch.dtype, device: torch.device) -> _Bucket:
-        bucket = _Bucket(index=len(buckets), dtype=dtype, device=device,
-                         element_size=torch.empty(0, dtype=dtype).element_size())
-        buckets.append(bucket)
-        return bucket
-
-    for name, t in reversed(named):
-        dtype = (grad_dtype or {}).get(id(t), t.dtype)
-        key = (dtype, t.device)
-        alone = getattr(t, "shared_embedding", False)
-        bucket = open_bucket.get(key)
-        size = t.numel() * torch.empty(0, dtype=dtype).element_size()
-        if alone or bucket is None or (bucket.params and bucket.nbytes + size > bucket_size_bytes):
-            bucket = new_bucket(dtype, t.device)
-            open_bucket[key] = bucket
-        bucket.params.append(t)
-        bucket.names.append(name)
-        bucket.offsets.append(bucket.numel)
-        bucket.numel += t.numel()
-        if alone:
-            open_bucket.pop(key)
-    for bucket in buckets:
-        bucket.padded_numel = -(-bucket.numel // pad_to) * pad_to
-    return buckets
-
-
-def _default_data_parallel_group() -> dist.ProcessGroup:
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_data_parallel_group()
-    return dist.group.WORLD
+def _is_process_group(value: Any) -> bool:
+    return isinstance(value, dist.ProcessGroup)
 
 
 class DistributedDataParallel(torch.nn.Module):
     """Averages gradients over a data-parallel group, overlapping the reduction with backward.
 
-    ``DistributedDataParallel(module, data_parallel_group=None, bucket_size_bytes=None,
-    ddp_config=None)``; Megatron-core's order ``DistributedDataParallel(config, ddp_config,
-    module)`` is accepted too (the first argument is then a ``TransformerConfig``).
+    ``DistributedDataParallel(config, ddp_config, module, disable_bucketing=False,
+    pg_collection=None)`` as in Megatron-core, by position or keyword: ``config`` is the model's
+    config (any object with the fields read, e.g. a ``TransformerConfig``; ``calculate_per_token_loss``
+    makes the reduction a sum), ``ddp_config`` a ``DistributedDataParallelConfig`` or any object
+    with its fields, ``disable_bucketing`` puts all parameters into one bucket group, and
+    ``pg_collection`` (``ProcessGroupCollection``) replaces parallel_state's groups (see
+    ``ProcessGroupCollection.setup_process_groups_for_ddp``). This package's original order
+    ``DistributedDataParallel(module, data_parallel_group=None, *, bucket_size_bytes=None,
+    ddp_config=None)`` is recognised by its first argument being the module; the keywords
+    ``data_parallel_group`` and ``bucket_size_bytes`` work in both forms.
 
     ``module`` is kept as ``self.module``; ``forward`` calls it. The pipeline schedules and
-    ``finalize_model_grads`` look through ``.module`` for ``config``, ``set_input_tensor`` and
-    the shared embedding weight.
+    ``finalize_model_grads`` look through ``.module`` for ``config``, ``set_input_tensor`` and the
+    shared embedding weight.
 
-    A bucket's collective starts as soon as all its gradients are complete and every earlier
-    bucket has started (with a ``ddp_config``, only when ``overlap_grad_reduce``): buckets start
-    strictly in index order, so every rank issues the same collectives in the same order whatever
-    order its hooks fire in. Bucket size: ``bucket_size_bytes``, else ``ddp_config.bucket_size``
-    elements, else 40 MiB (Megatron's ``max(40e6, 1e6 * dp)`` elements with a ``ddp_config``).
+    Bucket size: ``bucket_size_bytes`` when given; else ``ddp_config.bucket_size`` elements
+    (default Megatron's ``max(40e6, 1e6 * dp)``), one bucket when ``overlap_grad_reduce`` is off, on
+    pipeline stages after the first or with ``disable_bucketing``; 40 MiB without a ``ddp_config``.
+
+    As in Megatron-core, the first step records how many gradients each parameter receives and its
+    collectives all start in ``finish_grad_sync()``; from the second step on a bucket group's
+    collective starts during the backward as soon as its parameters have them all. Ready groups
+    start in one fixed order (that of their first gradient in a backward over the parameters in
+    reverse registration order), so every rank issues the same collectives in the same order.
+    ``finish_grad_sync()`` starts what has not started: a parameter that got no gradient counts
+    as zeros on every rank, so a parameter used on some ranks only gets the correct average.
+    The reduction is a SUM after scaling by 1 / the group size (gloo has no AVG).
 
     Usage per step: run the backward(s) with all but the last inside ``no_sync()`` (the schedules
     do this through ``config.no_sync_func = ddp.no_sync``), then ``finish_grad_sync()`` (which
-    ``finalize_model_grads`` calls), then the optimizer step. Clear gradients with
-    ``zero_grad_buffer()`` (``megatron_ext.optimizer``'s ``zero_grad`` calls it); without a
-    ``ddp_config`` the torch optimizer's ``zero_grad()`` is enough.
-
-    After ``finish_grad_sync()`` every trainable parameter has a gradient: a parameter that got
-    none on this rank contributes zeros, so all ranks reduce the same buffers and a parameter
-    used only on some ranks gets the correct average. The reduction is a SUM followed by a
-    division by the group size (gloo has no AVG).
+    ``finalize_model_grads`` calls), then the optimizer step; clear with ``zero_grad_buffer()``
+    (``megatron_ext.optimizer``'s ``zero_grad`` calls it).
 
     With ``use_distributed_optimizer``, ``start_param_sync()`` gathers the optimizer's updated
     slices back into the parameters; under ``overlap_param_gather`` it leaves the gathers in
     flight, forward pre-hooks wait for them module by module (``disable_forward_pre_hook()`` /
     ``enable_forward_pre_hook()`` as in Megatron-core) and ``finish_param_sync()`` waits for all.
+    A parameter that a forward reads without calling the module that owns it (e.g. an output
+    layer's weight handed straight to a fused loss) is found out by the wrapper: its gradient
+    arrives although no forward called its owner. From then on the wrapped model's own pre-hook
+    waits for its bucket, at the top of every forward, and that bucket is gathered first.
     """
 
     def __init__(
         self,
-        module: torch.nn.Module,
+        config: Any = None,
+        ddp_config: Any = None,
+        module: torch.nn.Module | None = None,
+        disable_bucketing: bool = False,
+        pg_collection: ProcessGroupCollection | None = None,
+        *,
         data_parallel_group: dist.ProcessGroup | None = None,
         bucket_size_bytes: int | None = None,
-        ddp_config: DistributedDataParallelConfig | None = None,
     ) -> None:
         super().__init__()
-        if isinstance(module, ModelParallelConfig):  # Megatron-core's (config, ddp_config, module)
-            module, ddp_config, data_parallel_group = bucket_size_bytes, data_parallel_group, None
-            bucket_size_bytes = None
+        if isinstance(config, torch.nn.Module):
+            # This package's order: (module, data_parallel_group, ...).
+            if module is not None:
+                raise TypeError(
+                    "DistributedDataParallel(module, data_parallel_group, ...): pass bucket_size_bytes and "
+                    "ddp_config by keyword, or use Megatron's order (config, ddp_config, module)"
+                )
+            module, config = config, None
+            if _is_process_group(ddp_config):
+                if data_parallel_group is not None:
+                    raise TypeError("DistributedDataParallel: data_parallel_group given twice")
+                data_parallel_group, ddp_config = ddp_config, None
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if ddp_config is not None and not isinstance(ddp_config, DistributedDataParallelConfig):
-            raise TypeError(
-                f"ddp_config must be a DistributedDataParallelConfig, got {type(ddp_config).__name__}"
-            )
+        if config is not None:
+            check_config_object(config, "DistributedDataParallel")
+        megatron_mode = ddp_config is not None
+        ddp_config = as_ddp_config(ddp_config) if megatron_mode else None
         if bucket_size_bytes is not None and (
             isinstance(bucket_size_bytes, bool)
             or not isinstance(bucket_size_bytes, int)
             or bucket_size_bytes < 1
         ):
             raise ValueError(f"bucket_size_bytes must be an integer >= 1, got {bucket_size_bytes!r}")
+        if not isinstance(disable_bucketing, bool):
+            raise TypeError(f"disable_bucketing must be a bool, got {disable_bucketing!r}")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(
                 f"{type(module).__name__} has no parameter with requires_grad=True: there is no "
                 "gradient to reduce"
             )
+        expert = [n for n, p in named if not getattr(p, "allreduce", True)]
+        if expert:
+            raise NotImplementedError(
+                f"DistributedDataParallel: expert-parallel parameters (allreduce=False: {expert[:3]}) "
+                "are not supported by megatron_ext"
+            )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs torch.distributed: call "
                 "torch.distributed.init_process_group() first"
             )
-        if data_parallel_group is None:
-            data_parallel_group = _default_data_parallel_group()
-        self.module = module
-        self.ddp_config = ddp_config
-        self.data_parallel_group = data_parallel_group
-        self._dp_size = dist.get_world_size(data_parallel_group)
-        self._dp_rank = dist.get_rank(data_parallel_group)
-        self._main_grads = ddp_config is not None
-        self._reduce_scatter = self._main_grads and ddp_config.use_distributed_optimizer
-        self._overlap = ddp_config.overlap_grad_reduce if self._main_grads else True
 
-        grad_dtype = {}
-        if self._main_grads and ddp_config.grad_reduce_in_fp32:
-            grad_dtype = {id(p): torch.float32 for _, p in named if p.dtype in _SIXTEEN_BIT}
-        if bucket_size_bytes is None:
-            if ddp_config is None:
-                bucket_size_bytes = DEFAULT_BUCKET_SIZE_BYTES
-            else:
-                elements = ddp_config.bucket_size or max(40_000_000, 1_000_000 * self._dp_size)
-                bucket_size_bytes = elements * max(p.element_size() for _, p in named)
+        self.module = module
+        if config is not None:
+            self.config = config
+        self.ddp_config = ddp_config
+        # Without a ddp_config the buckets still follow one: plain all-reduces, started during
+        # the backward.
+        self._buffer_config = ddp_config if megatron_mode else as_ddp_config(None, overlap_grad_reduce=True)
+        self._setup_groups(pg_collection, config, data_parallel_group)
+        self.data_parallel_group = self.dp_cp_group
+        self._dp_size = dist.get_world_size(self.intra_dp_cp_group)
+        self._dp_rank = dist.get_rank(self.intra_dp_cp_group)
+        self._main_grads = megatron_mode
+        self._reduce_scatter = megatron_mode and ddp_config.use_distributed_optimizer
+        self._overlap = self._buffer_config.overlap_grad_reduce
+        self.force_all_reduce = False
+        self.overlap_param_gather_with_optimizer_step = False
+
+        # Bucket size, in elements (None: one bucket), or per buffer from bucket_size_bytes.
+        pp_rank = dist.get_rank(self.pp_group) if self.pp_group is not None else 0
+        if not megatron_mode:
+            bucket_size_bytes = bucket_size_bytes or DEFAULT_BUCKET_SIZE_BYTES
+            self.bucket_size = None
+        else:
+            dp_size = dist.get_world_size(self.dp_group)
+            self.bucket_size = ddp_config.bucket_size or max(40_000_000, 1_000_000 * dp_size)
+            if not ddp_config.overlap_grad_reduce or pp_rank > 0:
+                self.bucket_size = None
+        if disable_bucketing:
+            self.bucket_size, bucket_size_bytes = None, None
         self.bucket_size_bytes = bucket_size_bytes
-        self._buckets = partition_into_buckets(
-            named, bucket_size_bytes, grad_dtype, pad_to=self._dp_size if self._reduce_scatter else 1
-        )
-        self._bucket_of: dict[int, _Bucket] = {id(p): b for b in self._buckets for p in b.params}
-        if self._main_grads:
-            for bucket in self._buckets:
-                bucket.grad_data = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
-                for p, offset in zip(bucket.params, bucket.offsets):
-                    p.main_grad = bucket.grad_data[offset : offset + p.numel()].view_as(p)
+
+        sum_not_average = bool(getattr(config, "calculate_per_token_loss", False))
+        if sum_not_average and self._buffer_config.average_in_collective:
+            raise ValueError(
+                "DistributedDataParallel: average_in_collective cannot be combined with "
+                "calculate_per_token_loss"
+            )
+        if sum_not_average or self._buffer_config.average_in_collective:
+            self.gradient_scaling_factor = 1.0
+        else:
+            self.gradient_scaling_factor = 1.0 / dist.get_world_size(self.dp_cp_group)
+        # finalize_model_grads' per-token scaling needs to know whether these are sums or means.
+        self.grads_are_summed = sum_not_average
+
+        self.params_with_grad = [p for _, p in named]
+        self.buffers, self.bucket_groups = self._allocate_buffers(named, disable_bucketing)
+        self.expert_parallel_buffers: list[_ParamAndGradBuffer] = []
+        self.expert_parallel_bucket_groups: list[_ParamAndGradBucketGroup] = []
+        self.param_to_bucket_group = {p: g for g in self.bucket_groups for p in g.params}
+        self._launch_order = self._order_of_first_gradient(named)
+        for group in self.bucket_groups:
+            group.dispatch = self._start_ready_groups
+            group.grads_in_param_grad = not megatron_mode
+            if self.inter_dist_opt_group is not None:
+                group.inter_distributed_optimizer_instance_group = self.inter_dist_opt_group
+        self._buckets = [b for g in self._launch_order for b in g.buckets]
+        self._bucket_of = {p: b for b in self._buckets for p in b.params_list}
+
+        if megatron_mode:
+            for buffer in self.buffers:
+                for p in buffer.params:
+                    p.main_grad = buffer.grad_view(p)
                     # Set by gradient_accumulation_fusion's backward, which then hands autograd a
                     # placeholder gradient so that this wrapper's hook still fires.
                     p.grad_added_to_main_grad = False
-        self._sync_enabled = True
-        self._next_launch = 0  # buckets [0, _next_launch) have started this step
-        self._works: list[tuple[Any, torch.Tensor]] = []
         self._hook_handles: list[Any] = []
-        if self._dp_size > 1 or self._main_grads:
-            for _, p in named:
+        self._active = megatron_mode or dist.get_world_size(self.dp_cp_group) > 1
+        if self._active:
+            for p in self.params_with_grad:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
-        # Parameter all-gathers (distributed optimizer): each module's forward pre-hook waits
-        # for the buckets of the parameters that module owns.
+        # Parameter all-gathers (distributed optimizer): each module's forward pre-hook waits for
+        # the buckets of the parameters that module reads.
         self._overlap_param_gather = self._reduce_scatter and ddp_config.overlap_param_gather
         self.use_forward_hook = self._overlap_param_gather
-        self._own_params: dict[torch.nn.Module, list[torch.Tensor]] = {}
+        self._own_params: dict[torch.nn.Module, list[torch.Tensor]] = {module: []}
+        self._owners: dict[torch.nn.Parameter, list[torch.nn.Module]] = {}
         for m in module.modules():
-            params = [p for p in m.parameters(recurse=False) if id(p) in self._bucket_of]
-            if params or isinstance(getattr(m, "output_layer", None), torch.nn.Module):
+            params = [p for p in m.parameters(recurse=False) if p in self._bucket_of]
+            if params:
                 self._own_params[m] = params
+            for p in params:
+                self._owners.setdefault(p, []).append(m)
+        # Modules whose forward ran since the last parameter gather, and the parameters found to
+        # be read by a forward that did not call their owner.
+        self._called: set[torch.nn.Module] = set()
+        self._read_outside_owner: dict[torch.nn.Parameter, None] = {}
         self.remove_forward_pre_hook_handles: dict[torch.nn.Module, Any] = {}
         if self.use_forward_hook:
             self.enable_forward_pre_hook()
@@ -255,6 +253,61 @@ class DistributedDataParallel(torch.nn.Module):
             for m in module.modules():
                 m.register_state_dict_pre_hook(lambda *unused: self.finish_param_sync())
                 m.register_load_state_dict_pre_hook(lambda *unused: self.finish_param_sync())
+
+    def _setup_groups(self, pg_collection: Any, config: Any, data_parallel_group: Any) -> None:
+        if data_parallel_group is not None or (
+            pg_collection is None and not parallel_state.model_parallel_is_initialized()
+        ):
+            if pg_collection is not None:
+                raise TypeError("DistributedDataParallel: pass either pg_collection or data_parallel_group")
+            if self._buffer_config.num_distributed_optimizer_instances > 1:
+                raise ValueError(
+                    "num_distributed_optimizer_instances > 1 needs parallel_state's groups or a pg_collection"
+                )
+            group = data_parallel_group if data_parallel_group is not None else dist.group.WORLD
+            initialized = parallel_state.model_parallel_is_initialized()
+            groups = {
+                "dp_group": group, "dp_cp_group": group, "intra_dp_cp_group": group,
+                "expt_dp_group": None, "intra_expt_dp_group": None,
+                "tp_group": parallel_state.get_tensor_model_parallel_group() if initialized else None,
+                "pp_group": parallel_state.get_pipeline_model_parallel_group() if initialized else None,
+                "ep_group": None, "inter_dist_opt_group": None, "intra_dist_opt_group": None,
+            }
+        else:
+            groups = ProcessGroupCollection.setup_process_groups_for_ddp(
+                pg_collection, config, self._buffer_config
+            )
+        for key, group in groups.items():
+            setattr(self, key, group)
+
+    def _allocate_buffers(
+        self, named: list[tuple[str, torch.nn.Parameter]], disable_bucketing: bool
+    ) -> tuple[list[_ParamAndGradBuffer], list[_ParamAndGradBucketGroup]]:
+        """One buffer per (parameter dtype, gradient dtype, device), in order of first appearance."""
+        fp32_grads = self._buffer_config.grad_reduce_in_fp32 and self._main_grads
+        by_kind: dict[tuple, list[torch.nn.Parameter]] = {}
+        for _, p in named:
+            grad_dtype = torch.float32 if fp32_grads and p.dtype in SIXTEEN_BIT else p.dtype
+            by_kind.setdefault((p.dtype, grad_dtype, p.device), []).append(p)
+        names = {p: n for n, p in named}
+        buffers = []
+        for (param_dtype, grad_dtype, _), params in by_kind.items():
+            bucket_size = self.bucket_size
+            if self.bucket_size_bytes is not None:
+                bucket_size = max(1, self.bucket_size_bytes // grad_dtype.itemsize)
+            buffers.append(_ParamAndGradBuffer(
+                self._buffer_config, param_dtype, grad_dtype, params, self.intra_dp_cp_group, bucket_size,
+                names, self.gradient_scaling_factor,
+            ))
+        return buffers, partition_buckets(buffers, force_single_bucket_group=disable_bucketing)
+
+    def _order_of_first_gradient(
+        self, named: list[tuple[str, torch.nn.Parameter]]
+    ) -> list[_ParamAndGradBucketGroup]:
+        """The bucket groups in the order a backward over the parameters in reverse registration
+        order completes them: the same on every rank."""
+        position = {p: i for i, (_, p) in enumerate(reversed(named))}
+        return sorted(self.bucket_groups, key=lambda g: max(position[p] for p in g.params))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -267,15 +320,15 @@ class DistributedDataParallel(torch.nn.Module):
         return tuple(tuple(b.names) for b in self._buckets)
 
     @property
-    def grad_buckets(self) -> tuple[_Bucket, ...]:
-        """The buckets themselves (parameters, offsets, flat ``grad_data``): what the
+    def grad_buckets(self) -> tuple[_ParamAndGradBucket, ...]:
+        """The buckets themselves (parameters, offsets, ``grad_data``) in launch order: what the
         distributed optimizer shards."""
         return tuple(self._buckets)
 
     @property
     def launched_buckets(self) -> int:
         """How many buckets' collectives have started since the last ``finish_grad_sync()``."""
-        return self._next_launch
+        return sum(len(g.buckets) for g in self.bucket_groups if g.grad_reduce_dispatched)
 
     # Gradient synchronisation ---------------------------------------------------------------
 
@@ -283,115 +336,107 @@ class DistributedDataParallel(torch.nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Backwards inside this context only accumulate gradients; nothing is reduced until a
         backward outside it (or ``finish_grad_sync()``)."""
-        previous, self._sync_enabled = self._sync_enabled, False
+        previous = [g.is_last_microbatch for g in self.bucket_groups]
+        for g in self.bucket_groups:
+            g.is_last_microbatch = False
         try:
             yield
         finally:
-            self._sync_enabled = previous
+            for g, value in zip(self.bucket_groups, previous):
+                g.is_last_microbatch = value
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        bucket = self._bucket_of[id(param)]
-        if bucket.index < self._next_launch:
-            # The bucket's gradients were already copied and sent: this one would be lost.
-            name = bucket.names[[id(p) for p in bucket.params].index(id(param))]
+        group = self.param_to_bucket_group[param]
+        if group.grad_reduce_dispatched:
+            # The bucket's gradients were already sent: this one would be lost.
+            bucket = group.param_to_bucket[param]
+            name = bucket.names[next(i for i, p in enumerate(bucket.params_list) if p is param)]
             raise RuntimeError(
-                f"parameter {name!r} received a gradient after the all-reduce of its bucket "
-                f"({bucket.index}) had started: call finish_grad_sync() after the last backward "
-                "of a step, run earlier backwards inside no_sync(), and do not use a parameter "
-                "both inside and outside an activation-checkpointed region"
+                f"parameter {name!r} received a gradient after the collective of its bucket "
+                f"({bucket.bucket_id}) had started: call finish_grad_sync() after the last backward "
+                "of a step and run earlier backwards inside no_sync()"
             )
+        if self.remove_forward_pre_hook_handles and param not in self._read_outside_owner:
+            if not any(owner in self._called for owner in self._owners[param]):
+                self._read_outside_owner[param] = None
         if self._main_grads and param.grad is not None:
             if not param.grad_added_to_main_grad or getattr(param, "zero_out_wgrad", False):
                 param.main_grad.add_(param.grad)
             param.grad = None
-        if not self._sync_enabled:
-            return
-        bucket.ready.add(id(param))
         if self._overlap:
-            self._launch_ready_buckets()
+            group.register_grad_ready(param, self.force_all_reduce)
 
-    def _launch_ready_buckets(self) -> None:
-        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].is_ready():
-            self._launch(self._buckets[self._next_launch])
+    def _start_ready_groups(self, force_all_reduce: bool = False) -> None:
+        """Starts, in launch order, every group not yet started whose predecessors have started
+        and that is ready."""
+        for group in self._launch_order:
+            if group.grad_reduce_dispatched:
+                continue
+            if not group.is_ready():
+                return
+            group.start_grad_sync(force_all_reduce)
 
-    def _launch(self, bucket: _Bucket) -> None:
-        self._next_launch += 1
-        if self._dp_size == 1:
-            return
-        if self._main_grads:
-            flat = bucket.grad_data
-            if self.ddp_config.check_for_nan_in_grad and not bool(torch.isfinite(flat).all()):
-                raise RuntimeError(
-                    f"DistributedDataParallel: a gradient in bucket {bucket.index} ({bucket.names[:3]}...) "
-                    "is NaN or infinite before its reduction (check_for_nan_in_grad)"
-                )
-        else:
-            # A flat copy: the reduction runs while autograd keeps writing other gradients.
-            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
-            for p, offset in zip(bucket.params, bucket.offsets):
-                chunk = flat[offset : offset + p.numel()]
-                if p.grad is None:
-                    chunk.zero_()  # every rank must reduce the same buffers
-                else:
-                    chunk.copy_(p.grad.reshape(-1))
-        # Scaled by 1/dp before the sum, as Megatron-core does: a sum of loss-scaled 16-bit
-        # gradients over many ranks could overflow where their mean does not.
-        flat.mul_(1.0 / self._dp_size)
-        group = self.data_parallel_group
-        if self._reduce_scatter:
-            shard = self._shard(bucket)
-            what = f"reduce-scatter of the gradients of {bucket.describe()}"
-            with reported(what, group, tensor=flat):
-                work = reduce_scatter_single(shard, flat, group=group, async_op=True)
-            self._works.append((ReportedWork(work, what, group, tensor=flat), shard))
-        else:
-            what = f"all-reduce of the gradients of {bucket.describe()}"
-            with reported(what, group, tensor=flat):
-                work = dist.all_reduce(flat, group=group, async_op=True)
-            self._works.append((ReportedWork(work, what, group, tensor=flat), flat))
-
-    def _shard(self, bucket: _Bucket) -> torch.Tensor:
-        size = bucket.padded_numel // self._dp_size
-        return bucket.grad_data[self._dp_rank * size : (self._dp_rank + 1) * size]
-
-    def shard_range(self, bucket: _Bucket) -> tuple[int, int]:
-        """The ``[start, end)`` of ``bucket``'s flat buffer this data-parallel rank owns under
-        the distributed optimizer (the whole bucket otherwise)."""
-        if not self._reduce_scatter:
-            return 0, bucket.numel
-        size = bucket.padded_numel // self._dp_size
-        return self._dp_rank * size, (self._dp_rank + 1) * size
-
-    def start_grad_sync(self) -> None:
-        """Starts every bucket's collective not yet started (Megatron-core's name)."""
-        while self._next_launch < len(self._buckets):
-            self._launch(self._buckets[self._next_launch])
+    def start_grad_sync(self, *unused: Any) -> None:
+        """Starts, in launch order, every bucket group's collective not yet started."""
+        for group in self._launch_order:
+            if not group.grad_reduce_dispatched:
+                group.start_grad_sync(self.force_all_reduce)
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-        """Starts the buckets not yet started (in index order) and waits for every collective
-        (each bucket was scaled by 1 / the data-parallel size before its sum); without a
-        ``ddp_config`` writes the averages into ``param.grad``. Resets the per-step state."""
-        if force_all_reduce:
-            raise NotImplementedError("finish_grad_sync(force_all_reduce=True) is not supported")
-        if self._dp_size == 1:
-            self._reset()
+        """Starts the bucket groups not yet started (in launch order) and waits for every
+        collective; without a ``ddp_config`` writes the averages into ``param.grad``. Ends the
+        step (the next backward counts gradients afresh). ``force_all_reduce`` all-reduces
+        instead of reduce-scattering."""
+        if not self._active:
             return
         try:
-            self.start_grad_sync()
-            for bucket, (work, flat) in zip(self._buckets, self._works):
-                work.wait()
-                if self._main_grads:
-                    continue
-                for p, offset in zip(bucket.params, bucket.offsets):
-                    value = flat[offset : offset + p.numel()].view_as(p)
-                    if p.grad is None:
-                        p.grad = value.clone()
-                    else:
-                        p.grad.copy_(value)
+            if self._overlap:
+                for group in self._launch_order:
+                    if not group.grad_reduce_dispatched:
+                        group.start_grad_sync(force_all_reduce)
+            for group in self._launch_order:
+                group.finish_grad_sync(force_all_reduce)
         finally:
-            self._reset()
+            for group in self.bucket_groups:
+                group.reset()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiplies every gradient (the buffers; ``param.grad`` without a ``ddp_config``)."""
+        if self._main_grads:
+            for buffer in self.buffers:
+                buffer.scale_gradients(scaling_factor)
+        else:
+            for p in self.params_with_grad:
+                if p.grad is not None:
+                    p.grad.mul_(scaling_factor)
+
+    def broadcast_params(self) -> None:
+        """Copies data-parallel rank 0's parameters to the other data-parallel ranks."""
+        src = dist.get_global_rank(self.dp_cp_group, 0)
+        for p in self.module.parameters():
+            dist.broadcast(p.data, src=src, group=self.dp_cp_group)
+
+    def zero_grad_buffer(self) -> None:
+        """Clears every gradient (``param.grad`` to None, the buffers to zero) and ends the step,
+        waiting first for any collective in flight."""
+        for group in self.bucket_groups:
+            group.reset()
+        for buffer in self.buffers:
+            buffer.reset()
+        for p in self.params_with_grad:
+            p.grad = None
+            if self._main_grads:
+                p.grad_added_to_main_grad = False
 
     # Parameter synchronisation (distributed optimizer) ---------------------------------------
+
+    def shard_range(self, bucket: _ParamAndGradBucket) -> tuple[int, int]:
+        """The ``[start, end)`` of ``bucket``'s ``grad_data`` this data-parallel rank owns under
+        the distributed optimizer (the whole bucket otherwise)."""
+        if not self._reduce_scatter:
+            return 0, bucket.padded_numel
+        size = bucket.padded_numel // self._dp_size
+        return self._dp_rank * size, (self._dp_rank + 1) * size
 
     def _require_param_gather(self, what: str) -> None:
         if not self._reduce_scatter:
@@ -400,27 +445,30 @@ class DistributedDataParallel(torch.nn.Module):
                 "slices: build the wrapper with DistributedDataParallelConfig(use_distributed_optimizer=True)"
             )
 
-    def _param_dtype(self, bucket: _Bucket) -> torch.dtype:
+    @staticmethod
+    def _param_dtype(bucket: _ParamAndGradBucket) -> torch.dtype:
         # The widest parameter dtype of the bucket: the gather loses nothing.
-        return max((p.dtype for p in bucket.params), key=lambda t: t.itemsize)
+        return max((p.dtype for p in bucket.params_list), key=lambda t: t.itemsize)
 
-    def _start_bucket_param_sync(self, bucket: _Bucket) -> None:
+    def _start_bucket_param_sync(self, bucket: _ParamAndGradBucket) -> None:
         """Starts the asynchronous all-gather of ``bucket``'s parameter slices: this rank sends
         the part of each parameter that lies in its slice of the bucket."""
         lo, hi = self.shard_range(bucket)
         dtype = self._param_dtype(bucket)
         mine = torch.zeros(hi - lo, dtype=dtype, device=bucket.device)  # zeros: the padding
-        for p, offset in zip(bucket.params, bucket.offsets):
-            a, b = max(offset, lo), min(offset + p.numel(), hi)
+        for p in bucket.params_list:
+            start, end = bucket.param_to_index[p]
+            a, b = max(start, lo), min(end, hi)
             if a < b:
-                mine[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - offset : b - offset])
+                mine[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - start : b - start])
         full = torch.empty(bucket.padded_numel, dtype=dtype, device=bucket.device)
-        what, group = f"all-gather of the parameters of {bucket.describe()}", self.data_parallel_group
+        what, group = f"all-gather of the parameters of {bucket.describe()}", self.intra_dp_cp_group
         with reported(what, group, tensor=mine):
-            work = all_gather_single(full, mine, group=group, async_op=True)
+            work = dist_all_gather_func(full, mine, group=group, async_op=True)
         bucket.param_gather = (ReportedWork(work, what, group, tensor=mine), full)
 
-    def _finish_bucket_param_sync(self, bucket: _Bucket) -> None:
+    @staticmethod
+    def _finish_bucket_param_sync(bucket: _ParamAndGradBucket) -> None:
         """Waits for ``bucket``'s all-gather, if one is in flight, and writes the gathered values
         into its parameters."""
         if bucket.param_gather is None:
@@ -429,8 +477,9 @@ class DistributedDataParallel(torch.nn.Module):
         bucket.param_gather = None
         work.wait()
         with torch.no_grad():
-            for p, offset in zip(bucket.params, bucket.offsets):
-                p.view(-1).copy_(full[offset : offset + p.numel()])
+            for p in bucket.params_list:
+                start, end = bucket.param_to_index[p]
+                p.view(-1).copy_(full[start:end])
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
         """All-gathers every bucket's parameter slices over the data-parallel group into the
@@ -446,6 +495,7 @@ class DistributedDataParallel(torch.nn.Module):
         if self._dp_size == 1:
             return  # every parameter is whole on the one rank
         order = self._param_gather_order()
+        self._called.clear()  # the next forwards show again which owners they call
         pending = [b for b in order if b.param_gather is not None]
         started = [b for b in order if b.param_gather is None]
         for bucket in started:
@@ -467,29 +517,24 @@ class DistributedDataParallel(torch.nn.Module):
         """True while an all-gather of parameters has started and not been waited for."""
         return any(b.param_gather is not None for b in self._buckets)
 
-    def _params_read_outside_owner(self, module: torch.nn.Module) -> list[torch.Tensor]:
-        """Parameters ``module``'s forward reads without calling the module that owns them:
-        GPTModel's fused output layer + cross-entropy reads the output layer's weight."""
-        output_layer = getattr(module, "output_layer", None)
-        if isinstance(output_layer, torch.nn.Module) and getattr(
-            getattr(module, "config", None), "fused_output_cross_entropy", False
-        ):
-            return [p for p in output_layer.parameters(recurse=False) if id(p) in self._bucket_of]
-        return []
-
-    def _param_gather_order(self) -> list[_Bucket]:
-        """The order in which the forward needs the buckets: those read at the top of a forward
-        first, then by reverse index (the first layers' parameters are in the last buckets)."""
-        first = [self._bucket_of[id(p)] for m in self._own_params for p in self._params_read_outside_owner(m)]
-        order: list[_Bucket] = []
+    def _param_gather_order(self) -> list[_ParamAndGradBucket]:
+        """The order in which the forward needs the buckets: those read outside their owner (at
+        the top of a forward) first, then by reverse launch order (the first layers' parameters
+        are in the last buckets)."""
+        first = [self._bucket_of[p] for p in self._read_outside_owner]
+        order: list[_ParamAndGradBucket] = []
         for bucket in first + self._buckets[::-1]:
             if all(bucket is not b for b in order):
                 order.append(bucket)
         return order
 
     def _forward_pre_hook(self, module: torch.nn.Module, *unused: Any) -> None:
-        for p in self._own_params.get(module, []) + self._params_read_outside_owner(module):
-            self._finish_bucket_param_sync(self._bucket_of[id(p)])
+        self._called.add(module)
+        waits = self._own_params[module]
+        if module is self.module:
+            waits = waits + list(self._read_outside_owner)
+        for p in waits:
+            self._finish_bucket_param_sync(self._bucket_of[p])
 
     def enable_forward_pre_hook(self) -> None:
         """Registers the forward pre-hooks that wait for the all-gather of each module's
@@ -521,26 +566,7 @@ class DistributedDataParallel(torch.nn.Module):
         if param_sync:
             self.start_param_sync(force_sync=True)
 
-    def zero_grad_buffer(self) -> None:
-        """Clears every gradient (``param.grad`` to None, ``main_grad`` buffers to zero) and
-        forgets the step's state, waiting first for any collective in flight."""
-        for work, _ in self._works:
-            work.wait()
-        self._reset()
-        for bucket in self._buckets:
-            if bucket.grad_data is not None:
-                bucket.grad_data.zero_()
-            for p in bucket.params:
-                p.grad = None
-                if self._main_grads:
-                    p.grad_added_to_main_grad = False
-
-    def _reset(self) -> None:
-        for bucket in self._buckets:
-            bucket.ready.clear()
-        self._works = []
-        self._next_launch = 0
-
     def extra_repr(self) -> str:
         mode = "reduce-scatter" if self._reduce_scatter else "all-reduce"
         return f"data_parallel_size={self._dp_size}, buckets={len(self._buckets)}, {mode}"
+

@@ -1,4 +1,5 @@
-"""Gradient reductions between the backward pass and the optimizer step."""
+"""Gradient reductions between the backward pass and the optimizer step (Megatron-core's
+``megatron.core.distributed.finalize_model_grads``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from megatron_ext.comm_errors import reported
 from megatron_ext.distributed.distributed_data_parallel import (
     DEFAULT_BUCKET_SIZE_BYTES,
     DistributedDataParallel,
-    partition_into_buckets,
 )
+from megatron_ext.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 from megatron_ext.pipeline_parallel.schedules import get_attr_wrapped_model
 from megatron_ext.tensor_parallel.utils import comm_device
 
@@ -36,23 +37,42 @@ def allreduce_gradients(
 ) -> None:
     """Sums (or averages) the gradients of ``params`` over ``group``, one all-reduce per bucket.
 
-    The buckets are ``partition_into_buckets``' (DistributedDataParallel's): flat buffers of at
-    most ``bucket_bytes`` per dtype, scaled by 1 / the group size when ``average``, reduced with
-    SUM (gloo has no AVG) and copied back. Parameters without a gradient are skipped (every rank
-    must pass the same set).
+    The buckets are laid out as DistributedDataParallel's (``_ParamAndGradBuffer``, one buffer per
+    dtype and device, at most about ``bucket_bytes`` each), scaled by 1 / the group size when
+    ``average``, reduced with SUM (gloo has no AVG) and copied back. Parameters without a gradient
+    are skipped (every rank must pass the same set).
     """
+    grads = [g for g in (_grad(p) for p in params) if g is not None]
+    _allreduce_tensors(grads, group, average, bucket_bytes)
+
+
+def _allreduce_tensors(
+    tensors: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    average: bool,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> None:
+    """``allreduce_gradients`` on the tensors themselves."""
     if dist.get_world_size(group) == 1:
         return
-    grads = [(str(i), g) for i, g in enumerate(_grad(p) for p in params) if g is not None]
     divisor = dist.get_world_size(group) if average else 1
-    for bucket in partition_into_buckets(grads, bucket_bytes):
-        flat = torch.cat([g.reshape(-1) for g in bucket.params])
-        if divisor != 1:
-            flat.mul_(1.0 / divisor)  # before the sum, as the DDP buckets are
-        with reported(f"all-reduce of the gradients of bucket {bucket.index}", group, tensor=flat):
-            dist.all_reduce(flat, group=group)
-        for g, offset in zip(bucket.params, bucket.offsets):
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for (dtype, _), same_kind in by_kind.items():
+        bucket_size = max(1, bucket_bytes // dtype.itemsize)
+        buffer = _ParamAndGradBuffer(None, dtype, dtype, same_kind, group, bucket_size, {}, 1.0)
+        for index, bucket in enumerate(buffer.buckets):
+            for t in bucket.params_list:
+                lo, hi = bucket.param_to_index[t]
+                bucket.grad_data[lo:hi].copy_(t.reshape(-1))
+            if divisor != 1:
+                bucket.grad_data.mul_(1.0 / divisor)  # before the sum, as the DDP buckets are
+            with reported(f"all-reduce of the gradients of bucket {index}", group, tensor=bucket.grad_data):
+                dist.all_reduce(bucket.grad_data, group=group)
+            for t in bucket.params_list:
+                lo, hi = bucket.param_to_index[t]
+                t.copy_(bucket.grad_data[lo:hi].view_as(t))
 
 
 def allreduce_embedding_grads(
@@ -84,6 +104,9 @@ def allreduce_embedding_grads(
             weights.append(weight)
     if not weights:
         return
+    weights = [w for w in weights if w.requires_grad]  # a frozen embedding has no gradient
+    if not weights:
+        return
     grads = []
     for weight in weights:
         grad = _grad(weight)
@@ -98,38 +121,125 @@ def allreduce_embedding_grads(
         grad.copy_(grads[0])
 
 
-def allreduce_layernorm_grads(
-    model_chunks: list[torch.nn.Module], tp_group: dist.ProcessGroup | None = None
+def _reduce_tensor_parallel_grads(
+    model_chunks: list[torch.nn.Module], config_of: Any, tp_group: dist.ProcessGroup | None
 ) -> None:
-    """Sums over the tensor-parallel group the gradients of the parameters marked
-    ``sequence_parallel`` (LayerNorms and row-parallel biases): under sequence parallelism each
-    rank computed them from its own part of the sequence (Megatron-core's
-    ``_allreduce_layernorm_grads``); and with ``config.qk_layernorm`` those of the query and key
-    normalisations (``q_layernorm`` / ``k_layernorm`` in the name, Megatron's rule), which each
-    rank computed from its own heads. ``tp_group`` defaults to parallel_state's."""
     if tp_group is None:
         tp_group = parallel_state.get_tensor_model_parallel_group()
     if dist.get_world_size(tp_group) == 1:
         return
-    params = []
+    summed, averaged = [], []
     for chunk in model_chunks:
-        try:
-            config = get_attr_wrapped_model(chunk, "config")
-        except AttributeError:  # a plain module: no sequence parallelism
-            continue
-        sequence_parallel = getattr(config, "sequence_parallel", False)
-        qk_layernorm = getattr(config, "qk_layernorm", False)
-        params.extend(
-            p
-            for name, p in chunk.named_parameters()
-            if p.requires_grad
-            and (
-                (sequence_parallel and getattr(p, "sequence_parallel", False))
-                or (qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))
-            )
-        )
-    if params:
-        allreduce_gradients(params, tp_group, average=False)
+        config = config_of(chunk)
+        sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        qk_layernorm = bool(getattr(config, "qk_layernorm", False))
+        for name, p in chunk.named_parameters():
+            if not p.requires_grad or _grad(p) is None:
+                continue
+            if getattr(p, "average_gradients_across_tp_domain", False):
+                averaged.append(p)
+            elif (sequence_parallel and getattr(p, "sequence_parallel", False)) or (
+                qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+            ):
+                summed.append(p)
+    if summed:
+        allreduce_gradients(summed, tp_group, average=False)
+    if averaged:
+        allreduce_gradients(averaged, tp_group, average=True)
+
+
+def _chunk_config(chunk: torch.nn.Module) -> Any:
+    try:
+        return get_attr_wrapped_model(chunk, "config")
+    except AttributeError:  # a plain module: no sequence parallelism
+        return None
+
+
+def allreduce_layernorm_grads(
+    model_chunks: list[torch.nn.Module], tp_group: dist.ProcessGroup | None = None
+) -> None:
+    """Reduces over the tensor-parallel group the gradients each tensor-parallel rank computed
+    from its own part of the data: sums those of the parameters marked ``sequence_parallel``
+    (LayerNorms and row-parallel biases) under ``config.sequence_parallel`` and of the
+    ``q_layernorm`` / ``k_layernorm`` parameters under ``config.qk_layernorm``, and averages those
+    marked ``average_gradients_across_tp_domain`` (Megatron-core's
+    ``_allreduce_non_tensor_model_parallel_grads``). Each chunk's own ``config`` is read;
+    ``tp_group`` defaults to parallel_state's."""
+    _reduce_tensor_parallel_grads(model_chunks, _chunk_config, tp_group)
+
+
+def _allreduce_non_tensor_model_parallel_grads(
+    model: list[torch.nn.Module], config: Any, tp_group: dist.ProcessGroup | None = None
+) -> None:
+    """Megatron-core's form of ``allreduce_layernorm_grads``: one ``config`` for every chunk."""
+    _reduce_tensor_parallel_grads(model, lambda chunk: config, tp_group)
+
+
+_allreduce_layernorm_grads = _allreduce_non_tensor_model_parallel_grads
+
+
+def _allreduce_word_embedding_grads(
+    model: list[torch.nn.Module],
+    config: Any,
+    embd_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Megatron-core's form of ``allreduce_embedding_grads`` (``config`` is not needed)."""
+    if embd_group is None:
+        embd_group = parallel_state.get_embedding_group(check_initialized=False)
+    if pp_group is None:
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+    allreduce_embedding_grads(model, embd_group, pp_group)
+
+
+def _allreduce_position_embedding_grads(
+    model: list[torch.nn.Module],
+    config: Any,
+    pos_emb_group: dist.ProcessGroup | None,
+    pp_group: dist.ProcessGroup | None,
+) -> None:
+    """Sums the learned position embedding's gradient over ``pos_emb_group`` (the stages holding
+    a copy; for a GPT only the first, so nothing to do)."""
+    if pos_emb_group is None or dist.get_world_size(pos_emb_group) == 1:
+        return
+    if dist.get_rank() not in dist.get_process_group_ranks(pos_emb_group):
+        return
+    pp_group = pp_group or parallel_state.get_pipeline_model_parallel_group()
+    chunk = model[0] if dist.get_rank(pp_group) == 0 else model[-1]
+    weight = get_attr_wrapped_model(chunk, "position_embeddings").weight
+    grad = _grad(weight)
+    if grad is None:
+        grad = weight.grad = torch.zeros_like(weight)
+    with reported("all-reduce of the position embedding's gradient", pos_emb_group, tensor=grad):
+        dist.all_reduce(grad, group=pos_emb_group)
+
+
+def _allreduce_conditional_embedding_grads(
+    model: list[torch.nn.Module], config: Any, pp_group: dist.ProcessGroup | None = None
+) -> None:
+    """Under ``config.has_cond_embedder``, sums over the pipeline group (and over this rank's
+    chunks) the gradients of the parameters marked ``pipeline_parallel``: embedders replicated on
+    every stage, such as a diffusion model's timestep embedder, stay equal."""
+    if pp_group is None:
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp_group) == 1 or not getattr(config, "has_cond_embedder", False):
+        return
+    by_name: dict[str, list[torch.Tensor]] = {}
+    for chunk in model:
+        for name, p in get_attr_wrapped_model(chunk, "named_parameters")():
+            if p.requires_grad and getattr(p, "pipeline_parallel", False) and _grad(p) is not None:
+                by_name.setdefault(name, []).append(_grad(p))
+    if not by_name:
+        return
+    firsts = []
+    for grads in by_name.values():
+        for other in grads[1:]:
+            grads[0].add_(other)
+        firsts.append(grads[0])
+    _allreduce_tensors(firsts, pp_group, average=False)
+    for grads in by_name.values():
+        for other in grads[1:]:
+            other.copy_(grads[0])
 
 
 def _find_ddp(model: torch.nn.Module) -> DistributedDataParallel | None:
@@ -146,14 +256,15 @@ _PG_COLLECTION_FIELDS = ("tp", "pp", "embd", "pos_embd", "dp_cp")
 
 
 def finalize_model_grads(
-    model_chunks: list[torch.nn.Module],
+    model: list[torch.nn.Module],
     num_tokens: torch.Tensor | None = None,
     pg_collection: Any = None,
     force_all_reduce: bool | None = False,
 ) -> None:
-    """Averages gradients over the data-parallel group, sums the sequence-parallel LayerNorm and
-    bias gradients over the tensor-parallel group and the tied embedding's over the embedding
-    group: what must happen after every backward and before every optimizer step.
+    """Averages gradients over the data-parallel group, reduces the tensor-parallel-replicated
+    gradients (``allreduce_layernorm_grads``) over the tensor-parallel group, the tied embedding's
+    over the embedding group, the position embedding's over its group and conditional embedders'
+    over the pipeline: what must happen after every backward and before every optimizer step.
 
     A chunk that is (or wraps) a ``DistributedDataParallel`` has started its reductions during
     the backward: its ``finish_grad_sync()`` completes them. The gradients of other chunks are
@@ -164,8 +275,9 @@ def finalize_model_grads(
     summed over the data-parallel group, and every gradient becomes the data-parallel *sum*
     divided by that global count, as in Megatron-core. ``pg_collection`` (a
     ``ProcessGroupCollection`` with ``tp``, ``pp``, ``embd``, ``pos_embd`` and ``dp_cp``) replaces
-    parallel_state's groups.
+    parallel_state's groups. ``model`` is the list of model chunks.
     """
+    model_chunks = model
     if pg_collection is not None:
         missing = [f for f in _PG_COLLECTION_FIELDS if not hasattr(pg_collection, f)]
         if missing:
@@ -174,12 +286,14 @@ def finalize_model_grads(
                 "(set embd / pos_embd to None when there is no such group)"
             )
         tp_group, pp_group, embd_group = pg_collection.tp, pg_collection.pp, pg_collection.embd
-        dp_group = pg_collection.dp_cp
+        pos_embd_group, dp_group = pg_collection.pos_embd, pg_collection.dp_cp
     else:
         tp_group = parallel_state.get_tensor_model_parallel_group()
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         embd_group = parallel_state.get_embedding_group(check_initialized=False)
+        pos_embd_group = parallel_state.get_position_embedding_group(check_initialized=False)
         dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    config = _chunk_config(model_chunks[0]) if model_chunks else None
 
     params = []
     for chunk in model_chunks:
@@ -191,8 +305,10 @@ def finalize_model_grads(
             params.extend(p for p in chunk.parameters() if p.requires_grad)
     if params:
         allreduce_gradients(params, dp_group)
+    _allreduce_conditional_embedding_grads(model_chunks, config, pp_group)
     allreduce_layernorm_grads(model_chunks, tp_group)
     allreduce_embedding_grads(model_chunks, embd_group, pp_group)
+    _allreduce_position_embedding_grads(model_chunks, config, pos_embd_group, pp_group)
 
     if num_tokens is not None:
         _scale_by_global_tokens(model_chunks, num_tokens, pp_group, dp_group)
@@ -206,8 +322,9 @@ def _scale_by_global_tokens(
 ) -> None:
     if not isinstance(num_tokens, torch.Tensor):
         raise TypeError(f"finalize_model_grads: num_tokens must be a tensor, got {type(num_tokens).__name__}")
-    # Only the last stage counted the tokens. The reductions above averaged over the data-parallel
-    # group, so multiplying by its size gives back the sum Megatron-core divides by the count.
+    # Only the last stage counted the tokens. Gradients become the data-parallel sum over the
+    # count: a DistributedDataParallel built with calculate_per_token_loss summed already, the
+    # other reductions above averaged (times the group size gives back the sum).
     total = num_tokens.detach().to(comm_device(pp_group), torch.float64).reshape(1).clone()
     pp_ranks = dist.get_process_group_ranks(pp_group)
     with reported("broadcast of the number of loss tokens from the last stage", pp_group):
@@ -217,8 +334,10 @@ def _scale_by_global_tokens(
     count = float(total.item())
     if count <= 0:
         return
-    scale = dist.get_world_size(dp_group) / count
     for chunk in model_chunks:
+        ddp = _find_ddp(chunk)
+        summed = ddp is not None and ddp.grads_are_summed
+        scale = (1.0 if summed else dist.get_world_size(dp_group)) / count
         for p in chunk.parameters():
             grad = _grad(p)
             if grad is not None:

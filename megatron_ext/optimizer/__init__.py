@@ -15,12 +15,29 @@ from megatron_ext.optimizer.clip_grads import (
 from megatron_ext.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_ext.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron_ext.optimizer.optimizer import (
+    ChainedOptimizer,
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,
     MegatronOptimizer,
     MixedPrecisionOptimizer,
+    ProxyDict,
 )
-from megatron_ext.optimizer.optimizer_config import AdamOptimizerConfig, OptimizerConfig, SGDOptimizerConfig
+from megatron_ext.optimizer.optimizer_config import (
+    AdamOptimizerConfig,
+    OptimizerConfig,
+    ParamKey,
+    ParamPredicate,
+    ParamWithNamePredicate,
+    SGDOptimizerConfig,
+    as_optimizer_config,
+)
+from megatron_ext.optimizer.param_groups import (
+    _get_param_groups,
+    check_config_overrides_consistency,
+    get_standard_config_overrides,
+)
+from megatron_ext.optimizer_param_scheduler import ParamGroupOverride
+from megatron_ext.process_groups_config import ProcessGroupCollection
 
 
 def _grad_scaler(config: OptimizerConfig) -> MegatronGradScaler | None:
@@ -39,50 +56,75 @@ def _grad_scaler(config: OptimizerConfig) -> MegatronGradScaler | None:
 
 
 def get_megatron_optimizer(
-    config: OptimizerConfig,
+    config: Any,
     model_chunks: list[torch.nn.Module] | torch.nn.Module,
-    config_overrides: dict | None = None,
+    config_overrides: dict[ParamKey, ParamGroupOverride] | None = None,
     use_gloo_process_groups: bool = True,
-    pg_collection: Any = None,
+    pg_collection: ProcessGroupCollection | None = None,
     dump_param_to_param_group_map: str | None = None,
 ) -> MegatronOptimizer:
-    """The optimizer Megatron-core would build for ``config``:
+    """The optimizer Megatron-core would build for ``config`` (an ``OptimizerConfig``, Megatron-core's,
+    or any object with its fields; missing ones take the defaults):
 
     * ``use_distributed_optimizer``: ``DistributedOptimizer`` (every chunk must be a
       ``DistributedDataParallel`` with ``DistributedDataParallelConfig(use_distributed_optimizer=True)``);
     * else ``fp16`` or ``bf16``: ``Float16OptimizerWithFloat16Params``;
     * else ``FP32Optimizer``.
 
+    Parameter groups follow ``config_overrides`` (``ParamKey`` -> ``ParamGroupOverride``; None:
+    no weight decay on biases and 1-D parameters, ``{}``: no override), see ``_get_param_groups``;
+    each group's weight decay is ``weight_decay * wd_mult`` and its learning rate ``max_lr * lr_mult``.
     fp16 gets a ``DynamicGradScaler`` (``ConstantGradScaler`` when ``config.loss_scale`` is set);
     set ``model_config.grad_scale_func = optimizer.scale_loss`` so the schedules scale the loss.
-    Megatron-core returns one optimizer per parameter kind (dense/expert) chained; megatron_ext
-    has no experts and returns the optimizer itself. ``config_overrides``, ``pg_collection`` and
-    ``dump_param_to_param_group_map`` are not supported (pass None); ``use_gloo_process_groups``
-    is accepted and has no effect.
+    ``pg_collection`` replaces parallel_state's groups (checked by
+    ``ProcessGroupCollection.setup_process_groups_for_optimizer``: ``dp``, ``expt_dp``, ``mp``,
+    ``tp_ep_pp``, and ``intra_dist_opt`` for the distributed optimizer, with
+    ``use_gloo_process_groups=False``). Megatron-core returns a ``ChainedOptimizer`` of one
+    optimizer per parameter kind (dense/expert); megatron_ext has no expert parameters and returns
+    the optimizer itself. ``dump_param_to_param_group_map`` is not supported (pass None).
     """
-    if not isinstance(config, OptimizerConfig):
-        raise TypeError(f"config must be an OptimizerConfig, got {type(config).__name__}")
-    for name, value in (("config_overrides", config_overrides), ("pg_collection", pg_collection),
-                        ("dump_param_to_param_group_map", dump_param_to_param_group_map)):
-        if value is not None:
-            raise NotImplementedError(
-                f"get_megatron_optimizer: {name} is not supported by megatron_ext (pass None)"
-            )
+    config = as_optimizer_config(config)
+    if dump_param_to_param_group_map is not None:
+        raise NotImplementedError(
+            "get_megatron_optimizer: dump_param_to_param_group_map is not supported by megatron_ext "
+            "(pass None)"
+        )
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     model_chunks = list(model_chunks)
     if not model_chunks or not all(isinstance(c, torch.nn.Module) for c in model_chunks):
         raise TypeError("model_chunks must be a non-empty list of torch.nn.Module")
+    check_config_overrides_consistency(config, config_overrides)
+    groups = None
+    if pg_collection is not None:
+        groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
+            pg_collection, model_chunks, use_gloo_process_groups
+        )
+    param_groups = _get_param_groups(model_chunks, config, config_overrides)
     grad_scaler = _grad_scaler(config)
     if config.use_distributed_optimizer:
-        return DistributedOptimizer.create(config, model_chunks, grad_scaler)
-    if config.fp16 or config.bf16:
-        return Float16OptimizerWithFloat16Params.create(config, model_chunks, grad_scaler)
-    return FP32Optimizer.create(config, model_chunks)
+        optimizer = DistributedOptimizer.create(config, model_chunks, grad_scaler, param_groups)
+    elif config.fp16 or config.bf16:
+        optimizer = Float16OptimizerWithFloat16Params.create(config, model_chunks, grad_scaler, param_groups)
+    else:
+        optimizer = FP32Optimizer.create(config, model_chunks, param_groups)
+    if groups is not None:
+        optimizer.model_parallel_group = groups["mp_group"]
+        optimizer.data_parallel_group = groups["dp_cp_group"]
+        optimizer.tp_group = getattr(pg_collection, "tp", None)
+    return optimizer
 
 
 __all__ = [
     "AdamOptimizerConfig",
+    "ChainedOptimizer",
+    "ParamGroupOverride",
+    "ParamKey",
+    "ParamPredicate",
+    "ParamWithNamePredicate",
+    "ProxyDict",
+    "check_config_overrides_consistency",
+    "get_standard_config_overrides",
     "ConstantGradScaler",
     "DistributedOptimizer",
     "DynamicGradScaler",

@@ -16,10 +16,11 @@ left in flight for the forward pre-hooks of the next forward to wait for.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from megatron_ext import parallel_state
 from megatron_ext._torch_compat import all_gather_single
 from megatron_ext.comm_errors import reported
 from megatron_ext.optimizer.grad_scaler import MegatronGradScaler
@@ -62,6 +63,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         config: OptimizerConfig,
         model_chunks: list[torch.nn.Module],
         grad_scaler: MegatronGradScaler | None,
+        param_groups: list[dict[str, Any]],
     ) -> DistributedOptimizer:
         names = {id(p): n for n, p in named_model_parameters(model_chunks)}
         slots: list[_Slot] = []
@@ -72,7 +74,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for bucket in ddp.grad_buckets:
                 buckets.append((ddp, bucket))
                 lo, hi = ddp.shard_range(bucket)
-                for p, offset in zip(bucket.params, bucket.offsets):
+                for p in bucket.params_list:
+                    offset = bucket.param_to_index[p][0]
                     a, b = max(offset, lo), min(offset + p.numel(), hi)
                     if a >= b:
                         continue
@@ -80,13 +83,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     main = piece.float().clone() if p.dtype in SIXTEEN_BIT else piece
                     grad = bucket.grad_data[a:b]
                     slots.append(_Slot(names[id(p)], p, a - offset, b - offset, main, lambda g=grad: g))
-        optimizer = cls(build_torch_optimizer(config, slots), config, grad_scaler, slots, model_chunks)
+        torch_optimizer = build_torch_optimizer(config, slots, param_groups)
+        optimizer = cls(torch_optimizer, config, grad_scaler, slots, model_chunks)
         optimizer._buckets = buckets
-        optimizer._data_parallel_group = _ddp_of(model_chunks[0], 0).data_parallel_group
+        # The slices are those of the data-parallel group within one distributed-optimizer
+        # instance (the whole data-parallel group with one instance).
+        optimizer._data_parallel_group = _ddp_of(model_chunks[0], 0).intra_dp_cp_group
         return optimizer
 
     def get_grad_stats_parallel_group(self) -> list[dist.ProcessGroup]:
-        return [self._data_parallel_group, parallel_state.get_model_parallel_group()]
+        return [self._data_parallel_group, self._model_parallel_group()]
 
     def _found_inf_groups(self) -> list[dist.ProcessGroup]:
         return self.get_grad_stats_parallel_group()  # the data-parallel group is among them
@@ -127,19 +133,21 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             slots_by_param.setdefault(id(s.model_param), []).append(s)
         out = {}
         for ddp, bucket in self._buckets:
-            sixteen = any(p.dtype in SIXTEEN_BIT for p in bucket.params)
-            main_dtype = torch.float32 if sixteen else bucket.params[0].dtype
+            sixteen = any(p.dtype in SIXTEEN_BIT for p in bucket.params_list)
+            main_dtype = torch.float32 if sixteen else bucket.params_list[0].dtype
             lo, hi = ddp.shard_range(bucket)
             mine = torch.zeros(hi - lo, dtype=main_dtype, device=bucket.device)
-            for p, offset in zip(bucket.params, bucket.offsets):
+            for p in bucket.params_list:
+                offset = bucket.param_to_index[p][0]
                 for s in slots_by_param.get(id(p), ()):
                     value = s.main if key == "param" else self._slot_state(s, key)
                     mine[offset + s.start - lo : offset + s.end - lo].copy_(value.detach())
             full = torch.empty(bucket.padded_numel, dtype=main_dtype, device=bucket.device)
             what = f"all-gather of the optimizer's {key} of {bucket.describe()}"
-            with reported(what, ddp.data_parallel_group, tensor=mine):
-                all_gather_single(full, mine, group=ddp.data_parallel_group)
-            for p, offset in zip(bucket.params, bucket.offsets):
+            with reported(what, ddp.intra_dp_cp_group, tensor=mine):
+                all_gather_single(full, mine, group=ddp.intra_dp_cp_group)
+            for p in bucket.params_list:
+                offset = bucket.param_to_index[p][0]
                 out[id(p)] = full[offset : offset + p.numel()].view_as(p).clone()
         return out
 

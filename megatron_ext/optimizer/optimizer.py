@@ -67,11 +67,6 @@ def named_model_parameters(model_chunks: list[torch.nn.Module]) -> list[tuple[st
     return out
 
 
-def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
-    # Megatron-core's default: no decay on biases and 1-D parameters (LayerNorm).
-    return name.endswith(".bias") or param.dim() == 1
-
-
 def _state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return ("exp_avg", "exp_avg_sq")
@@ -86,18 +81,31 @@ def _scalar_step(value: int) -> torch.Tensor:
     return torch.tensor(float(value), dtype=dtype)
 
 
-def build_torch_optimizer(config: OptimizerConfig, slots: list[_Slot]) -> torch.optim.Optimizer:
-    """The torch optimizer over the slots' main parameters, in two groups (with and without
-    weight decay); empty groups are left out."""
-    decay = [s.main for s in slots if not _no_weight_decay(s.name, s.model_param)]
-    no_decay = [s.main for s in slots if _no_weight_decay(s.name, s.model_param)]
-    groups = [g for g in ({"params": decay, "weight_decay": config.weight_decay, "wd_mult": 1.0},
-                          {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}) if g["params"]]
-    if not groups:
-        # A rank whose data-parallel slice holds no parameter: a placeholder keeps the API uniform.
-        groups = [{"params": [torch.zeros(0)], "weight_decay": 0.0, "wd_mult": 0.0}]
+def build_torch_optimizer(
+    config: OptimizerConfig, slots: list[_Slot], param_groups: list[dict[str, Any]]
+) -> torch.optim.Optimizer:
+    """The torch optimizer over the slots' main parameters, one torch group per entry of
+    ``param_groups`` (``_get_param_groups``' output: every group kept, empty ones too, so all
+    ranks have the same groups) holding the main parameters of its model parameters, with
+    ``weight_decay = config.weight_decay * wd_mult`` and ``lr = max_lr * lr_mult`` (``max_lr``
+    defaults to ``config.lr``; a learning-rate scheduler sets both per step from the group's
+    values, as Megatron-core's does)."""
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr must be set (a float), got None")
+    group_of = {p: i for i, group in enumerate(param_groups) for p in group["params"]}
+    mains: list[list[torch.Tensor]] = [[] for _ in param_groups]
+    for s in slots:
+        mains[group_of[s.model_param]].append(s.main)
+    groups = []
+    for group, params in zip(param_groups, mains):
+        settings = {k: v for k, v in group.items() if k != "params"}
+        max_lr = group.get("max_lr")
+        settings["lr"] = (config.lr if max_lr is None else max_lr) * group.get("lr_mult", 1.0)
+        settings["weight_decay"] = config.weight_decay * group.get("wd_mult", 1.0)
+        groups.append({**settings, "params": params})
+    if not groups:
+        # A rank without trainable parameters: a placeholder keeps the API uniform.
+        groups = [{"params": [], "weight_decay": 0.0, "wd_mult": 0.0, "lr": config.lr}]
     if config.optimizer == "adam":
         cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
         return cls(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
@@ -121,6 +129,11 @@ class MegatronOptimizer:
         self.config = config
         self.grad_scaler = grad_scaler
         self.model_chunks = model_chunks
+        self.is_stub_optimizer = False
+        # Set by get_megatron_optimizer from a pg_collection; None: parallel_state's groups.
+        self.model_parallel_group: dist.ProcessGroup | None = None
+        self.data_parallel_group: dist.ProcessGroup | None = None
+        self.tp_group: dist.ProcessGroup | None = None
         self._slots = slots
         self._state_keys = _state_keys(optimizer)
         self._steps = 0  # successful updates: Adam's step count
@@ -131,9 +144,14 @@ class MegatronOptimizer:
 
     # Groups over which gradient statistics are reduced -----------------------------------------
 
+    def _model_parallel_group(self) -> dist.ProcessGroup | None:
+        if self.model_parallel_group is not None:
+            return self.model_parallel_group
+        return parallel_state.get_model_parallel_group()
+
     def get_grad_stats_parallel_group(self) -> list[dist.ProcessGroup]:
         """Gradients are already averaged over data-parallel ranks: the model-parallel group."""
-        return [parallel_state.get_model_parallel_group()]
+        return [self._model_parallel_group()]
 
     # Loss scaling ---------------------------------------------------------------------------------
 
@@ -167,7 +185,7 @@ class MegatronOptimizer:
             for s in self._slots
             if s.main.grad is not None
             and not getattr(s.model_param, "shared", False)
-            and param_is_not_tensor_parallel_duplicate(s.model_param)
+            and param_is_not_tensor_parallel_duplicate(s.model_param, self.tp_group)
         ]
 
     def get_grad_norm(self) -> float:
@@ -214,7 +232,9 @@ class MegatronOptimizer:
         """Groups over which the found-inf flag is reduced: every rank holding a copy of a
         parameter, so all copies skip a step alike even where their gradients differ (Megatron-core
         reduces over the model-parallel group only, assuming data-parallel copies agree)."""
-        data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        data_parallel = self.data_parallel_group
+        if data_parallel is None:
+            data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
         return [data_parallel, *self.get_grad_stats_parallel_group()]
 
     def _unscale_and_check_for_inf(self) -> bool:
@@ -248,6 +268,15 @@ class MegatronOptimizer:
                     s.model_param.copy_(s.main.view_as(s.model_param))
 
     @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        """The update from the prepared main gradients (Megatron-core's second half of
+        ``step``): the torch optimizer's step, then main parameters into the model."""
+        self.optimizer.step()
+        self._steps += 1
+        self._copy_main_params_to_model_params()
+        return True
+
+    @torch.no_grad()
     def step(self) -> tuple[bool, float | None, int | None]:
         """One update. Returns ``(update_successful, grad_norm, num_zeros_in_grad)``: with an
         inf/NaN in the fp16 gradients the update is skipped and ``(False, None, None)``
@@ -262,10 +291,28 @@ class MegatronOptimizer:
         if self.config.clip_grad > 0.0:
             grad_norm = self.clip_grad_norm(self.config.clip_grad)
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
-        self.optimizer.step()
-        self._steps += 1
-        self._copy_main_params_to_model_params()
-        return True, grad_norm, num_zeros
+        return self.step_with_ready_grads(), grad_norm, num_zeros
+
+    def reload_model_params(self, state_dict: dict[str, Any] | None = None) -> None:
+        """Sets the main parameters from the model parameters (after they were changed outside
+        the optimizer, e.g. loaded), or from ``state_dict``'s tensors (by parameter name, any
+        ``module.`` prefixes ignored; with several model chunks ``{"model0": ..., "model1": ...}``);
+        the model parameters are not changed. Nothing to do where the main parameters are the
+        model parameters."""
+        sources = _state_dict_params(state_dict, self.model_chunks) if state_dict is not None else {}
+        with torch.no_grad():
+            for s in self._slots:
+                if s.main is s.model_param:
+                    continue
+                if state_dict is not None and s.name not in sources:
+                    raise ValueError(f"reload_model_params: the state_dict has no tensor for {s.name!r}")
+                source = sources[s.name] if state_dict is not None else s.model_param
+                if tuple(source.shape) != tuple(s.model_param.shape):
+                    raise ValueError(
+                        f"reload_model_params: {s.name!r} has shape {tuple(source.shape)} in the state_dict, "
+                        f"the parameter {tuple(s.model_param.shape)}"
+                    )
+                s.main.copy_(source.detach().reshape(-1)[s.start : s.end].view_as(s.main))
 
     # State ---------------------------------------------------------------------------------------------
 
@@ -360,6 +407,35 @@ class MegatronOptimizer:
                 s.model_param.copy_(entry["param"])
 
 
+def _strip_module(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def _state_dict_params(
+    state_dict: dict[str, Any], model_chunks: list[torch.nn.Module]
+) -> dict[str, torch.Tensor]:
+    """``state_dict``'s tensors under the slot names (``named_model_parameters``)."""
+    if len(model_chunks) > 1 or "model0" in state_dict or "model_0" in state_dict:
+        prefix = "model_" if "model_0" in state_dict else "model"
+        per_chunk = []
+        for i in range(len(model_chunks)):
+            if f"{prefix}{i}" not in state_dict:
+                raise ValueError(f"reload_model_params: no {prefix}{i} in the state_dict (model chunk {i})")
+            per_chunk.append(state_dict[f"{prefix}{i}"])
+    else:
+        per_chunk = [state_dict.get("model", state_dict)]
+    out = {}
+    for i, (chunk, sd) in enumerate(zip(model_chunks, per_chunk)):
+        by_name = {_strip_module(k): v for k, v in sd.items()}
+        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
+        for name, _ in chunk.named_parameters():
+            if _strip_module(name) in by_name:
+                out[prefix + name] = by_name[_strip_module(name)]
+    return out
+
+
 def _plain_slots(named: list[tuple[str, torch.nn.Parameter]], copy_16bit: bool) -> list[_Slot]:
     slots = []
     for name, p in named:
@@ -382,15 +458,188 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
 
     @classmethod
     def create(cls, config: OptimizerConfig, model_chunks: list[torch.nn.Module],
-               grad_scaler: MegatronGradScaler | None) -> Float16OptimizerWithFloat16Params:
+               grad_scaler: MegatronGradScaler | None,
+               param_groups: list[dict[str, Any]]) -> Float16OptimizerWithFloat16Params:
         slots = _plain_slots(named_model_parameters(model_chunks), copy_16bit=True)
-        return cls(build_torch_optimizer(config, slots), config, grad_scaler, slots, model_chunks)
+        torch_optimizer = build_torch_optimizer(config, slots, param_groups)
+        return cls(torch_optimizer, config, grad_scaler, slots, model_chunks)
 
 
 class FP32Optimizer(MegatronOptimizer):
     """Model parameters are the main parameters (float32, or float64 in exactness tests)."""
 
     @classmethod
-    def create(cls, config: OptimizerConfig, model_chunks: list[torch.nn.Module]) -> FP32Optimizer:
+    def create(cls, config: OptimizerConfig, model_chunks: list[torch.nn.Module],
+               param_groups: list[dict[str, Any]]) -> FP32Optimizer:
         slots = _plain_slots(named_model_parameters(model_chunks), copy_16bit=False)
-        return cls(build_torch_optimizer(config, slots), config, None, slots, model_chunks)
+        return cls(build_torch_optimizer(config, slots, param_groups), config, None, slots, model_chunks)
+
+
+class ProxyDict:
+    """Several dicts seen as one, keyed ``(index of the dict, key)``: ``ChainedOptimizer.state``.
+    Reads and writes go to the underlying dicts."""
+
+    def __init__(self, inner_dicts: list[dict]) -> None:
+        self._inner_dicts = inner_dicts
+
+    def __getitem__(self, key: tuple[int, Any]) -> Any:
+        index, inner_key = key
+        return self._inner_dicts[index].get(inner_key)
+
+    def __setitem__(self, key: tuple[int, Any], value: Any) -> None:
+        index, inner_key = key
+        self._inner_dicts[index][inner_key] = value
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self._inner_dicts)
+
+    def __iter__(self):
+        for index, d in enumerate(self._inner_dicts):
+            for inner_key in d:
+                yield index, inner_key
+
+    def items(self):
+        for index, d in enumerate(self._inner_dicts):
+            for inner_key, value in d.items():
+                yield (index, inner_key), value
+
+
+class ChainedOptimizer(MegatronOptimizer):
+    """Several optimizers, each over its own parameters, stepped as one (Megatron-core's
+    ``ChainedOptimizer``; ``get_megatron_optimizer`` here returns a single optimizer, there being
+    no expert parameters to chain). ``param_groups`` concatenates the optimizers' groups (the same
+    dicts, so setting a learning rate reaches them), ``state`` is a ``ProxyDict`` over their
+    states. ``step()`` checks every optimizer's gradients for inf/NaN first, clips all by one
+    global norm (one reduction when the optimizers share their gradient-statistics groups, else
+    the root of the summed squares of their norms), then updates each."""
+
+    def __init__(self, chained_optimizers: list[Any]) -> None:  # no MegatronOptimizer state of its own
+        self.chained_optimizers = list(chained_optimizers)
+        self.model_chunks: list[torch.nn.Module] = []
+        self.config = getattr(self.chained_optimizers[0], "config", None) if self.chained_optimizers else None
+        for optimizer in self.chained_optimizers:
+            for chunk in getattr(optimizer, "model_chunks", []):
+                if all(chunk is not c for c in self.model_chunks):
+                    self.model_chunks.append(chunk)
+            if getattr(optimizer, "config", None) != self.config:
+                raise ValueError("ChainedOptimizer: the chained optimizers must share one config")
+        self.is_stub_optimizer = all(getattr(o, "is_stub_optimizer", False) for o in self.chained_optimizers)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer, when there is only one chained optimizer."""
+        if len(self.chained_optimizers) != 1:
+            raise RuntimeError(
+                f"ChainedOptimizer.optimizer: there are {len(self.chained_optimizers)} chained optimizers, "
+                "not one"
+            )
+        return self.chained_optimizers[0].optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [group for optimizer in self.chained_optimizers for group in optimizer.param_groups]
+
+    @property
+    def state(self) -> ProxyDict:
+        return ProxyDict([optimizer.state for optimizer in self.chained_optimizers])
+
+    def get_parameters(self) -> list[torch.Tensor]:
+        return [p for optimizer in self.chained_optimizers for p in optimizer.get_parameters()]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.chained_optimizers:
+            optimizer.zero_grad(set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        if self.chained_optimizers:
+            return self.chained_optimizers[0].get_loss_scale()
+        return torch.tensor([1.0])
+
+    def reload_model_params(self, state_dict: dict[str, Any] | None = None) -> None:
+        for optimizer in self.chained_optimizers:
+            optimizer.reload_model_params(state_dict)
+
+    def state_dict(self) -> Any:
+        if len(self.chained_optimizers) == 1:
+            return self.chained_optimizers[0].state_dict()
+        return [optimizer.state_dict() for optimizer in self.chained_optimizers]
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        if len(self.chained_optimizers) == 1:
+            self.chained_optimizers[0].load_state_dict(state_dict)
+            return
+        if isinstance(state_dict, dict):
+            state_dict = [v for _, v in sorted(state_dict.items())]
+        if len(state_dict) != len(self.chained_optimizers):
+            raise ValueError(
+                f"ChainedOptimizer.load_state_dict: {len(state_dict)} entries for "
+                f"{len(self.chained_optimizers)} chained optimizers"
+            )
+        for optimizer, state in zip(self.chained_optimizers, state_dict):
+            optimizer.load_state_dict(state)
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        found_inf = False
+        for optimizer in self.chained_optimizers:
+            found_inf |= optimizer.prepare_grads()
+        return found_inf
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        success = True
+        for optimizer in self.chained_optimizers:
+            success &= optimizer.step_with_ready_grads()
+        return success
+
+    def _groups_shared(self) -> bool:
+        reference = self.chained_optimizers[0].get_grad_stats_parallel_group()
+        return all(o.get_grad_stats_parallel_group() == reference for o in self.chained_optimizers)
+
+    def get_grad_stats_parallel_group(self) -> list[dist.ProcessGroup]:
+        if not self._groups_shared():
+            raise RuntimeError("ChainedOptimizer: the chained optimizers reduce gradient statistics over "
+                               "different groups")
+        return self.chained_optimizers[0].get_grad_stats_parallel_group()
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        if len(self.chained_optimizers) == 1:
+            return self.chained_optimizers[0].get_grad_norm()
+        if self._groups_shared():
+            grads = [g for o in self.chained_optimizers for g in o.get_main_grads_for_grad_norm()]
+            return get_grad_norm_fp32(grads, grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+        return sum(o.get_grad_norm() ** 2 for o in self.chained_optimizers) ** 0.5
+
+    @torch.no_grad()
+    def count_zeros(self) -> int:
+        if self._groups_shared():
+            grads = [g for o in self.chained_optimizers for g in o.get_main_grads_for_grad_norm()]
+            return count_zeros_fp32(grads, self.get_grad_stats_parallel_group())
+        return sum(o.count_zeros() for o in self.chained_optimizers)
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, int | None]:
+        if self.prepare_grads():
+            for optimizer in self.chained_optimizers:
+                for s in optimizer._slots:
+                    s.main.grad = None
+            return False, None, None
+        grad_norm = self.get_grad_norm()
+        for optimizer in self.chained_optimizers:
+            if optimizer.config.clip_grad > 0.0 and optimizer.get_parameters():
+                clip = optimizer.config.clip_grad
+                clip_grad_by_total_norm_fp32(optimizer.get_parameters(), clip, grad_norm)
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        return self.step_with_ready_grads(), grad_norm, num_zeros
+
+    def param_state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for optimizer in self.chained_optimizers:
+            out.update(optimizer.param_state_by_name())
+        return out
+
+    def load_param_state_by_name(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
+        for optimizer in self.chained_optimizers:
+            names = {n for n, _ in named_model_parameters(optimizer.model_chunks)}
+            optimizer.load_param_state_by_name({k: v for k, v in d.items() if k in names})

@@ -1,11 +1,65 @@
-"""Megatron-core's OptimizerConfig (``megatron.core.optimizer.optimizer_config``)."""
+"""Megatron-core's OptimizerConfig and parameter keys (``megatron.core.optimizer.optimizer_config``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import dataclasses
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any, Callable, Union
 
 import torch
+
+
+@dataclass(frozen=True)
+class ParamPredicate:
+    """A named test of a parameter, ``fn(param) -> bool``; equal (and hashed) by ``name`` only, so
+    it can be part of a ``ParamKey``."""
+
+    name: str
+    fn: Callable[[torch.nn.Parameter], bool] = field(compare=False, hash=False)
+
+    def __call__(self, param: torch.nn.Parameter) -> bool:
+        return self.fn(param)
+
+
+@dataclass(frozen=True)
+class ParamWithNamePredicate:
+    """A named test of a parameter and its name, ``fn(param, name) -> bool``; equal (and hashed)
+    by ``name`` only."""
+
+    name: str
+    fn: Callable[[torch.nn.Parameter, str], bool] = field(compare=False, hash=False)
+
+    def __call__(self, param: torch.nn.Parameter, name: str) -> bool:
+        return self.fn(param, name)
+
+
+def _as_tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+@dataclass(frozen=True)
+class ParamKey:
+    """Selects parameters (for ``config_overrides``): a parameter matches when any of the
+    following holds: its name matches one of the ``name`` patterns (shell-style, ``fnmatch``;
+    ``*`` also spans dots), one of the ``attr`` attributes is set and true on it, one of the
+    ``predicate`` s accepts it, or one of the ``with_name_predicate`` s accepts it with its name.
+    Each field takes one value or a tuple."""
+
+    name: Union[str, tuple[str, ...]] = field(default_factory=tuple)
+    attr: Union[str, tuple[str, ...]] = field(default_factory=tuple)
+    predicate: Union[ParamPredicate, tuple[ParamPredicate, ...]] = field(default_factory=tuple)
+    with_name_predicate: Union[ParamWithNamePredicate, tuple[ParamWithNamePredicate, ...]] = field(
+        default_factory=tuple
+    )
+
+    def matches(self, param: torch.nn.Parameter, param_name: str) -> bool:
+        return (
+            any(fnmatch.fnmatch(param_name, pattern) for pattern in _as_tuple(self.name))
+            or any(bool(getattr(param, attr, False)) for attr in _as_tuple(self.attr))
+            or any(predicate(param) for predicate in _as_tuple(self.predicate))
+            or any(predicate(param, param_name) for predicate in _as_tuple(self.with_name_predicate))
+        )
 
 
 @dataclass
@@ -76,11 +130,13 @@ class OptimizerConfig:
     config_logger_dir: str = ""
 
     def __post_init__(self) -> None:
+        # Megatron-core derives this; without the precision-aware optimizer it is False.
+        self.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = False
         if self.fp16 and self.bf16:
             raise ValueError("OptimizerConfig: fp16 and bf16 cannot both be True")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"OptimizerConfig.optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
-        for name in ("main_grads_dtype", "main_params_dtype"):
+        for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
             if getattr(self, name) != torch.float32:
                 raise ValueError(f"OptimizerConfig.{name} can only be torch.float32 without the "
                                  f"precision-aware optimizer, got {getattr(self, name)}")
@@ -113,3 +169,23 @@ class SGDOptimizerConfig(OptimizerConfig):
     """Megatron-core's SGD-specific config."""
 
     optimizer: str = "sgd"
+
+
+_FIELDS = [f.name for f in dataclasses.fields(OptimizerConfig)]
+
+
+def as_optimizer_config(config: Any) -> OptimizerConfig:
+    """``config`` as an ``OptimizerConfig``: itself, or for any other object with its fields
+    (Megatron-core's ``OptimizerConfig`` / ``AdamOptimizerConfig`` / ``SGDOptimizerConfig``
+    included) a copy whose missing fields take the defaults, checked as the class checks them. An
+    object with none of the fields raises TypeError."""
+    if isinstance(config, OptimizerConfig):
+        return config
+    if isinstance(config, (type(None), bool, int, float, str, dict, list, tuple)) or not any(
+        hasattr(config, name) for name in _FIELDS
+    ):
+        raise TypeError(
+            "config must be an OptimizerConfig (megatron_ext's, Megatron-core's, or any object with its "
+            f"fields, e.g. lr, optimizer, bf16), got {type(config).__name__}"
+        )
+    return OptimizerConfig(**{name: getattr(config, name) for name in _FIELDS if hasattr(config, name)})

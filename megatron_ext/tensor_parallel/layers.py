@@ -17,14 +17,14 @@ no GPU is available.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.nn.parameter import Parameter
 
 from megatron_ext import parallel_state
-from megatron_ext.model_parallel_config import ModelParallelConfig
+from megatron_ext.model_parallel_config import ModelParallelConfig, check_model_parallel_config, config_field
 from megatron_ext.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -135,20 +135,32 @@ def _group_and_size(tp_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGro
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
-def _param_device(config: ModelParallelConfig) -> torch.device:
-    if config.use_cpu_initialization or not torch.cuda.is_available():
+class _Settings(NamedTuple):
+    """What the layers read from their config."""
+
+    params_dtype: torch.dtype
+    perform_initialization: bool
+    use_cpu_initialization: bool
+    sequence_parallel: bool
+    gradient_accumulation_fusion: bool
+    deterministic_mode: bool
+
+
+def _check_config(config: Any, layer: str) -> _Settings:
+    # Any object with the fields read (Megatron-core's configs included); missing ones read as the
+    # defaults of ModelParallelConfig.
+    check_model_parallel_config(config, layer)
+    return _Settings(*(config_field(config, name) for name in _Settings._fields))
+
+
+def _param_device(settings: _Settings) -> torch.device:
+    if settings.use_cpu_initialization or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _check_config(config: Any, layer: str) -> ModelParallelConfig:
-    if not isinstance(config, ModelParallelConfig):
-        raise TypeError(f"{layer}: config must be a megatron_ext.ModelParallelConfig, got {type(config).__name__}")
-    return config
-
-
-def _check_init_method(init_method: Any, config: ModelParallelConfig, layer: str) -> None:
-    if config.perform_initialization and not callable(init_method):
+def _check_init_method(init_method: Any, settings: _Settings, layer: str) -> None:
+    if settings.perform_initialization and not callable(init_method):
         raise ValueError(
             f"{layer}: init_method must be a callable that fills a weight tensor in place "
             f"(e.g. torch.nn.init.xavier_normal_) when config.perform_initialization is True, got {init_method!r}"
@@ -165,9 +177,9 @@ def _split_size(size: int, world_size: int, what: str, layer: str) -> int:
     return size // world_size
 
 
-def _sequence_parallel(config: ModelParallelConfig, world_size: int) -> bool:
+def _sequence_parallel(settings: _Settings, world_size: int) -> bool:
     # Sequence parallelism over one rank is the identity; the layer runs without it.
-    return config.sequence_parallel and world_size > 1
+    return settings.sequence_parallel and world_size > 1
 
 
 def _reject(layer: str, **unsupported: Any) -> None:
@@ -282,12 +294,12 @@ class VocabParallelEmbedding(torch.nn.Module):
     ) -> None:
         super().__init__()
         name = "VocabParallelEmbedding"
-        config = _check_config(config, name)
-        _check_init_method(init_method, config, name)
+        settings = _check_config(config, name)
+        _check_init_method(init_method, settings, name)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
-        self.deterministic_mode = config.deterministic_mode
+        self.deterministic_mode = settings.deterministic_mode
         self.tp_group, world_size, rank = _group_and_size(tp_group)
         self.tensor_model_parallel_size = world_size
         self.num_embeddings_per_partition = _split_size(num_embeddings, world_size, "num_embeddings", name)
@@ -299,15 +311,15 @@ class VocabParallelEmbedding(torch.nn.Module):
             torch.empty(
                 self.num_embeddings_per_partition,
                 embedding_dim,
-                dtype=config.params_dtype,
-                device=_param_device(config),
+                dtype=settings.params_dtype,
+                device=_param_device(settings),
             )
         )
-        if config.perform_initialization:
-            if config.use_cpu_initialization:
+        if settings.perform_initialization:
+            if settings.use_cpu_initialization:
                 _initialize_affine_weight_cpu(
                     self.weight, num_embeddings, embedding_dim, self.num_embeddings_per_partition, 0,
-                    init_method, params_dtype=config.params_dtype, rank=rank, world_size=world_size,
+                    init_method, params_dtype=settings.params_dtype, rank=rank, world_size=world_size,
                 )
             else:
                 _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=1)
@@ -377,7 +389,7 @@ class ColumnParallelLinear(torch.nn.Module):
     ) -> None:
         super().__init__()
         name = "ColumnParallelLinear"
-        config = _check_config(config, name)
+        settings = _check_config(config, name)
         _reject(
             name,
             embedding_activation_buffer=embedding_activation_buffer,
@@ -386,7 +398,7 @@ class ColumnParallelLinear(torch.nn.Module):
             disable_grad_reduce=disable_grad_reduce,
         )
         if not skip_weight_param_allocation:
-            _check_init_method(init_method, config, name)
+            _check_init_method(init_method, settings, name)
         self.config = config
         self.input_size = input_size
         self.output_size = output_size
@@ -401,27 +413,29 @@ class ColumnParallelLinear(torch.nn.Module):
                 f"{name}: the per-rank output size {self.output_size_per_partition} (output_size={output_size} "
                 f"/ tp={world_size}) is not divisible by stride={stride}"
             )
-        self.sequence_parallel = _sequence_parallel(config, world_size)
+        self.sequence_parallel = _sequence_parallel(settings, world_size)
         if self.sequence_parallel and gather_output:
             raise ValueError(f"{name}: gather_output=True cannot be combined with sequence parallelism")
-        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        self.gradient_accumulation_fusion = settings.gradient_accumulation_fusion
         # Megatron's rule: the input gradient is all-reduced inside the linear unless sequence
         # parallelism reduce-scatters it instead.
         self.allreduce_dgrad = world_size > 1 and not self.sequence_parallel
 
-        device = _param_device(config)
+        device = _param_device(settings)
         if skip_weight_param_allocation:
             self.weight = None
         else:
             self.weight = Parameter(
-                torch.empty(self.output_size_per_partition, input_size, dtype=config.params_dtype, device=device)
+                torch.empty(
+                    self.output_size_per_partition, input_size, dtype=settings.params_dtype, device=device
+                )
             )
-            if config.perform_initialization:
-                if config.use_cpu_initialization:
+            if settings.perform_initialization:
+                if settings.use_cpu_initialization:
                     self.master_weight = _initialize_affine_weight_cpu(
                         self.weight, output_size, input_size, self.output_size_per_partition, 0, init_method,
                         stride=stride, return_master_weight=keep_master_weight_for_test,
-                        params_dtype=config.params_dtype, rank=rank, world_size=world_size,
+                        params_dtype=settings.params_dtype, rank=rank, world_size=world_size,
                     )
                 else:
                     _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=stride)
@@ -429,7 +443,9 @@ class ColumnParallelLinear(torch.nn.Module):
                 set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=stride)
 
         if bias:
-            self.bias = Parameter(torch.zeros(self.output_size_per_partition, dtype=config.params_dtype, device=device))
+            self.bias = Parameter(
+                torch.zeros(self.output_size_per_partition, dtype=settings.params_dtype, device=device)
+            )
             set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=stride)
         else:
             self.register_parameter("bias", None)
@@ -510,9 +526,9 @@ class RowParallelLinear(torch.nn.Module):
     ) -> None:
         super().__init__()
         name = "RowParallelLinear"
-        config = _check_config(config, name)
+        settings = _check_config(config, name)
         _reject(name, is_expert=is_expert)
-        _check_init_method(init_method, config, name)
+        _check_init_method(init_method, settings, name)
         self.config = config
         self.input_size = input_size
         self.output_size = output_size
@@ -527,21 +543,23 @@ class RowParallelLinear(torch.nn.Module):
                 f"{name}: the per-rank input size {self.input_size_per_partition} (input_size={input_size} "
                 f"/ tp={world_size}) is not divisible by stride={stride}"
             )
-        self.sequence_parallel = _sequence_parallel(config, world_size)
+        self.sequence_parallel = _sequence_parallel(settings, world_size)
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError(f"{name}: sequence parallelism needs input_is_parallel=True")
-        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        self.gradient_accumulation_fusion = settings.gradient_accumulation_fusion
 
-        device = _param_device(config)
+        device = _param_device(settings)
         self.weight = Parameter(
-            torch.empty(output_size, self.input_size_per_partition, dtype=config.params_dtype, device=device)
+            torch.empty(
+                output_size, self.input_size_per_partition, dtype=settings.params_dtype, device=device
+            )
         )
-        if config.perform_initialization:
-            if config.use_cpu_initialization:
+        if settings.perform_initialization:
+            if settings.use_cpu_initialization:
                 self.master_weight = _initialize_affine_weight_cpu(
                     self.weight, output_size, input_size, self.input_size_per_partition, 1, init_method,
                     stride=stride, return_master_weight=keep_master_weight_for_test,
-                    params_dtype=config.params_dtype, rank=rank, world_size=world_size,
+                    params_dtype=settings.params_dtype, rank=rank, world_size=world_size,
                 )
             else:
                 _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=1, stride=stride)
@@ -549,7 +567,7 @@ class RowParallelLinear(torch.nn.Module):
             set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=1, stride=stride)
 
         if bias:
-            self.bias = Parameter(torch.zeros(output_size, dtype=config.params_dtype, device=device))
+            self.bias = Parameter(torch.zeros(output_size, dtype=settings.params_dtype, device=device))
             setattr(self.bias, "sequence_parallel", self.sequence_parallel)
         else:
             self.register_parameter("bias", None)

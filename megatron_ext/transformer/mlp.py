@@ -7,6 +7,7 @@ import functools
 import torch
 
 from megatron_ext.fusions.fused_bias_gelu import bias_gelu
+from megatron_ext.fusions.fused_bias_swiglu import bias_swiglu
 from megatron_ext.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_ext.transformer.transformer_config import TransformerConfig
 
@@ -23,8 +24,8 @@ class ParallelMLP(torch.nn.Module):
     matching columns of both halves, its ``[gate_r | up_r]`` (a stride-2 split of ``[gate | up]``),
     so the serial model's ``[gate | up]`` weight deals out as Megatron's checkpoints lay it out.
 
-    With ``config.bias_activation_fusion`` the bias add and the GeLU run as one kernel (forward and
-    backward). It computes the GeLU the unfused path does (exact erf form unless
+    With ``config.bias_activation_fusion`` the bias add and the activation run as one kernel
+    (forward and backward): GeLU, or SwiGLU when gated (``fusions.bias_swiglu``, the same numbers). It computes the GeLU the unfused path does (exact erf form unless
     ``config.activation_func`` is ``partial(F.gelu, approximate="tanh")``), so the flag does not
     change the numbers; Megatron-core's fused path always takes the tanh form.
     """
@@ -55,8 +56,13 @@ class ParallelMLP(torch.nn.Module):
         )
 
         self.gelu_approximate = _gelu_approximate(getattr(config, "activation_func", None))
-        self.bias_activation_fusion = bool(getattr(config, "bias_activation_fusion", False)) and not self.gated
-        if self.bias_activation_fusion and self.gelu_approximate is None:
+        self.bias_activation_fusion = bool(getattr(config, "bias_activation_fusion", False))
+        if self.bias_activation_fusion and self.gated and config.activation_func is not torch.nn.functional.silu:
+            raise ValueError(
+                f"bias_activation_fusion with gated_linear_unit supports the SiLU activation (SwiGLU) only, got "
+                f"activation_func={config.activation_func!r}"
+            )
+        if self.bias_activation_fusion and not self.gated and self.gelu_approximate is None:
             raise ValueError(
                 f"bias_activation_fusion supports the GeLU activation only, got activation_func="
                 f"{config.activation_func!r}"
@@ -64,7 +70,9 @@ class ParallelMLP(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         intermediate, bias = self.dense_h_to_4h(hidden_states)
-        if self.bias_activation_fusion and bias is not None:
+        if self.bias_activation_fusion and self.gated:
+            intermediate = bias_swiglu(intermediate, bias)
+        elif self.bias_activation_fusion and bias is not None:
             intermediate = bias_gelu(intermediate, bias, self.gelu_approximate)
         else:
             if bias is not None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ext.fusions.fused_rope import fused_apply_rotary_pos_emb
+
 
 class RotaryEmbedding(torch.nn.Module):
     """The rotation angles for positions ``0 .. max_seq_len - 1`` (Megatron-core's signature)."""
@@ -74,12 +76,15 @@ def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config) -> torch.Tensor:
     """Rotates ``t`` (``[s, b, heads, d]``) by ``freqs`` (``[>= s, 1, 1, dim]``, from
     ``RotaryEmbedding``), channels ``dim ..`` passing through; ``config.rotary_interleaved`` picks
-    the channel pairing."""
+    the channel pairing. With ``config.apply_rope_fusion`` one kernel does it
+    (``fusions.fused_apply_rotary_pos_emb``, the same numbers)."""
     interleaved = bool(getattr(config, "rotary_interleaved", False))
     dim = freqs.shape[-1]
     if dim > t.shape[-1]:
         raise ValueError(f"rotary embeddings of {dim} channels for heads of {t.shape[-1]} channels")
     freqs = freqs[: t.shape[0]]
+    if getattr(config, "apply_rope_fusion", False):
+        return fused_apply_rotary_pos_emb(t, freqs, interleaved)
     rotated, passed = t[..., :dim], t[..., dim:]
     cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
     rotated = rotated * cos + _rotate_half(rotated, interleaved) * sin

@@ -76,9 +76,6 @@ _UNIMPLEMENTED = {
     "apply_query_key_layer_scaling": "query-key layer scaling",
     "disable_bf16_reduced_precision_matmul": "cuBLAS reduced-precision control",
     "masked_softmax_fusion": "the fused masked softmax kernel",
-    "persist_layer_norm": "the persistent LayerNorm kernel",
-    "memory_efficient_layer_norm": "the memory-efficient LayerNorm kernel",
-    "apply_rope_fusion": "rotary embeddings",
     "use_fused_weighted_squared_relu": "weighted squared ReLU",
     "fused_single_qkv_rope": "rotary embeddings",
     "distribute_saved_activations": "distributing recomputation inputs across tensor-parallel ranks",
@@ -338,6 +335,11 @@ class TransformerConfig(ModelParallelConfig):
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(
                 f"TransformerConfig.normalization={self.normalization!r} is not one of 'LayerNorm', 'RMSNorm'"
+            )
+        if (self.persist_layer_norm or self.memory_efficient_layer_norm) and self.normalization != "RMSNorm":
+            raise NotImplementedError(
+                "TransformerConfig.persist_layer_norm / memory_efficient_layer_norm select megatron_ext's fused "
+                f"RMSNorm kernel; there is no fused LayerNorm (normalization={self.normalization!r})"
             )
         if not callable(self.activation_func):
             raise ValueError(f"TransformerConfig.activation_func must be callable, got {self.activation_func!r}")

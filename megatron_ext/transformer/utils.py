@@ -7,6 +7,8 @@ from typing import Any, Iterator
 
 import torch
 
+from megatron_ext.fusions.fused_rms_norm import fused_rms_norm
+
 
 @contextlib.contextmanager
 def initialization_seed(base_seed: int | None, offset: int) -> Iterator[None]:
@@ -26,16 +28,26 @@ def initialization_seed(base_seed: int | None, offset: int) -> Iterator[None]:
         yield
 
 
+class FusedRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` (same parameter, same numbers) computed by megatron_ext's fused kernel
+    (``fusions.fused_rms_norm``: one pass forward, one backward, float32 statistics for 16-bit inputs)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_rms_norm(x, self.weight, self.eps)
+
+
 def layer_norm(config: Any, hidden_size: int) -> torch.nn.Module:
     """The transformer's normalisation over the last ``hidden_size`` features: ``torch.nn.LayerNorm``
     or, with ``config.normalization == "RMSNorm"``, ``torch.nn.RMSNorm`` (what Megatron-core's local
-    layers build), both with ``config.layernorm_epsilon``. Its parameters carry
-    ``sequence_parallel`` (Megatron's attribute): under sequence parallelism each tensor-parallel
+    layers build; the fused kernel, ``FusedRMSNorm``, with ``config.persist_layer_norm`` or
+    ``config.memory_efficient_layer_norm``), both with ``config.layernorm_epsilon``. Its parameters
+    carry ``sequence_parallel`` (Megatron's attribute): under sequence parallelism each tensor-parallel
     rank normalises its own part of the sequence, so their gradients are partial sums that
     ``finalize_model_grads`` all-reduces."""
     eps, dtype = config.layernorm_epsilon, config.params_dtype
     if getattr(config, "normalization", "LayerNorm") == "RMSNorm":
-        norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=dtype)
+        fused = getattr(config, "persist_layer_norm", False) or getattr(config, "memory_efficient_layer_norm", False)
+        norm = (FusedRMSNorm if fused else torch.nn.RMSNorm)(hidden_size, eps=eps, dtype=dtype)
     else:
         norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=dtype)
     for param in norm.parameters():
