@@ -366,6 +366,22 @@ def test_cpu_capability_variants_agree():
             assert_close(got, want, rtol=1e-15, atol=1e-15, msg=capability)
 
 
+def test_inference_mode_equals_grad_mode():
+    """Under inference mode the ops run their forward kernels without an autograd node."""
+    x, w = _randn(3, 8, seed=54), _randn(8, seed=55)
+    t, freqs = _randn(4, 2, 2, 8, seed=56), _freqs(4, 8, False)
+    y, b = _randn(3, 10, seed=57), _randn(10, seed=58)
+    calls = (lambda: fused_rms_norm(x, w, 1e-5), lambda: fused_apply_rotary_pos_emb(t, freqs),
+             lambda: bias_swiglu(y, b))
+    for call in calls:
+        want = call()
+        with torch.inference_mode():
+            got = call()
+        _assert_equal(got, want)
+    with torch.inference_mode(), pytest.raises(ValueError, match=r"rms_norm: weight must have shape \[8\]"):
+        fused_rms_norm(x, w[:-1], 1e-5)
+
+
 def test_bad_input_is_refused():
     x, w = _randn(3, 8), _randn(8)
     with pytest.raises(ValueError, match=r"weight must have shape \[8\]"):

@@ -144,6 +144,7 @@ at::Tensor rms_norm_autograd(const at::Tensor& input, const at::Tensor& weight, 
 }
 
 at::Tensor rms_norm_no_autograd(const at::Tensor& input, const at::Tensor& weight, double eps) {
+  check_rms_norm_args("rms_norm", input, weight, eps);
   return std::get<0>(rms_norm_forward_op(input, weight, eps));
 }
 
@@ -164,6 +165,7 @@ at::Tensor swiglu_autograd(const at::Tensor& input, const std::optional<at::Tens
 }
 
 at::Tensor swiglu_no_autograd(const at::Tensor& input, const std::optional<at::Tensor>& bias) {
+  check_swiglu_args("swiglu", input, bias);
   return swiglu_forward_op(input, bias);
 }
 
