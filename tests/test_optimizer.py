@@ -316,8 +316,12 @@ def _no_ddp_worker():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="wrapped in megatron_ext.distributed.DistributedDataParallel"):
         get_megatron_optimizer(OptimizerConfig(lr=1.0, use_distributed_optimizer=True), [model])
-    with pytest.raises(ValueError, match="lr must be set"):
-        get_megatron_optimizer(OptimizerConfig(), [model])
+    # Without lr the groups wait for one (a scheduler sets it): step() refuses until then.
+    unset = get_megatron_optimizer(OptimizerConfig(), [model])
+    model(torch.ones(1, 2)).sum().backward()
+    with pytest.raises(ValueError, match=r"parameter group\(s\) \[0, 1\] have no learning rate"):
+        unset.step()
+    model.zero_grad()
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.5, weight_decay=0.0, clip_grad=0.0), [model])
     before = model.weight.detach().clone()
     model(torch.ones(1, 2)).sum().backward()
