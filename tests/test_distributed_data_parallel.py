@@ -525,7 +525,8 @@ def _fusion_worker() -> dict:
             ddp.finish_grad_sync()
             assert all(p.grad is None for p in model.parameters())
             out.setdefault(fusion, []).append(
-                (launched, len(ddp.grad_buckets), flags, [p.main_grad.clone() for p in model.parameters()]))
+                # Plain lists: tensors sent through the result queue need the worker alive to be read.
+                (launched, len(ddp.grad_buckets), flags, [p.main_grad.tolist() for p in model.parameters()]))
             ddp.zero_grad_buffer()
             assert not any(w.grad_added_to_main_grad for w in weights)
     # Without a DistributedDataParallel (no flag on the weight) the fused weight gets no .grad.
@@ -547,4 +548,4 @@ def test_gradient_accumulation_fusion_keeps_overlap():
             assert buckets > 2 and (step == 0 or launched == buckets == ref_launched)
             assert flags == [True, True] and ref_flags == [False, False]
             for a, b in zip(grads, ref_grads):
-                torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=ATOL)

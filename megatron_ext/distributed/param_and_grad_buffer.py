@@ -326,10 +326,12 @@ class _ParamAndGradBucketGroup:
     def is_ready(self) -> bool:
         """Every parameter has had as many gradients in this step's last micro-batch as in the
         first step's (never true during the first step)."""
+        counts, golden = self.per_param_grad_ready_counts, self.golden_per_param_grad_ready_counts
         return (
             not self.is_first_batch
             and not self._dispatched
-            and self.per_param_grad_ready_counts == self.golden_per_param_grad_ready_counts
+            and len(counts) == len(golden)  # cheap first: the full comparison only at the end
+            and counts == golden
         )
 
     def register_grad_ready(self, param: torch.nn.Parameter, force_all_reduce: bool = False) -> None:

@@ -89,9 +89,8 @@ def build_torch_optimizer(
     ranks have the same groups) holding the main parameters of its model parameters, with
     ``weight_decay = config.weight_decay * wd_mult`` and ``lr = max_lr * lr_mult`` (``max_lr``
     defaults to ``config.lr``; a learning-rate scheduler sets both per step from the group's
-    values, as Megatron-core's does)."""
-    if config.lr is None:
-        raise ValueError("OptimizerConfig.lr must be set (a float), got None")
+    values, as Megatron-core's does). Without ``config.lr`` a group's learning rate is None until
+    something sets it; ``step()`` refuses to run before."""
     group_of = {p: i for i, group in enumerate(param_groups) for p in group["params"]}
     mains: list[list[torch.Tensor]] = [[] for _ in param_groups]
     for s in slots:
@@ -100,16 +99,18 @@ def build_torch_optimizer(
     for group, params in zip(param_groups, mains):
         settings = {k: v for k, v in group.items() if k != "params"}
         max_lr = group.get("max_lr")
-        settings["lr"] = (config.lr if max_lr is None else max_lr) * group.get("lr_mult", 1.0)
+        lr = config.lr if max_lr is None else max_lr
+        settings["lr"] = None if lr is None else lr * group.get("lr_mult", 1.0)
         settings["weight_decay"] = config.weight_decay * group.get("wd_mult", 1.0)
         groups.append({**settings, "params": params})
     if not groups:
         # A rank without trainable parameters: a placeholder keeps the API uniform.
         groups = [{"params": [], "weight_decay": 0.0, "wd_mult": 0.0, "lr": config.lr}]
+    default_lr = 0.0 if config.lr is None else config.lr  # every group sets its own
     if config.optimizer == "adam":
         cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
-        return cls(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
-    return torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum)
+        return cls(groups, lr=default_lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    return torch.optim.SGD(groups, lr=default_lr, momentum=config.sgd_momentum)
 
 
 class MegatronOptimizer:
@@ -271,6 +272,12 @@ class MegatronOptimizer:
     def step_with_ready_grads(self) -> bool:
         """The update from the prepared main gradients (Megatron-core's second half of
         ``step``): the torch optimizer's step, then main parameters into the model."""
+        unset = [i for i, group in enumerate(self.optimizer.param_groups) if group["lr"] is None]
+        if unset:
+            raise ValueError(
+                f"parameter group(s) {unset} have no learning rate: set OptimizerConfig.lr, or each "
+                "group's 'lr' (as a learning-rate scheduler does), before step()"
+            )
         self.optimizer.step()
         self._steps += 1
         self._copy_main_params_to_model_params()
