@@ -133,6 +133,8 @@ def _megatron_core(device: torch.device):
 
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # set_device needs an index (torch 2.11)
+        device = torch.device("cuda", torch.cuda.current_device())
     dtype = getattr(torch, args.dtype)
     es = torch.empty((), dtype=dtype).element_size()
     if device.type == "cuda":
