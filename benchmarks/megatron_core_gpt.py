@@ -1,0 +1,342 @@
+"""Megatron-core 0.16.1's own ``GPTModel`` (its local layer spec) trained the way Megatron-LM's
+loop trains it: Megatron-core's DistributedDataParallel on every model chunk,
+``get_megatron_optimizer``, ``finalize_model_grads`` and ``get_forward_backward_func``, on CPU
+processes joined by gloo. ``tests/test_megatron_core_model.py`` runs it with megatron_ext
+underneath (``use_megatron_ext()``) and on Megatron-core alone; ``benchmarks/train_step.py``
+times it against megatron_ext's own GPTModel.
+
+megatron_ext never imports megatron-core; only these callers do.
+
+Megatron-core names CUDA devices in code a CPU run reaches. ``cpu_patches(full)`` points them at
+the CPU, each patch named here:
+
+- model code (both runs): ``torch.cuda.current_device()`` returns ``"cpu"`` (the rotary
+  embedding moves its frequencies there on the first forward), ``Tensor.cuda()`` returns the
+  tensor (the tied embedding's first all-reduce across pipeline stages);
+- Megatron-core's own DDP, optimizer and schedules (``full=True``, the Megatron-core-alone run):
+  also ``torch.cuda.synchronize`` does nothing, ``torch.cuda.Stream``/``torch.cuda.stream`` are
+  null, the factory functions given ``device="cuda"`` allocate on the CPU, and ``Tensor.type()``
+  of a CPU tensor reports the CUDA name (``torch.cuda.FloatTensor``) that the distributed
+  optimizer and clip_grads test for.
+
+Without apex, Megatron-core's local spec builds its norms with ``WrappedTorchNorm``, which
+refuses sequence parallelism; ``build_model`` makes it build the same torch norm with the
+``sequence_parallel`` attribute on its parameters, as apex's FusedLayerNorm does on GPUs (so that
+finalize_model_grads sums their gradients over the tensor-parallel ranks). Both runs use it.
+
+The CUDA random-number tracker is Megatron-core's own no-op one
+(``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)``) in the Megatron-core
+run, where the CUDA generator does not exist; every configuration here has dropout 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.abc
+import importlib.util
+import os
+import pkgutil
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+MCORE_MODULES = ("parallel_state", "tensor_parallel", "pipeline_parallel", "distributed", "optimizer")
+_ON_MEGATRON_EXT = False
+
+
+# Megatron-core's own modules that ran beside megatron_ext's: submodules of the packages above
+# that megatron_ext does not have (features it does not implement), in import order.
+MEGATRON_CORE_FALLBACKS: list[str] = []
+
+
+class _MegatronCoreFallback(importlib.abc.MetaPathFinder):
+    """Finds ``megatron.core.<package>.<name>`` that megatron_ext lacks in Megatron-core's files;
+    what those import from megatron.core's aliased packages resolves to megatron_ext."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def find_spec(self, fullname, path=None, target=None):
+        parts = fullname.split(".")
+        if len(parts) < 4 or parts[:2] != ["megatron", "core"] or parts[2] not in MCORE_MODULES:
+            return None
+        location = os.path.join(self.root, *parts[2:])
+        if os.path.isdir(location):
+            MEGATRON_CORE_FALLBACKS.append(fullname)
+            return importlib.util.spec_from_file_location(
+                fullname, os.path.join(location, "__init__.py"), submodule_search_locations=[location]
+            )
+        if os.path.isfile(location + ".py"):
+            MEGATRON_CORE_FALLBACKS.append(fullname)
+            return importlib.util.spec_from_file_location(fullname, location + ".py")
+        return None
+
+
+def use_megatron_ext() -> None:
+    """Resolves ``megatron.core.{parallel_state, tensor_parallel, pipeline_parallel, distributed,
+    optimizer}`` and their submodules to megatron_ext's modules; a submodule megatron_ext does not
+    have is Megatron-core's own (listed in MEGATRON_CORE_FALLBACKS). Call before anything imports
+    ``megatron.core``."""
+    global _ON_MEGATRON_EXT
+    if "megatron.core" in sys.modules:
+        raise RuntimeError("use_megatron_ext() must run before megatron.core is imported")
+    aliases = {}
+    for name in MCORE_MODULES:
+        module = importlib.import_module(f"megatron_ext.{name}")
+        aliases[f"megatron.core.{name}"] = module
+        for info in pkgutil.iter_modules(getattr(module, "__path__", [])):
+            aliases[f"megatron.core.{name}.{info.name}"] = importlib.import_module(
+                f"megatron_ext.{name}.{info.name}"
+            )
+    root = importlib.util.find_spec("megatron.core").submodule_search_locations[0]
+    sys.modules.update(aliases)
+    sys.meta_path.insert(0, _MegatronCoreFallback(root))
+    _ON_MEGATRON_EXT = True
+    import megatron.core
+
+    for name in MCORE_MODULES:
+        setattr(megatron.core, name, aliases[f"megatron.core.{name}"])
+
+
+def cpu_patches(full: bool) -> None:
+    """Points Megatron-core's CUDA device calls at the CPU (see the module docstring)."""
+    torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    if not full:
+        return
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.Stream = lambda *args, **kwargs: None
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+
+    def on_cpu(factory):
+        def make(*args, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "cuda":
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+
+        return make
+
+    for name in ("tensor", "zeros", "empty", "ones", "full", "arange"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    tensor_type = torch.Tensor.type
+
+    def cuda_type_name(self, *args, **kwargs):
+        if args or kwargs:
+            return tensor_type(self, *args, **kwargs)
+        name = tensor_type(self)
+        return name.replace("torch.", "torch.cuda.", 1) if self.device.type == "cpu" else name
+
+    torch.Tensor.type = cuda_type_name
+
+
+@dataclass
+class Run:
+    """One training run: the model's shape and the parallel layout."""
+
+    arch: str = "gpt"  # or "llama"
+    tp: int = 1
+    pp: int = 1
+    vp: int | None = None
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    dtype: torch.dtype = torch.float64
+    layers: int = 4
+    hidden: int = 32
+    heads: int = 4
+    seq: int = 16
+    vocab: int = 64
+    micro_batch: int = 2
+    global_batch: int = 8
+    steps: int = 3
+    lr: float = 1e-2
+    optimizer: str = "adam"  # or "sgd" (momentum 0.9)
+    seed: int = 1234
+
+
+def transformer_config(run: Run) -> Any:
+    from megatron.core.transformer import TransformerConfig
+
+    fields: dict[str, Any] = dict(
+        num_layers=run.layers, hidden_size=run.hidden, num_attention_heads=run.heads,
+        tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
+        virtual_pipeline_model_parallel_size=run.vp, sequence_parallel=run.sequence_parallel,
+        params_dtype=run.dtype, pipeline_dtype=run.dtype, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False,
+    )
+    if run.arch == "llama":
+        fields.update(
+            normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+            num_query_groups=2, add_bias_linear=False, ffn_hidden_size=2 * run.hidden,
+        )
+    elif run.arch != "gpt":
+        raise ValueError(f"arch must be 'gpt' or 'llama', got {run.arch!r}")
+    return TransformerConfig(**fields)
+
+
+def build_model(run: Run, config: Any) -> list[torch.nn.Module]:
+    """Megatron-LM's model provider: one GPTModel per virtual stage of this rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def torch_norm(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        norm_class = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_class(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+    WrappedTorchNorm.__new__ = torch_norm
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if run.arch == "llama" else None)
+    chunks = []
+    for stage in range(run.vp or 1):
+        vp_stage = stage if run.vp else None
+        chunks.append(GPTModel(
+            config, spec, run.vocab, run.seq,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=run.arch == "gpt",
+            position_embedding_type="rope" if run.arch == "llama" else "learned_absolute",
+            vp_stage=vp_stage,
+        ))
+    return chunks
+
+
+def batches(run: Run, step: int, dp_rank: int, dp_size: int) -> list[tuple[torch.Tensor, ...]]:
+    """This data-parallel rank's micro-batches of global step ``step``: (tokens, labels,
+    loss mask, position ids, causal mask), the same on every rank of a replica. Every step sees
+    the same global batch, so the loss falls from step to step."""
+    g = torch.Generator().manual_seed(run.seed)
+    data = torch.randint(0, run.vocab, (run.global_batch, run.seq + 1), generator=g)
+    per_rank = run.global_batch // dp_size
+    mine = data[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    positions = torch.arange(run.seq).expand(run.micro_batch, run.seq)
+    causal = torch.triu(torch.ones(run.seq, run.seq, dtype=torch.bool), 1).view(1, 1, run.seq, run.seq)
+    out = []
+    for i in range(0, per_rank, run.micro_batch):
+        chunk = mine[i:i + run.micro_batch]
+        mask = torch.ones(run.micro_batch, run.seq, dtype=run.dtype)
+        out.append((chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous(), mask, positions, causal))
+    return out
+
+
+def forward_step(data_iterator, model):
+    tokens, labels, loss_mask, positions, causal = next(data_iterator)
+    losses = model(tokens, positions, causal, labels=labels)
+
+    def loss_func(output):
+        loss = (output.to(loss_mask.dtype) * loss_mask).sum() / loss_mask.sum()
+        return loss, {"lm loss": loss.clone().detach()}  # the schedule scales loss in place
+
+    return losses, loss_func
+
+
+def setup(run: Run) -> tuple[list[torch.nn.Module], Any, Any]:
+    """Parallel state, model chunks wrapped in DDP, the optimizer and its scheduler; the config's
+    hooks set as Megatron-LM's training loop sets them."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
+        virtual_pipeline_model_parallel_size=run.vp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        run.seed, **({} if _ON_MEGATRON_EXT else {"inference_rng_tracker": True})
+    )
+    torch.manual_seed(run.seed)
+    # Megatron-core's local spec builds its norms (torch.nn.LayerNorm / RMSNorm) in the default
+    # dtype; Megatron-LM casts 16-bit models after building, and a float64 model needs this.
+    torch.set_default_dtype(run.dtype)
+    config = transformer_config(run)
+    model = build_model(run, config)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=run.distributed_optimizer, overlap_grad_reduce=False,
+    )
+    model = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(model)
+    ]
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            # Megatron-core clips float32 gradients only (clip_grads asserts their type).
+            optimizer=run.optimizer, lr=run.lr, weight_decay=0.01, sgd_momentum=0.9,
+            clip_grad=1.0 if run.dtype == torch.float32 else 0.0,
+            use_distributed_optimizer=run.distributed_optimizer,
+            bf16=False, fp16=False, params_dtype=run.dtype,
+        ),
+        model,
+    )
+    # Megatron-LM's loop sets each group's learning rate and weight decay (times its lr_mult /
+    # wd_mult) through the scheduler; here both are constant.
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=run.lr, max_lr=run.lr, min_lr=run.lr, lr_warmup_steps=0,
+        lr_decay_steps=run.steps, lr_decay_style="constant", start_wd=0.01, end_wd=0.01,
+        wd_incr_steps=run.steps, wd_incr_style="constant",
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    return model, optimizer, scheduler
+
+
+def train_step(run: Run, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, step: int) -> float | None:
+    """One global step; returns the step's loss (mean over micro-batches and data-parallel
+    replicas) on the last pipeline stage, None elsewhere."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    micro = batches(run, step, dp_rank, dp_size)
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    iterators = [iter(micro) for _ in model]
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(model) > 1 else iterators[0],
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=len(micro), seq_length=run.seq, micro_batch_size=run.micro_batch,
+        forward_only=False,
+    )
+    optimizer.step()
+    scheduler.step(increment=1)
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    loss = torch.stack([m["lm loss"] for m in losses]).mean().to(torch.float64)
+    torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
+    return float(loss) / dp_size
+
+
+def train(run: Run) -> dict[str, Any]:
+    """Trains ``run.steps`` steps. Returns ``losses``, the per-step losses on the last pipeline
+    stage (None elsewhere), and ``params``, this rank's parameters after training as plain lists
+    by name (``chunk{i}.`` before each model chunk's names)."""
+    from megatron.core import parallel_state as ps
+
+    model, optimizer, scheduler = setup(run)
+    try:
+        losses = [train_step(run, model, optimizer, scheduler, step) for step in range(run.steps)]
+    finally:
+        ps.destroy_model_parallel()
+    params = {
+        f"chunk{i}.{name}": p.detach().double().flatten().tolist()
+        for i, chunk in enumerate(model)
+        for name, p in chunk.module.named_parameters()
+    }
+    return {"losses": None if losses[0] is None else losses, "params": params}

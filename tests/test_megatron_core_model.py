@@ -1,0 +1,93 @@
+"""Megatron-core 0.16.1's own GPTModel (local layer spec), trained by Megatron-core's loop pieces
+(its DDP wrapper on every chunk, get_megatron_optimizer, finalize_model_grads, the schedules of
+get_forward_backward_func), once on Megatron-core alone and once with megatron.core's
+parallel_state, tensor_parallel, pipeline_parallel, distributed and optimizer resolved to
+megatron_ext's modules: the per-step losses and the trained parameters agree. The CUDA calls
+Megatron-core makes on a CPU are patched as ``benchmarks/megatron_core_gpt.py`` lists. Skipped
+when megatron-core is not installed.
+
+Tolerances: Megatron-core's vocab_parallel_cross_entropy returns a float32 loss for float64
+logits (its target-logit buffer is float32) and its gradient is float32-accurate, megatron_ext's
+are float64, so the float64 runs' losses agree to float32 rounding; they train with SGD, whose
+update is proportional to the gradient, so the trained parameters agree to that rounding times
+the learning rate. Adam divides by the gradient's running magnitude, which turns a rounding
+difference in a near-zero gradient into an update difference of up to the learning rate's order;
+the float32 runs with the distributed optimizer use Adam and a looser bound."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+# Not importorskip: the workers resolve megatron.core's packages to megatron_ext before
+# megatron.core is first imported, and they import this module first.
+if importlib.util.find_spec("megatron.core") is None:
+    pytest.skip("megatron-core is not installed", allow_module_level=True)
+
+from benchmarks.megatron_core_gpt import (  # noqa: E402
+    MEGATRON_CORE_FALLBACKS,
+    Run,
+    cpu_patches,
+    train,
+    use_megatron_ext,
+)
+from tests.distributed import run_distributed  # noqa: E402
+
+# name -> (run, largest difference of a step's loss, of a trained parameter)
+RUNS = {
+    "gpt tp2 pp2": (Run(tp=2, pp=2, optimizer="sgd"), 1e-6, 1e-9),
+    "llama tp2 pp2 sequence-parallel": (
+        Run(arch="llama", tp=2, pp=2, sequence_parallel=True, optimizer="sgd"), 1e-6, 1e-9),
+    "gpt pp4 interleaved vp2": (Run(pp=4, vp=2, layers=8, optimizer="sgd"), 1e-6, 1e-9),
+    # Interleaved at pp 4: Megatron-core's own interleaved schedule at pp 2 over gloo posts its
+    # sends and receives to the one peer in an order the peer does not match, and stage 1 gets
+    # the wrong inputs for some micro-batches.
+    "llama pp4 interleaved vp2": (Run(arch="llama", pp=4, vp=2, layers=8, optimizer="sgd"), 1e-6, 1e-9),
+    # Megatron-core's distributed optimizer takes float16/bfloat16/float32 parameters only.
+    "llama tp2 dp2 distributed optimizer float32": (
+        Run(arch="llama", tp=2, distributed_optimizer=True, dtype=torch.float32), 1e-5, 5e-4),
+    "gpt dp4 distributed optimizer float32": (
+        Run(distributed_optimizer=True, dtype=torch.float32), 1e-5, 5e-4),
+}
+
+# Submodules of the aliased packages that megatron_ext does not have, so Megatron-core's own ran.
+EXPECTED_FALLBACKS = ["megatron.core.pipeline_parallel.fine_grained_activation_offload"]
+
+
+def _train_all(on_megatron_ext: bool) -> dict:
+    if on_megatron_ext:
+        use_megatron_ext()
+    cpu_patches(full=not on_megatron_ext)
+    out = {name: train(run) for name, (run, _, _) in RUNS.items()}
+    out["fallbacks"] = list(MEGATRON_CORE_FALLBACKS)
+    return out
+
+
+def _max_difference(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def test_megatron_core_gpt_model_trains_on_megatron_ext_as_on_megatron_core():
+    reference = run_distributed(4, _train_all, False, timeout=900)
+    ours = run_distributed(4, _train_all, True, timeout=900)
+    assert [r["fallbacks"] for r in ours] == [EXPECTED_FALLBACKS] * 4
+    for name, (run, loss_tolerance, param_tolerance) in RUNS.items():
+        last_stages = 0
+        for rank, (expected, got) in enumerate(zip(reference, ours)):
+            expected, got = expected[name], got[name]
+            assert (expected["losses"] is None) == (got["losses"] is None), (name, rank)
+            if expected["losses"] is not None:
+                last_stages += 1
+                assert len(got["losses"]) == run.steps, name
+                assert _max_difference(expected["losses"], got["losses"]) <= loss_tolerance, (
+                    name, expected["losses"], got["losses"])
+                # The model trains: the loss of the last step is below the first.
+                assert expected["losses"][-1] < expected["losses"][0], (name, expected["losses"])
+            assert sorted(got["params"]) == sorted(expected["params"]), (name, rank)
+            diffs = {p: _max_difference(v, got["params"][p]) for p, v in expected["params"].items()}
+            for param, diff in diffs.items():
+                assert diff <= param_tolerance, (name, rank, param, diff)
+        assert last_stages == 4 // run.pp, name
