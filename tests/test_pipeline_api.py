@@ -129,3 +129,41 @@ def test_process_group_collection_fields():
     assert list(ProcessGroupCollection.FIELDS) == PROCESS_GROUP_FIELDS
     params = inspect.signature(ProcessGroupCollection.use_mpu_process_groups).parameters
     assert list(params) == ["required_pgs"]
+
+
+def _stage_helpers() -> dict:
+    import torch
+
+    from megatron_ext import parallel_state as ps
+    from megatron_ext.pipeline_parallel import utils
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=4)
+    group = ps.get_pipeline_model_parallel_group()
+    base = torch.arange(6.0, requires_grad=True)
+    view = (base * 2).view(2, 3)[0]
+    viewless = utils.make_viewless(view)
+    viewless.sum().backward()
+    return {
+        "first_last": (utils.is_pp_first_stage(group), utils.is_pp_last_stage(group)),
+        "ranks": (utils.get_pp_first_rank(group), utils.get_pp_last_rank(group),
+                  utils.get_pp_prev_rank(group), utils.get_pp_next_rank(group)),
+        "viewless": (viewless._base is None, viewless.tolist(), base.grad.tolist(),
+                     viewless.data_ptr() == view.data_ptr()),
+    }
+
+
+def test_pipeline_parallel_utils():
+    from megatron_ext.pipeline_parallel import utils
+    from tests.distributed import run_distributed
+
+    got = run_distributed(4, _stage_helpers)
+    assert [g["first_last"] for g in got] == [(True, False), (False, False), (False, False), (False, True)]
+    assert [g["ranks"] for g in got] == [(0, 3, None, 1), (0, 3, 0, 2), (0, 3, 1, 3), (0, 3, 2, None)]
+    assert got[0]["viewless"] == (True, [0.0, 2.0, 4.0], [2.0, 2.0, 2.0, 0.0, 0.0, 0.0], True)
+    # Without a group: one stage. Virtual stages: the first and last chunk.
+    assert utils.is_pp_first_stage(None) and utils.is_pp_last_stage(None)
+    assert utils.is_vp_first_stage(None, None) and utils.is_vp_last_stage(0, 1)
+    assert [utils.is_vp_first_stage(i, 3) for i in range(3)] == [True, False, False]
+    assert [utils.is_vp_last_stage(i, 3) for i in range(3)] == [False, False, True]
+    with pytest.raises(ValueError, match="vp_stage must be None or 0 without virtual stages \\(vp_size 1\\), got 1"):
+        utils.is_vp_first_stage(1, 1)
