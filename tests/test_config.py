@@ -394,3 +394,19 @@ def test_implemented_and_inert_fields_accepted():
         ModelParallelConfig(pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match="Cannot defer embedding wgrad compute"):
         ModelParallelConfig(defer_embedding_wgrad_compute=True)
+
+
+def test_hidden_size_zero_describes_no_model():
+    # Megatron-core's default: a config for DDP or the optimizer alone, with no model size.
+    config = TransformerConfig(num_layers=1, num_attention_heads=1)
+    assert (config.hidden_size, config.ffn_hidden_size, config.kv_channels) == (0, 0, 0)
+    from megatron_ext.transformer.transformer_layer import ParallelTransformerLayer
+
+    with pytest.raises(ValueError, match="a transformer layer needs config.hidden_size >= 1, got 0"):
+        ParallelTransformerLayer(config)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=f"hidden_size must be a non-negative integer, got {bad!r}"):
+            TransformerConfig(num_layers=1, num_attention_heads=1, hidden_size=bad)
+    for name in ("num_layers", "num_attention_heads"):
+        with pytest.raises(ValueError, match=f"TransformerConfig.{name} must be a positive integer, got 0"):
+            TransformerConfig(**{"num_layers": 1, "num_attention_heads": 1, "hidden_size": 4, name: 0})

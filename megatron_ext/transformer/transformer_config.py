@@ -295,10 +295,16 @@ class TransformerConfig(ModelParallelConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         refuse_unimplemented(self, _UNIMPLEMENTED)
-        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        for name in ("num_layers", "num_attention_heads"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"TransformerConfig.{name} must be a positive integer, got {value!r}")
+        # 0, the default, as in Megatron-core: a config that describes no model (DDP's or the
+        # optimizer's); the layers refuse it.
+        if not isinstance(self.hidden_size, int) or isinstance(self.hidden_size, bool) or self.hidden_size < 0:
+            raise ValueError(
+                f"TransformerConfig.hidden_size must be a non-negative integer, got {self.hidden_size!r}"
+            )
         tp = self.tensor_model_parallel_size
         if self.num_attention_heads % tp != 0:
             raise ValueError(

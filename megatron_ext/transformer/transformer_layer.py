@@ -26,6 +26,10 @@ class ParallelTransformerLayer(torch.nn.Module):
 
     def __init__(self, config: TransformerConfig, layer_number: int = 1):
         super().__init__()
+        if not isinstance(config.hidden_size, int) or config.hidden_size < 1:
+            raise ValueError(
+                f"a transformer layer needs config.hidden_size >= 1, got {config.hidden_size!r}"
+            )
         self.config = config
         self.layer_number = layer_number
         self.input_layernorm = layer_norm(config, config.hidden_size)
