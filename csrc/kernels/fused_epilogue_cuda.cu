@@ -35,12 +35,26 @@ __device__ __forceinline__ int64_t grid_threads() {
   return static_cast<int64_t>(gridDim.x) * blockDim.x;
 }
 
+// The bias column of element i (i % h) along a grid-stride loop whose index advances by `step`:
+// one 64-bit division per thread instead of one per element (the division, emulated in software,
+// cost more than the arithmetic it indexes).
+struct Column {
+  int64_t col, step, h;
+  __device__ Column(int64_t first, int64_t stride, int64_t width)
+      : col(first % width), step(stride % width), h(width) {}
+  __device__ __forceinline__ void advance() {
+    col += step;
+    if (col >= h) col -= h;
+  }
+};
+
 template <typename scalar_t, typename acc_t>
 __global__ void bias_gelu_forward_kernel(const scalar_t* __restrict__ x,
                                          const scalar_t* __restrict__ bias, int64_t n, int64_t h,
                                          bool tanh_form, scalar_t* __restrict__ out) {
-  for (int64_t i = global_thread(); i < n; i += grid_threads()) {
-    const acc_t v = static_cast<acc_t>(x[i]) + static_cast<acc_t>(bias[i % h]);
+  Column c(global_thread(), grid_threads(), h);
+  for (int64_t i = global_thread(); i < n; i += grid_threads(), c.advance()) {
+    const acc_t v = static_cast<acc_t>(x[i]) + static_cast<acc_t>(bias[c.col]);
     out[i] = static_cast<scalar_t>(gelu<acc_t>(v, tanh_form));
   }
 }
@@ -50,8 +64,9 @@ __global__ void bias_gelu_backward_kernel(const scalar_t* __restrict__ grad,
                                           const scalar_t* __restrict__ x,
                                           const scalar_t* __restrict__ bias, int64_t n, int64_t h,
                                           bool tanh_form, scalar_t* __restrict__ out) {
-  for (int64_t i = global_thread(); i < n; i += grid_threads()) {
-    const acc_t v = static_cast<acc_t>(x[i]) + static_cast<acc_t>(bias[i % h]);
+  Column c(global_thread(), grid_threads(), h);
+  for (int64_t i = global_thread(); i < n; i += grid_threads(), c.advance()) {
+    const acc_t v = static_cast<acc_t>(x[i]) + static_cast<acc_t>(bias[c.col]);
     out[i] = static_cast<scalar_t>(static_cast<acc_t>(grad[i]) * gelu_grad<acc_t>(v, tanh_form));
   }
 }
@@ -63,13 +78,15 @@ __global__ void bias_dropout_add_kernel(const scalar_t* __restrict__ x,
                                         float keep_prob, acc_t scale, uint64_t seed,
                                         uint64_t offset, scalar_t* __restrict__ out) {
   const int64_t groups = (n + kDropoutGroup - 1) / kDropoutGroup;
-  for (int64_t group = global_thread(); group < groups; group += grid_threads()) {
+  Column c(global_thread() * kDropoutGroup, grid_threads() * kDropoutGroup, h);
+  for (int64_t group = global_thread(); group < groups; group += grid_threads(), c.advance()) {
     const Philox4 bits = philox4x32_10(seed, offset + static_cast<uint64_t>(group));
+    int64_t col = c.col;
 #pragma unroll
-    for (int64_t lane = 0; lane < kDropoutGroup; ++lane) {
+    for (int64_t lane = 0; lane < kDropoutGroup; ++lane, col = col + 1 == h ? 0 : col + 1) {
       const int64_t i = group * kDropoutGroup + lane;
       if (i < n) {
-        const acc_t b = bias ? static_cast<acc_t>(bias[i % h]) : acc_t(0);
+        const acc_t b = bias ? static_cast<acc_t>(bias[col]) : acc_t(0);
         out[i] = static_cast<scalar_t>(
             bias_dropout_add<acc_t>(static_cast<acc_t>(x[i]), b, static_cast<acc_t>(residual[i]),
                                     dropout_keep(bits, lane, keep_prob), scale));
