@@ -148,6 +148,8 @@ class Run:
     layers: int = 4
     hidden: int = 32
     heads: int = 4
+    query_groups: int = 2  # llama
+    ffn: int | None = None  # None: 4 x hidden (gpt), 2 x hidden (llama)
     seq: int = 16
     vocab: int = 64
     micro_batch: int = 2
@@ -156,36 +158,40 @@ class Run:
     lr: float = 1e-2
     optimizer: str = "adam"  # or "sgd" (momentum 0.9)
     seed: int = 1234
+    fused: bool = False  # megatron_ext's fused CPU kernels (megatron_ext's model only)
 
 
-def transformer_config(run: Run) -> Any:
-    from megatron.core.transformer import TransformerConfig
-
+def config_fields(run: Run) -> dict[str, Any]:
+    """The TransformerConfig fields of ``run``, for either library's class."""
     fields: dict[str, Any] = dict(
         num_layers=run.layers, hidden_size=run.hidden, num_attention_heads=run.heads,
         tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
         virtual_pipeline_model_parallel_size=run.vp, sequence_parallel=run.sequence_parallel,
         params_dtype=run.dtype, pipeline_dtype=run.dtype, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=run.fused,
+        bias_dropout_fusion=run.fused, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        apply_rope_fusion=run.fused and run.arch == "llama",
+        persist_layer_norm=run.fused and run.arch == "llama",
     )
     if run.arch == "llama":
         fields.update(
             normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-            num_query_groups=2, add_bias_linear=False, ffn_hidden_size=2 * run.hidden,
+            num_query_groups=run.query_groups, add_bias_linear=False,
+            ffn_hidden_size=run.ffn or 2 * run.hidden,
         )
-    elif run.arch != "gpt":
+    elif run.arch == "gpt":
+        fields.update(ffn_hidden_size=run.ffn or 4 * run.hidden)
+    else:
         raise ValueError(f"arch must be 'gpt' or 'llama', got {run.arch!r}")
-    return TransformerConfig(**fields)
+    return fields
 
 
-def build_model(run: Run, config: Any) -> list[torch.nn.Module]:
-    """Megatron-LM's model provider: one GPTModel per virtual stage of this rank."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def transformer_config(run: Run, stack: str = "megatron.core") -> Any:
+    module = importlib.import_module(f"{stack}.transformer")
+    return module.TransformerConfig(**config_fields(run))
 
+
+def _use_torch_norm_with_sequence_parallel() -> None:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     def torch_norm(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
@@ -196,19 +202,59 @@ def build_model(run: Run, config: Any) -> list[torch.nn.Module]:
         return norm
 
     WrappedTorchNorm.__new__ = torch_norm
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm" if run.arch == "llama" else None)
+
+
+def build_model(run: Run, config: Any, stack: str = "megatron.core") -> list[torch.nn.Module]:
+    """Megatron-LM's model provider: one GPTModel per virtual stage of this rank; Megatron-core's
+    with its local spec, or megatron_ext's."""
+    ps = importlib.import_module(f"{stack}.parallel_state")
+    kwargs = dict(
+        share_embeddings_and_output_weights=run.arch == "gpt",
+        position_embedding_type="rope" if run.arch == "llama" else "learned_absolute",
+    )
+    if stack == "megatron.core":
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        _use_torch_norm_with_sequence_parallel()
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm" if run.arch == "llama" else None)
+        build = lambda **kw: GPTModel(config, spec, run.vocab, run.seq, **kw)  # noqa: E731
+    else:
+        from megatron_ext.models import GPTModel
+
+        build = lambda **kw: GPTModel(config, run.vocab, run.seq, **kw)  # noqa: E731
     chunks = []
     for stage in range(run.vp or 1):
         vp_stage = stage if run.vp else None
-        chunks.append(GPTModel(
-            config, spec, run.vocab, run.seq,
+        chunks.append(build(
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            share_embeddings_and_output_weights=run.arch == "gpt",
-            position_embedding_type="rope" if run.arch == "llama" else "learned_absolute",
-            vp_stage=vp_stage,
+            vp_stage=vp_stage, **kwargs,
         ))
     return chunks
+
+
+# Megatron-core's parameter names -> megatron_ext's (Megatron's earlier names).
+_EXT_NAMES = {
+    ".linear_qkv.": ".query_key_value.", ".linear_proj.": ".dense.",
+    ".pre_mlp_layernorm.": ".post_attention_layernorm.", ".linear_fc1.": ".dense_h_to_4h.",
+    ".linear_fc2.": ".dense_4h_to_h.",
+}
+
+
+def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Copies a Megatron-core GPTModel's parameters into a megatron_ext GPTModel of the same shape
+    and layout (this rank's shards; the QKV and gated fc1 layouts are the same)."""
+    target_params = dict(target.named_parameters())
+    names = []
+    for name, param in source.named_parameters():
+        for old, new in _EXT_NAMES.items():
+            name = name.replace(old, new)
+        names.append(name)
+        with torch.no_grad():
+            target_params[name].copy_(param)
+    if sorted(names) != sorted(target_params):
+        raise ValueError(f"parameters differ: {sorted(set(names) ^ set(target_params))}")
 
 
 def batches(run: Run, step: int, dp_rank: int, dp_size: int) -> list[tuple[torch.Tensor, ...]]:
@@ -230,8 +276,12 @@ def batches(run: Run, step: int, dp_rank: int, dp_size: int) -> list[tuple[torch
 
 
 def forward_step(data_iterator, model):
+    """Megatron-LM's forward step: the model's per-token losses, masked and averaged. Megatron-core's
+    attention gets the causal mask as a tensor (Megatron-LM's data loader makes one); megatron_ext's
+    model applies it as a flag."""
     tokens, labels, loss_mask, positions, causal = next(data_iterator)
-    losses = model(tokens, positions, causal, labels=labels)
+    takes_mask = type(getattr(model, "module", model)).__module__.startswith("megatron.core")
+    losses = model(tokens, positions, causal if takes_mask else None, labels=labels)
 
     def loss_func(output):
         loss = (output.to(loss_mask.dtype) * loss_mask).sum() / loss_mask.sum()
@@ -240,41 +290,46 @@ def forward_step(data_iterator, model):
     return losses, loss_func
 
 
-def setup(run: Run) -> tuple[list[torch.nn.Module], Any, Any]:
-    """Parallel state, model chunks wrapped in DDP, the optimizer and its scheduler; the config's
-    hooks set as Megatron-LM's training loop sets them."""
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+def setup(run: Run, stack: str = "megatron.core", weights_from: list[torch.nn.Module] | None = None
+          ) -> tuple[list[torch.nn.Module], Any, Any]:
+    """Parallel state (when not yet initialised), model chunks wrapped in DDP, the optimizer and
+    its scheduler; the config's hooks set as Megatron-LM's training loop sets them. ``stack`` is
+    "megatron.core" or "megatron_ext"; ``weights_from``: Megatron-core model chunks (DDP-wrapped)
+    whose weights megatron_ext's model starts from."""
+    ps = importlib.import_module(f"{stack}.parallel_state")
+    tensor_parallel = importlib.import_module(f"{stack}.tensor_parallel")
+    distributed = importlib.import_module(f"{stack}.distributed")
+    optim = importlib.import_module(f"{stack}.optimizer")
+    OptimizerParamScheduler = importlib.import_module(
+        f"{stack}.optimizer_param_scheduler").OptimizerParamScheduler
 
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
-        virtual_pipeline_model_parallel_size=run.vp,
-    )
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
+            virtual_pipeline_model_parallel_size=run.vp,
+        )
+    on_megatron_core = stack == "megatron.core" and not _ON_MEGATRON_EXT
     tensor_parallel.model_parallel_cuda_manual_seed(
-        run.seed, **({} if _ON_MEGATRON_EXT else {"inference_rng_tracker": True})
+        run.seed, **({"inference_rng_tracker": True} if on_megatron_core else {}), force_reset_rng=True
     )
     torch.manual_seed(run.seed)
     # Megatron-core's local spec builds its norms (torch.nn.LayerNorm / RMSNorm) in the default
     # dtype; Megatron-LM casts 16-bit models after building, and a float64 model needs this.
     torch.set_default_dtype(run.dtype)
-    config = transformer_config(run)
-    model = build_model(run, config)
-    ddp_config = DistributedDataParallelConfig(
+    config = transformer_config(run, stack)
+    model = build_model(run, config, stack)
+    if weights_from is not None:
+        for source, target in zip(weights_from, model):
+            copy_weights(getattr(source, "module", source), target)
+    ddp_config = distributed.DistributedDataParallelConfig(
         use_distributed_optimizer=run.distributed_optimizer, overlap_grad_reduce=False,
     )
     model = [
-        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+        distributed.DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(model)
     ]
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
+    optimizer = optim.get_megatron_optimizer(
+        optim.OptimizerConfig(
             # Megatron-core clips float32 gradients only (clip_grads asserts their type).
             optimizer=run.optimizer, lr=run.lr, weight_decay=0.01, sgd_momentum=0.9,
             clip_grad=1.0 if run.dtype == torch.float32 else 0.0,
@@ -290,16 +345,17 @@ def setup(run: Run) -> tuple[list[torch.nn.Module], Any, Any]:
         lr_decay_steps=run.steps, lr_decay_style="constant", start_wd=0.01, end_wd=0.01,
         wd_incr_steps=run.steps, wd_incr_style="constant",
     )
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = distributed.finalize_model_grads
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     return model, optimizer, scheduler
 
 
-def train_step(run: Run, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, step: int) -> float | None:
+def train_step(run: Run, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, step: int,
+               stack: str = "megatron.core") -> float | None:
     """One global step; returns the step's loss (mean over micro-batches and data-parallel
     replicas) on the last pipeline stage, None elsewhere."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    ps = importlib.import_module(f"{stack}.parallel_state")
+    get_forward_backward_func = importlib.import_module(f"{stack}.pipeline_parallel").get_forward_backward_func
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     micro = batches(run, step, dp_rank, dp_size)
