@@ -23,7 +23,7 @@ import torch
 
 # Not importorskip: the workers resolve megatron.core's packages to megatron_ext before
 # megatron.core is first imported, and they import this module first.
-if importlib.util.find_spec("megatron.core") is None:
+if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed", allow_module_level=True)
 
 from benchmarks.megatron_core_gpt import (  # noqa: E402
