@@ -52,7 +52,9 @@ def get_grad_norm_fp32(
                 dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         return total.item()
     for g in grads:
-        total += g.detach().double().abs().pow(norm_type).sum().to(total.device)
+        # One pass accumulating in float64 (no float64 copy of the gradient).
+        norm = torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float64)
+        total += norm.pow(norm_type).to(total.device)
     for group in groups:
         with reported("all-reduce of the gradient norm", group):
             dist.all_reduce(total, group=group)
