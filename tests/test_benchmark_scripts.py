@@ -104,3 +104,25 @@ def test_llama_kernels_benchmark_script(tmp_path):
         bound = 1e-5 if "float32" in op else 2e-2
         diffs = row["relative_diff_vs_first"]
         assert all(d <= bound for d in diffs.values()), (op, diffs)
+
+
+def test_train_step_benchmark_script(tmp_path):
+    """The train-step benchmark at a tiny size: every case and variant reported, and megatron_ext's
+    models (plain and fused) train to Megatron-core's losses from the same weights."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        pytest.skip("the train-step benchmark compares against megatron-core, which is not installed")
+    out = tmp_path / "train_step.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--hidden", "32", "--heads", "8",
+                    "--seq", "16", "--vocab", "64", "--layers", "2", "--reps", "1", "--json", str(out)],
+                   check=True, timeout=900, capture_output=True)
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["gpt tp2pp2", "gpt dp4", "llama tp2pp2", "llama dp4"]
+    for case, variants in results.items():
+        assert list(variants) == ["megatron-core", "megatron_ext", "megatron_ext fused"], case
+        for name, v in variants.items():
+            assert len(v["losses"]) == 3 and v["losses"][-1] < v["losses"][0], (case, name, v["losses"])
+            assert v["max_loss_difference"] <= 1e-5, (case, name, v["losses"], variants["megatron-core"]["losses"])
