@@ -230,3 +230,70 @@ def _async_worker(path: str) -> None:
 
 def test_async_save(tmp_path):
     run_distributed(4, _async_worker, str(tmp_path / "async"))
+
+
+VOCAB, SEQ, SEED = 64, 8, 7
+
+
+def _gpt(tp: int, pp: int = 1, seed: int = SEED):
+    from megatron_ext import tensor_parallel
+    from megatron_ext.models import GPTModel
+    from megatron_ext.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, num_layers=4, hidden_size=16,
+        num_attention_heads=4, ffn_hidden_size=32, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64, pipeline_dtype=torch.float64,
+        use_cpu_initialization=True,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, init_seed=seed)
+
+
+def _init(tp: int, pp: int) -> None:
+    from megatron_ext import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def _gpt_worker(path: str) -> None:
+    """Saves a tp 2 x pp 2 GPT's sharded_state_dict (stacked layers and per-layer keys) and loads
+    it into models of other seeds at tp 1 x pp 1 (dp 4), tp 4 and tp 1 x pp 4: every tensor
+    equals that of the model built at the loading layout with the saved model's seed."""
+    from megatron_ext import dist_checkpointing as dc
+    from megatron_ext.dist_checkpointing.sharding import param_specs
+
+    _init(1, 1)
+    serial = _gpt(1)
+    stacked, per_layer = serial.sharded_state_dict(), serial.sharded_state_dict(metadata={"singleton_local_shards": True})
+    assert set(stacked) == set(per_layer) == set(serial.state_dict())  # the dict's keys: state-dict names
+    # Per-layer keys are the layout-free checkpoints' global names.
+    assert {v.key for v in per_layer.values()} == {s.global_name for s in param_specs(serial).values()}
+    qkv = stacked["decoder.layers.2.self_attention.query_key_value.weight"]
+    assert (qkv.key, qkv.global_shape, qkv.global_offset) == ("decoder.layers.self_attention.query_key_value.weight", (4, 48, 16), (2, 0, 0))
+    fc1 = per_layer["decoder.layers.3.mlp.dense_h_to_4h.weight"]
+    assert isinstance(fc1, dc.ShardedTensorFactory) and fc1.key == "decoder.layers.3.mlp.dense_h_to_4h.weight"
+
+    for name, metadata in (("stacked", None), ("per_layer", {"non_homogeneous_layers": True})):
+        save_dir = os.path.join(path, name)
+        _init(2, 2)
+        model = _gpt(2, 2)
+        sd = model.sharded_state_dict(metadata=metadata)
+        if dist.get_rank() == 3:  # last stage: the tied output weight is the embedding's replica
+            tied = sd["output_layer.weight"]
+            assert (tied.key, tied.replica_id) == ("embedding.word_embeddings.weight", (1, 0, 0))
+        dc.save(sd, save_dir)
+        for tp, pp in ((1, 1), (4, 1), (1, 4)):
+            _init(tp, pp)
+            expected = _gpt(tp, pp).state_dict()
+            model = _gpt(tp, pp, seed=SEED + 1)
+            assert not all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+            loaded = dc.load(model.sharded_state_dict(metadata=metadata), save_dir)
+            model.load_state_dict(loaded)
+            for k, v in model.state_dict().items():
+                assert torch.equal(v, expected[k]), (name, tp, pp, k)
+
+
+def test_gpt_sharded_state_dict_reshards(tmp_path):
+    run_distributed(4, _gpt_worker, str(tmp_path))

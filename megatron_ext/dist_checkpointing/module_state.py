@@ -49,7 +49,7 @@ def _strided_build(
             replica_id=replica_id,
             prepend_axis_num=len(prepend_offsets),
         )
-        for k, piece in enumerate(data.chunk(stride, dim))
+        for k, piece in enumerate(data.detach().chunk(stride, dim))
     ]
 
 
