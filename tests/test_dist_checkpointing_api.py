@@ -8,6 +8,7 @@ Megatron-core 0.16's own ``torch_dist`` save and load."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 
 import pytest
@@ -297,3 +298,106 @@ def _gpt_worker(path: str) -> None:
 
 def test_gpt_sharded_state_dict_reshards(tmp_path):
     run_distributed(4, _gpt_worker, str(tmp_path))
+
+
+def _megatron_state_dict(mapping, tp_rank: int, tp: int, dp_rank: int, dp: int, fill: bool = True) -> dict:
+    """A sharded state dict built with the given module's ShardedTensor / ShardedObject (Megatron-
+    core's or ours): a tensor split over TP, one over TP x DP, a replicated one, an object per TP
+    rank, a common value."""
+    rows, cols = ROWS // tp, COLS // dp
+    r, c = slice(tp_rank * rows, (tp_rank + 1) * rows), slice(dp_rank * cols, (dp_rank + 1) * cols)
+
+    def part(name: str, index) -> torch.Tensor:
+        t = _global(name)[index].clone()
+        return t if fill else torch.zeros_like(t)
+
+    return {
+        "tp_split": mapping.ShardedTensor.from_rank_offsets(
+            "tp_split", part("tp_split", r), (0, tp_rank, tp), replica_id=(0, 0, dp_rank)
+        ),
+        "grid": mapping.ShardedTensor.from_rank_offsets("grid", part("grid", (r, c)), (0, tp_rank, tp), (1, dp_rank, dp)),
+        "replicated": mapping.ShardedTensor.from_rank_offsets(
+            "replicated", part("replicated", slice(None)), replica_id=(0, tp_rank, dp_rank)
+        ),
+        "iteration": 7,
+    }
+
+
+def _stacked_layers(mapping, tp_rank: int, tp: int, dp_rank: int, fill: bool) -> list:
+    """Layers stacked along a prepended axis, as Megatron-core's GPTModel saves them by default:
+    4 layers, layer i on TP rank i % tp (as a pipeline stage holds some of the layers)."""
+    layers = _global("layers").reshape(4, -1)
+    return [
+        mapping.ShardedTensor.from_rank_offsets(
+            "layers.weight", layers[i].clone() if fill else torch.zeros_like(layers[i]), (0, i, 4),
+            replica_id=(0, 0, dp_rank), prepend_axis_num=1,
+        )
+        for i in range(tp_rank, 4, tp)
+    ]
+
+
+def _interop_worker(path: str) -> None:
+    """Megatron-core 0.16's save writes at tp 2 x dp 2, megatron_ext loads at tp 4 and tp 1; and
+    megatron_ext's save at tp 2 x dp 2 loads in Megatron-core at tp 4 and tp 1."""
+    import megatron.core.dist_checkpointing as mdc
+    from megatron.core.dist_checkpointing import mapping as mcore_mapping
+
+    from megatron_ext import dist_checkpointing as dc
+    from megatron_ext.dist_checkpointing import mapping as ext_mapping
+
+    # Megatron-core's torch_dist save needs CUDA in two calls on CPU tensors: it stages them
+    # through FileSystemWriterAsync.preload_tensors, which ends with torch.cuda.synchronize(),
+    # and save_state_dict_async_finalize broadcasts its failure flag as a tensor on
+    # torch.cuda.current_device(). Without a GPU: no synchronisation, the flag on the CPU.
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_device = lambda: "cpu"
+    # Its writer also starts processes (a multiprocessing Manager, forked writers), which a
+    # daemonic process may not: run_distributed's ranks are daemonic so they die with the test.
+    multiprocessing.current_process()._config["daemon"] = False
+    # Those forked writers log their memory through psutil; without psutil installed they die
+    # before signalling the parent, which then waits forever.
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        filesystem_async._process_memory = lambda: 0
+
+    def check(loaded: dict, tp_rank: int, tp: int, dp_rank: int, dp: int, objects: bool) -> None:
+        rows, cols = ROWS // tp, COLS // dp
+        r = slice(tp_rank * rows, (tp_rank + 1) * rows)
+        assert torch.equal(loaded["tp_split"], _global("tp_split")[r])
+        assert torch.equal(loaded["grid"], _global("grid")[r, dp_rank * cols : (dp_rank + 1) * cols])
+        assert torch.equal(loaded["replicated"], _global("replicated")) and loaded["iteration"] == 7
+        if objects:
+            assert loaded["rng"] == {"saved_by": dist.get_rank() % 2}
+
+    for writer, reader in ((mdc, dc), (dc, mdc)):
+        save_dir = os.path.join(path, writer.__name__)
+        layout = _layout(2)
+        write_mapping = mcore_mapping if writer is mdc else ext_mapping
+        read_mapping = ext_mapping if writer is mdc else mcore_mapping
+        sd = _megatron_state_dict(write_mapping, *layout)
+        sd["layers"] = _stacked_layers(write_mapping, layout[0], layout[1], layout[2], fill=True)
+        sd["rng"] = write_mapping.ShardedObject(
+            "rng", {"saved_by": layout[0]}, (2,), (layout[0],), replica_id=(0, layout[2])
+        )
+        if dist.get_rank() == 0:
+            os.makedirs(save_dir)  # Megatron-core's save expects the directory
+        dist.barrier()
+        writer.save(sd, save_dir)
+        for tp in (4, 1):
+            layout = _layout(tp)
+            request = _megatron_state_dict(read_mapping, *layout, fill=False)
+            rank = dist.get_rank()
+            request["rng"] = read_mapping.ShardedObject("rng", None, (2,), (rank % 2,), replica_id=rank // 2)
+            request["layers"] = _stacked_layers(read_mapping, layout[0], layout[1], layout[2], fill=False)
+            loaded = reader.load(request, save_dir)
+            check(loaded, *layout, objects=True)
+            layers = _global("layers").reshape(4, -1)
+            assert all(torch.equal(t, layers[i]) for t, i in zip(loaded["layers"], range(layout[0], 4, tp), strict=True))
+
+
+def test_checkpoints_move_between_megatron_core_and_megatron_ext(tmp_path):
+    pytest.importorskip("megatron.core")
+    run_distributed(4, _interop_worker, str(tmp_path), timeout=600)
