@@ -52,6 +52,29 @@ def test_sharded_tensor_from_rank_offsets():
     assert (again.key, again.global_shape, again.global_offset, again.data) == ("rng", (2, 4), (1, 3), None)
 
 
+def test_narrow_factories_and_main_replicas():
+    from megatron_ext.dist_checkpointing import ShardedTensorFactory, is_main_replica
+    from megatron_ext.dist_checkpointing.mapping import apply_factories, apply_factory_merges
+
+    sh = ShardedTensor.from_rank_offsets("k", torch.ones(1, 3, 7, 9), (0, 0, 10), (2, 3, 6))
+    (narrow,) = sh.narrow(2, 3, 2)
+    assert (narrow.local_shape, narrow.global_shape, narrow.global_offset) == ((1, 3, 2, 9), (10, 3, 12, 9), (0, 0, 6, 0))
+    with pytest.raises(CheckpointingException, match="local_shape"):
+        sh.local_shape = (1, 2, 7, 9)
+        sh.validate_metadata_integrity()
+
+    def build(key, data, replica_id, _flat):
+        return {"plus1": ShardedTensor.from_rank_offsets(key + ".1", data + 1), "plus2": ShardedTensor.from_rank_offsets(key + ".2", data + 2)}
+
+    sd = {"level": ShardedTensorFactory("a", torch.arange(3.0), build, lambda d: d["plus2"] - 2)}
+    apply_factories(sd)
+    assert torch.equal(sd["level"]["plus1"].data, torch.tensor([1.0, 2.0, 3.0]))
+    loaded = {"level": {k: v.data for k, v in sd["level"].items()}}
+    template = {"level": ShardedTensorFactory("a", torch.arange(3.0), build, lambda d: d["plus2"] - 2)}
+    assert torch.equal(apply_factory_merges(loaded, template)["level"], torch.arange(3.0))
+    assert [is_main_replica(r) for r in (0, (0, 0), 1, (0, 1))] == [True, True, False, False]
+
+
 def _state_dict(tp_rank: int, tp: int, dp_rank: int, dp: int, fill: bool = True) -> dict:
     """A sharded state dict with the pieces Megatron's API offers: a tensor split over TP, one
     split over TP x DP (a 2-D grid), a replicated one, stacked layers (two shards of one key on a
@@ -285,6 +308,15 @@ def _gpt_worker(path: str) -> None:
             tied = sd["output_layer.weight"]
             assert (tied.key, tied.replica_id) == ("embedding.word_embeddings.weight", (1, 0, 0))
         dc.save(sd, save_dir)
+        if metadata:  # per-layer keys: the tensors save_checkpoint stores, by the same names
+            dc.save_checkpoint(os.path.join(path, "layout_free"), 1, model)
+            plain = dc.load_plain_tensors(save_dir)
+            if dist.get_rank() == 0:
+                from megatron_ext.dist_checkpointing.convert import to_torch
+
+                whole = to_torch(os.path.join(path, "layout_free", "iter_0000001"), os.path.join(path, "whole.pt"))["model"]
+                assert sorted(plain) == sorted(whole)
+                assert all(torch.equal(plain[k], whole[k]) for k in plain)
         for tp, pp in ((1, 1), (4, 1), (1, 4)):
             _init(tp, pp)
             expected = _gpt(tp, pp).state_dict()
