@@ -58,13 +58,20 @@ def test_narrow_factories_and_main_replicas():
 
     sh = ShardedTensor.from_rank_offsets("k", torch.ones(1, 3, 7, 9), (0, 0, 10), (2, 3, 6))
     (narrow,) = sh.narrow(2, 3, 2)
-    assert (narrow.local_shape, narrow.global_shape, narrow.global_offset) == ((1, 3, 2, 9), (10, 3, 12, 9), (0, 0, 6, 0))
+    assert (narrow.local_shape, narrow.global_shape, narrow.global_offset) == (
+        (1, 3, 2, 9),
+        (10, 3, 12, 9),
+        (0, 0, 6, 0),
+    )
     with pytest.raises(CheckpointingException, match="local_shape"):
         sh.local_shape = (1, 2, 7, 9)
         sh.validate_metadata_integrity()
 
     def build(key, data, replica_id, _flat):
-        return {"plus1": ShardedTensor.from_rank_offsets(key + ".1", data + 1), "plus2": ShardedTensor.from_rank_offsets(key + ".2", data + 2)}
+        return {
+            "plus1": ShardedTensor.from_rank_offsets(key + ".1", data + 1),
+            "plus2": ShardedTensor.from_rank_offsets(key + ".2", data + 2),
+        }
 
     sd = {"level": ShardedTensorFactory("a", torch.arange(3.0), build, lambda d: d["plus2"] - 2)}
     apply_factories(sd)
@@ -99,14 +106,21 @@ def _state_dict(tp_rank: int, tp: int, dp_rank: int, dp: int, fill: bool = True)
         ]
 
     return {
-        "tp_split": make_tp_sharded_tensor_for_checkpoint(part("tp_split", slice(tp_rank * rows, (tp_rank + 1) * rows)), "tp_split"),
+        "tp_split": make_tp_sharded_tensor_for_checkpoint(
+            part("tp_split", slice(tp_rank * rows, (tp_rank + 1) * rows)), "tp_split"
+        ),
         "grid": ShardedTensor.from_rank_offsets(
             "grid",
-            part("grid", (slice(tp_rank * rows, (tp_rank + 1) * rows), slice(dp_rank * cols, (dp_rank + 1) * cols))),
+            part(
+                "grid",
+                (slice(tp_rank * rows, (tp_rank + 1) * rows), slice(dp_rank * cols, (dp_rank + 1) * cols)),
+            ),
             (0, tp_rank, tp),
             (1, dp_rank, dp),
         ),
-        "nested": {"replicated": make_sharded_tensor_for_checkpoint(part("replicated", slice(None)), "replicated")},
+        "nested": {
+            "replicated": make_sharded_tensor_for_checkpoint(part("replicated", slice(None)), "replicated")
+        },
         "layers": [
             make_sharded_tensor_for_checkpoint(
                 layers[layer].clone() if fill else torch.zeros_like(layers[layer]),
@@ -119,7 +133,9 @@ def _state_dict(tp_rank: int, tp: int, dp_rank: int, dp: int, fill: bool = True)
         "factory": ShardedTensorFactory(
             "factory", factory_data, build, lambda halves: torch.cat(halves, 1), replica_id=(0, 0, dp_rank)
         ),
-        "rng": ShardedObject("rng", {"tp_rank": tp_rank} if fill else None, (tp,), (tp_rank,), replica_id=(0, dp_rank)),
+        "rng": ShardedObject(
+            "rng", {"tp_rank": tp_rank} if fill else None, (tp,), (tp_rank,), replica_id=(0, dp_rank)
+        ),
         "local": LocalNonpersistentObject(f"local {tp_rank}"),
         "iteration": 7,
         "common": {"lr": 0.5, "names": ["a", "b"]},
@@ -145,7 +161,10 @@ def _saved_grids_request(layout: tuple[int, int, int, int]) -> dict:
     rank = dist.get_rank()
     request["layers"] = [
         ShardedTensor.from_rank_offsets(
-            "layers.weight", torch.zeros(ROWS * COLS // 4, dtype=torch.float64), (0, rank, 4), prepend_axis_num=1
+            "layers.weight",
+            torch.zeros(ROWS * COLS // 4, dtype=torch.float64),
+            (0, rank, 4),
+            prepend_axis_num=1,
         )
     ]
     request["rng"] = ShardedObject("rng", None, (2,), (rank % 2,), replica_id=rank // 2)
@@ -157,7 +176,12 @@ def _layout(tp: int) -> tuple[int, int, int, int]:
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-    return ps.get_tensor_model_parallel_rank(), tp, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    return (
+        ps.get_tensor_model_parallel_rank(),
+        tp,
+        ps.get_data_parallel_rank(),
+        ps.get_data_parallel_world_size(),
+    )
 
 
 def _refusals(path: str) -> dict[str, str]:
@@ -166,8 +190,12 @@ def _refusals(path: str) -> dict[str, str]:
 
     tp_rank, tp, dp_rank, dp = _layout(2)
     out = {}
-    twice = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, tp_rank, tp))}  # dp replicas all main
-    gap = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, tp_rank, 2 * tp), replica_id=dp_rank)}
+    twice = {
+        "w": ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, tp_rank, tp))
+    }  # dp replicas all main
+    gap = {
+        "w": ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, tp_rank, 2 * tp), replica_id=dp_rank)
+    }
     for name, sd in (("twice", twice), ("gap", gap)):
         with pytest.raises(CheckpointingException, match="invalid sharding") as e:
             dc.save(sd, os.path.join(path, name))
@@ -179,7 +207,9 @@ def _refusals(path: str) -> dict[str, str]:
     with pytest.raises(CheckpointingException, match=r"Global shape mismatch .* key tp_split") as e:
         dc.load(shape, os.path.join(path, "saved"))
     out["shape"] = str(e.value)
-    missing = {"nope": ShardedTensor.from_rank_offsets("nope", torch.zeros(2), (0, tp_rank, tp), replica_id=dp_rank)}
+    missing = {
+        "nope": ShardedTensor.from_rank_offsets("nope", torch.zeros(2), (0, tp_rank, tp), replica_id=dp_rank)
+    }
     with pytest.raises(CheckpointingException, match="tensor nope is not in the checkpoint") as e:
         dc.load(missing, os.path.join(path, "saved"))
     out["missing"] = str(e.value)
@@ -195,13 +225,19 @@ def _save_and_reshard_worker(path: str) -> dict[str, str]:
     dc.save(_state_dict(*_layout(2)), saved)  # tp 2 x dp 2
     with open(os.path.join(saved, "metadata.json")) as f:
         assert json.load(f) == {
-            "sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1
+            "sharded_backend": "torch_dist",
+            "sharded_backend_version": 1,
+            "common_backend": "torch",
+            "common_backend_version": 1,
         }
     assert dc.load_common_state_dict(saved) == {"iteration": 7, "common": {"lr": 0.5, "names": ["a", "b"]}}
     stored = dc.load_tensors_metadata(saved)
     assert {k: v.global_shape for k, v in stored.items()} == {
-        "tp_split": (ROWS, COLS), "grid": (ROWS, COLS), "replicated": (ROWS, COLS),
-        "layers.weight": (4, ROWS * COLS // 4), "factory": (ROWS, COLS),
+        "tp_split": (ROWS, COLS),
+        "grid": (ROWS, COLS),
+        "replicated": (ROWS, COLS),
+        "layers.weight": (4, ROWS * COLS // 4),
+        "factory": (ROWS, COLS),
     }
     plain = dc.load_plain_tensors(saved)
     assert torch.equal(plain["factory"], _global("factory")) and torch.equal(plain["grid"], _global("grid"))
@@ -218,11 +254,18 @@ def _save_and_reshard_worker(path: str) -> dict[str, str]:
     loaded = dc.load(_state_dict(*layout, fill=False), saved)
     _check_loaded(loaded, *layout)
     layers = _global("layers").reshape(4, -1)
-    assert torch.equal(loaded["layers"][0], layers[layout[0]]) and torch.equal(loaded["layers"][1], layers[layout[0] + 2])
+    assert torch.equal(loaded["layers"][0], layers[layout[0]]) and torch.equal(
+        loaded["layers"][1], layers[layout[0] + 2]
+    )
     assert loaded["rng"] == {"tp_rank": layout[0]}
     missing, unexpected = dc.load(
-        {"tp_split": _state_dict(*layout, fill=False)["tp_split"], "x": ShardedTensor.from_rank_offsets("x", torch.zeros(1))},
-        saved, validate_access_integrity=False, strict="return_all",
+        {
+            "tp_split": _state_dict(*layout, fill=False)["tp_split"],
+            "x": ShardedTensor.from_rank_offsets("x", torch.zeros(1)),
+        },
+        saved,
+        validate_access_integrity=False,
+        strict="return_all",
     )[1:]
     assert (missing, unexpected) == ({"grid", "replicated", "layers.weight", "factory", "rng"}, {"x"})
     return _refusals(path)
@@ -234,7 +277,9 @@ def test_save_reshard_and_refusals(tmp_path):
     assert refusals[0]["twice"].endswith(
         "invalid sharding: w: of its 2 chunks (grid (2,)), 0 have no main replica and 2 have several"
     )
-    assert refusals[0]["gap"].endswith("invalid sharding: w: of its 4 chunks (grid (4,)), 2 have no main replica and 0 have several")
+    assert refusals[0]["gap"].endswith(
+        "invalid sharding: w: of its 4 chunks (grid (4,)), 2 have no main replica and 0 have several"
+    )
 
 
 def _async_worker(path: str) -> None:
@@ -265,9 +310,18 @@ def _gpt(tp: int, pp: int = 1, seed: int = SEED):
     from megatron_ext.transformer import TransformerConfig
 
     config = TransformerConfig(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, num_layers=4, hidden_size=16,
-        num_attention_heads=4, ffn_hidden_size=32, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64, pipeline_dtype=torch.float64,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        num_layers=4,
+        hidden_size=16,
+        num_attention_heads=4,
+        ffn_hidden_size=32,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float64,
+        pipeline_dtype=torch.float64,
         use_cpu_initialization=True,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -290,12 +344,19 @@ def _gpt_worker(path: str) -> None:
 
     _init(1, 1)
     serial = _gpt(1)
-    stacked, per_layer = serial.sharded_state_dict(), serial.sharded_state_dict(metadata={"singleton_local_shards": True})
+    stacked, per_layer = (
+        serial.sharded_state_dict(),
+        serial.sharded_state_dict(metadata={"singleton_local_shards": True}),
+    )
     assert set(stacked) == set(per_layer) == set(serial.state_dict())  # the dict's keys: state-dict names
     # Per-layer keys are the layout-free checkpoints' global names.
     assert {v.key for v in per_layer.values()} == {s.global_name for s in param_specs(serial).values()}
     qkv = stacked["decoder.layers.2.self_attention.query_key_value.weight"]
-    assert (qkv.key, qkv.global_shape, qkv.global_offset) == ("decoder.layers.self_attention.query_key_value.weight", (4, 48, 16), (2, 0, 0))
+    assert (qkv.key, qkv.global_shape, qkv.global_offset) == (
+        "decoder.layers.self_attention.query_key_value.weight",
+        (4, 48, 16),
+        (2, 0, 0),
+    )
     fc1 = per_layer["decoder.layers.3.mlp.dense_h_to_4h.weight"]
     assert isinstance(fc1, dc.ShardedTensorFactory) and fc1.key == "decoder.layers.3.mlp.dense_h_to_4h.weight"
 
@@ -314,7 +375,9 @@ def _gpt_worker(path: str) -> None:
             if dist.get_rank() == 0:
                 from megatron_ext.dist_checkpointing.convert import to_torch
 
-                whole = to_torch(os.path.join(path, "layout_free", "iter_0000001"), os.path.join(path, "whole.pt"))["model"]
+                whole = to_torch(
+                    os.path.join(path, "layout_free", "iter_0000001"), os.path.join(path, "whole.pt")
+                )["model"]
                 assert sorted(plain) == sorted(whole)
                 assert all(torch.equal(plain[k], whole[k]) for k in plain)
         for tp, pp in ((1, 1), (4, 1), (1, 4)):
@@ -347,7 +410,9 @@ def _megatron_state_dict(mapping, tp_rank: int, tp: int, dp_rank: int, dp: int, 
         "tp_split": mapping.ShardedTensor.from_rank_offsets(
             "tp_split", part("tp_split", r), (0, tp_rank, tp), replica_id=(0, 0, dp_rank)
         ),
-        "grid": mapping.ShardedTensor.from_rank_offsets("grid", part("grid", (r, c)), (0, tp_rank, tp), (1, dp_rank, dp)),
+        "grid": mapping.ShardedTensor.from_rank_offsets(
+            "grid", part("grid", (r, c)), (0, tp_rank, tp), (1, dp_rank, dp)
+        ),
         "replicated": mapping.ShardedTensor.from_rank_offsets(
             "replicated", part("replicated", slice(None)), replica_id=(0, tp_rank, dp_rank)
         ),
@@ -361,8 +426,11 @@ def _stacked_layers(mapping, tp_rank: int, tp: int, dp_rank: int, fill: bool) ->
     layers = _global("layers").reshape(4, -1)
     return [
         mapping.ShardedTensor.from_rank_offsets(
-            "layers.weight", layers[i].clone() if fill else torch.zeros_like(layers[i]), (0, i, 4),
-            replica_id=(0, 0, dp_rank), prepend_axis_num=1,
+            "layers.weight",
+            layers[i].clone() if fill else torch.zeros_like(layers[i]),
+            (0, i, 4),
+            replica_id=(0, 0, dp_rank),
+            prepend_axis_num=1,
         )
         for i in range(tp_rank, 4, tp)
     ]
@@ -427,7 +495,10 @@ def _interop_worker(path: str) -> None:
             loaded = reader.load(request, save_dir)
             check(loaded, *layout, objects=True)
             layers = _global("layers").reshape(4, -1)
-            assert all(torch.equal(t, layers[i]) for t, i in zip(loaded["layers"], range(layout[0], 4, tp), strict=True))
+            assert all(
+                torch.equal(t, layers[i])
+                for t, i in zip(loaded["layers"], range(layout[0], 4, tp), strict=True)
+            )
 
 
 def test_checkpoints_move_between_megatron_core_and_megatron_ext(tmp_path):

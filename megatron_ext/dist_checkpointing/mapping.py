@@ -12,19 +12,20 @@ tensor-parallel-replicated layer norm): only the *main* replica (0 or all zeros)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any
 
 import torch
 
 from megatron_ext.dist_checkpointing.core import CheckpointingException
 from megatron_ext.dist_checkpointing.dict_utils import dict_list_map_inplace
 
-StateDict = Dict[str, Any]
-CommonStateDict = Dict[str, Any]
-ShardedStateDict = Dict[str, Any]
-ReplicaId = Union[int, Tuple[int, ...]]
+StateDict = dict[str, Any]
+CommonStateDict = dict[str, Any]
+ShardedStateDict = dict[str, Any]
+ReplicaId = int | tuple[int, ...]
 
 
 class ShardedBase:
@@ -37,7 +38,7 @@ class ShardedBase:
     def validate_metadata_integrity(self) -> None:
         raise NotImplementedError
 
-    def without_data(self) -> "ShardedBase":
+    def without_data(self) -> ShardedBase:
         return replace(self, data=None)
 
 
@@ -54,16 +55,16 @@ class ShardedTensor(ShardedBase):
     """
 
     key: str
-    data: Optional[torch.Tensor] = field(repr=False)
+    data: torch.Tensor | None = field(repr=False)
     dtype: torch.dtype
-    local_shape: Tuple[int, ...]
-    global_shape: Tuple[int, ...]
-    global_offset: Tuple[int, ...]
-    axis_fragmentations: Optional[Tuple[int, ...]]
+    local_shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    axis_fragmentations: tuple[int, ...] | None
     replica_id: ReplicaId = 0
     prepend_axis_num: int = 0
     allow_shape_mismatch: bool = False
-    flattened_range: Optional[slice] = None
+    flattened_range: slice | None = None
 
     def __post_init__(self) -> None:
         self.validate_metadata_integrity()
@@ -91,7 +92,11 @@ class ShardedTensor(ShardedBase):
                 f"global_shape {self.global_shape}"
             )
         for axis, (off, size, total) in enumerate(
-            zip(self.global_offset[self.prepend_axis_num :], self.local_shape, self.global_shape[self.prepend_axis_num :])
+            zip(
+                self.global_offset[self.prepend_axis_num :],
+                self.local_shape,
+                self.global_shape[self.prepend_axis_num :],
+            )
         ):
             if off < 0 or off + size > total:
                 raise CheckpointingException(
@@ -110,7 +115,7 @@ class ShardedTensor(ShardedBase):
     def has_regular_grid(self) -> bool:
         return self.axis_fragmentations is not None
 
-    def global_slice(self) -> Tuple[Union[int, slice], ...]:
+    def global_slice(self) -> tuple[int | slice, ...]:
         """The index of this shard in the global tensor (ints for prepended axes)."""
         p = self.prepend_axis_num
         return tuple(
@@ -120,14 +125,14 @@ class ShardedTensor(ShardedBase):
             )
         )
 
-    def local_chunk_offset_in_global(self) -> Tuple[int, ...]:
+    def local_chunk_offset_in_global(self) -> tuple[int, ...]:
         """This shard's index in the grid of chunks."""
         p = self.prepend_axis_num
         return tuple(self.global_offset[:p]) + tuple(
             o // n for o, n in zip(self.global_offset[p:], self.local_shape)
         )
 
-    def max_allowed_chunks(self) -> Tuple[int, ...]:
+    def max_allowed_chunks(self) -> tuple[int, ...]:
         chunks = []
         for size, fragments in zip(self.global_shape, self.axis_fragmentations):
             if not self.allow_shape_mismatch and size % fragments != 0:
@@ -140,17 +145,19 @@ class ShardedTensor(ShardedBase):
         cls,
         key: str,
         data: torch.Tensor,
-        *rank_offsets: Tuple[int, int, int],
+        *rank_offsets: tuple[int, int, int],
         replica_id: ReplicaId = 0,
         prepend_axis_num: int = 0,
         flattened_range: None = None,
         **init_kwargs: Any,
-    ) -> "ShardedTensor":
+    ) -> ShardedTensor:
         """``rank_offsets``: (axis, index, fragments) each: the global tensor is cut into
         ``fragments`` equal chunks along ``axis`` (counting prepended axes) and ``data`` is chunk
         ``index``."""
         if flattened_range is not None:
-            raise ValueError("from_rank_offsets makes no flattened ShardedTensor (flattened_range must be None)")
+            raise ValueError(
+                "from_rank_offsets makes no flattened ShardedTensor (flattened_range must be None)"
+            )
         ndim = data.ndim + prepend_axis_num
         global_offset = [0] * ndim
         global_shape = [1] * prepend_axis_num + list(data.shape)
@@ -179,11 +186,11 @@ class ShardedTensor(ShardedBase):
             **init_kwargs,
         )
 
-    def init_data(self, device: Union[str, torch.device], init_fn: Callable = torch.empty) -> None:
+    def init_data(self, device: str | torch.device, init_fn: Callable = torch.empty) -> None:
         if self.data is None:
             self.data = init_fn(self.local_shape, dtype=self.dtype, device=device)
 
-    def narrow(self, dim: int, start: int, length: int) -> list["ShardedTensor"]:
+    def narrow(self, dim: int, start: int, length: int) -> list[ShardedTensor]:
         """``torch.narrow`` of the local tensor, the global tensor narrowed alike on every rank."""
         axis = dim + self.prepend_axis_num
         local = self.local_shape[dim]
@@ -193,7 +200,15 @@ class ShardedTensor(ShardedBase):
         shape, offset = list(self.global_shape), list(self.global_offset)
         shape[axis] = shape[axis] // local * length
         offset[axis] = offset[axis] // local * length
-        return [replace(self, data=data, local_shape=tuple(data.shape), global_shape=tuple(shape), global_offset=tuple(offset))]
+        return [
+            replace(
+                self,
+                data=data,
+                local_shape=tuple(data.shape),
+                global_shape=tuple(shape),
+                global_offset=tuple(offset),
+            )
+        ]
 
     def __str__(self) -> str:
         return f"ShardedTensor(key={self.key!r}, global_shape={self.global_shape}, global_offset={self.global_offset})"
@@ -223,8 +238,8 @@ class ShardedObject(ShardedBase):
 
     key: str
     data: object
-    global_shape: Tuple[int, ...]
-    global_offset: Tuple[int, ...]
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
     replica_id: ReplicaId = 0
 
     def __post_init__(self) -> None:
@@ -248,15 +263,17 @@ class ShardedObject(ShardedBase):
         return f"ShardedObject(key={self.key!r})"
 
     @classmethod
-    def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> "ShardedObject":
+    def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> ShardedObject:
         key, shard = unique_key.rsplit("/", 1)
         tag, offset, shape = shard.split("_")
         if tag != "shard":
             raise CheckpointingException(f"{unique_key!r} is not a ShardedObject's unique key")
-        return cls(key, None, tuple(map(int, shape.split("."))), tuple(map(int, offset.split("."))), replica_id)
+        return cls(
+            key, None, tuple(map(int, shape.split("."))), tuple(map(int, offset.split("."))), replica_id
+        )
 
 
-FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, Optional[slice]], ShardedStateDict]
+FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, slice | None], ShardedStateDict]
 FactoryMergeFn = Callable[[StateDict], torch.Tensor]
 
 
@@ -271,7 +288,7 @@ class ShardedTensorFactory(ShardedBase):
     build_fn: FactoryBuildFn
     merge_fn: FactoryMergeFn
     replica_id: ReplicaId = 0
-    flattened_range: Optional[slice] = None
+    flattened_range: slice | None = None
 
     def build(self) -> ShardedStateDict:
         return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
@@ -287,7 +304,7 @@ def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
     )
 
 
-def apply_factory_merges(x1: Any, x2: Any, key: Tuple = ()) -> Any:
+def apply_factory_merges(x1: Any, x2: Any, key: tuple = ()) -> Any:
     """Merges the loaded sub-dicts of ``x1`` where ``x2`` (of the same structure) holds a
     factory; returns ``x1`` (changed in place)."""
     if isinstance(x2, ShardedTensorFactory):
@@ -304,5 +321,7 @@ def apply_factory_merges(x1: Any, x2: Any, key: Tuple = ()) -> Any:
         for i, v2 in items:
             x1[i] = apply_factory_merges(x1[i], v2, key + (i,))
     else:
-        raise ValueError(f"apply_factory_merges: cannot merge {type(x1).__name__} and {type(x2).__name__} at {key}")
+        raise ValueError(
+            f"apply_factory_merges: cannot merge {type(x1).__name__} and {type(x2).__name__} at {key}"
+        )
     return x1

@@ -35,7 +35,13 @@ from megatron_ext.utils import make_sharded_tensor_for_checkpoint, make_tp_shard
 
 
 def _strided_build(
-    dim: int, stride: int, prepend_offsets: tuple, key: str, data: torch.Tensor, replica_id: ReplicaId, _flat: Any
+    dim: int,
+    stride: int,
+    prepend_offsets: tuple,
+    key: str,
+    data: torch.Tensor,
+    replica_id: ReplicaId,
+    _flat: Any,
 ) -> list[ShardedTensor]:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
@@ -74,11 +80,17 @@ def sharded_tensor_like(
     if stride == 1:
         return make_tp_sharded_tensor_for_checkpoint(tensor, key, dim, replica_id, prepend_offsets, **kwargs)
     if tensor.shape[dim] % stride:
-        raise ValueError(f"{key}: size {tensor.shape[dim]} along dim {dim} does not split into stride {stride}")
+        raise ValueError(
+            f"{key}: size {tensor.shape[dim]} along dim {dim} does not split into stride {stride}"
+        )
     if replica_id is None:
         replica_id = (0, 0, parallel_state.get_data_parallel_rank(with_context_parallel=True))
     return ShardedTensorFactory(
-        key, tensor, partial(_strided_build, dim, stride, tuple(prepend_offsets)), partial(_strided_merge, dim), replica_id
+        key,
+        tensor,
+        partial(_strided_build, dim, stride, tuple(prepend_offsets)),
+        partial(_strided_merge, dim),
+        replica_id,
     )
 
 
@@ -89,13 +101,19 @@ def module_sharded_state_dict(
     ``prefix + name``, both as the key of the dict and of the ShardedTensor."""
     out: ShardedStateDict = {}
     for name, tensor in module.state_dict(prefix="", keep_vars=True).items():
-        if name.split(".", 1)[0] in skip or name.endswith("_extra_state") or not isinstance(tensor, torch.Tensor):
+        if (
+            name.split(".", 1)[0] in skip
+            or name.endswith("_extra_state")
+            or not isinstance(tensor, torch.Tensor)
+        ):
             continue
         out[prefix + name] = sharded_tensor_like(tensor, prefix + name, tensor, sharded_offsets)
     return out
 
 
-def replace_prefix_for_sharding(sharded_state_dict: ShardedStateDict, old_prefix: str, new_prefix: str) -> None:
+def replace_prefix_for_sharding(
+    sharded_state_dict: ShardedStateDict, old_prefix: str, new_prefix: str
+) -> None:
     """Renames the ShardedTensor / factory / object keys starting with ``old_prefix`` (in place;
     the dict's own keys stay)."""
     for sh in nested_values(sharded_state_dict):

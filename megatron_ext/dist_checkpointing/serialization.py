@@ -25,13 +25,19 @@ import logging
 import os
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple, Union
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    FileSystemReader,
+    FileSystemWriter,
+)
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from megatron_ext.dist_checkpointing.checkpoint import (
@@ -80,11 +86,11 @@ class AsyncRequest(NamedTuple):
     for this rank's files; ``finalize_fns`` then run on every rank (they complete the checkpoint
     with ``metadata.json``). ``execute_sync()`` does both; collective."""
 
-    async_fn: Optional[Callable]
-    async_fn_args: Tuple
-    finalize_fns: List[Callable]
-    async_fn_kwargs: Dict = {}
-    preload_fn: Optional[Callable] = None
+    async_fn: Callable | None
+    async_fn_args: tuple
+    finalize_fns: list[Callable]
+    async_fn_kwargs: dict = {}
+    preload_fn: Callable | None = None
     is_frozen: bool = False
     call_idx: int = 0
 
@@ -100,7 +106,7 @@ class AsyncRequest(NamedTuple):
         for fn in self.finalize_fns:
             fn()
 
-    def freeze(self) -> "AsyncRequest":
+    def freeze(self) -> AsyncRequest:
         return self._replace(is_frozen=True)
 
 
@@ -119,7 +125,9 @@ def _read_config(checkpoint_dir: str) -> dict:
     if not os.path.isdir(checkpoint_dir):
         raise CheckpointingException(f"Checkpoint directory {checkpoint_dir} does not exist")
     if not os.path.isfile(path):
-        raise CheckpointingException(f"{checkpoint_dir} is not a distributed checkpoint (it has no {CONFIG_FNAME})")
+        raise CheckpointingException(
+            f"{checkpoint_dir} is not a distributed checkpoint (it has no {CONFIG_FNAME})"
+        )
     with open(path) as f:
         config = json.load(f)
     if config.get("sharded_backend") != "torch_dist" or config.get("common_backend", "torch") != "torch":
@@ -146,7 +154,9 @@ def _as_chunk(sh: ShardedTensor) -> tuple[tuple[int, ...], torch.Tensor]:
     return tuple(sh.global_offset), data
 
 
-def _dcp_state(shards: list[ShardedBase], global_shapes: Optional[dict] = None, loading: bool = False) -> dict[str, Any]:
+def _dcp_state(
+    shards: list[ShardedBase], global_shapes: dict | None = None, loading: bool = False
+) -> dict[str, Any]:
     """The flat dict DCP saves or loads for ``shards``: a tensor alias per ShardedTensor key, a
     list of objects per ShardedObject shard (what Megatron-core stores; loading, a placeholder
     that DCP replaces with that list)."""
@@ -178,18 +188,21 @@ def _save_common(common_state_dict: StateDict, checkpoint_dir: str) -> None:
     _agree(error, f"cannot save checkpoint {checkpoint_dir!r}: ")
 
 
-def _finalize(checkpoint_dir: str, write_error: Optional[str]) -> None:
+def _finalize(checkpoint_dir: str, write_error: str | None) -> None:
     _agree(write_error, f"cannot save checkpoint {checkpoint_dir!r}: ")
     if dist.get_rank() == 0:
-        config = dict(
-            sharded_backend=BACKEND[0], sharded_backend_version=BACKEND[1], common_backend="torch", common_backend_version=1
-        )
+        config = {
+            "sharded_backend": BACKEND[0],
+            "sharded_backend_version": BACKEND[1],
+            "common_backend": "torch",
+            "common_backend_version": 1,
+        }
         with open(os.path.join(checkpoint_dir, CONFIG_FNAME), "w") as f:
             json.dump(config, f)
     dist.barrier()
 
 
-def _write(state: dict[str, Any], checkpoint_dir: str, group: Optional[dist.ProcessGroup] = None) -> Optional[str]:
+def _write(state: dict[str, Any], checkpoint_dir: str, group: dist.ProcessGroup | None = None) -> str | None:
     """Writes ``state`` with DCP; returns this rank's error (None if none)."""
     try:
         dcp.save(
@@ -223,9 +236,9 @@ def save(
     common_strategy: Any = None,
     validate_access_integrity: bool = True,
     async_sharded_save: bool = False,
-    preprocess_common_before_consistancy_check: Optional[Callable[[CommonStateDict], StateDict]] = None,
-    content_metadata: Optional[dict] = None,
-) -> Optional[AsyncRequest]:
+    preprocess_common_before_consistancy_check: Callable[[CommonStateDict], StateDict] | None = None,
+    content_metadata: dict | None = None,
+) -> AsyncRequest | None:
     """Saves ``sharded_state_dict`` into ``checkpoint_dir``; collective over the world group.
 
     Factories are built, ``LocalNonpersistentObject`` dropped, the rest that is not sharded goes to
@@ -243,8 +256,12 @@ def save(
     if content_metadata is not None:
         sharded_state_dict[_CONTENT_METADATA_KEY] = content_metadata
     apply_factories(sharded_state_dict)
-    _, persistent = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
-    sharded_part, common_state_dict = extract_matching_values(persistent, lambda v: isinstance(v, ShardedBase))
+    _, persistent = extract_matching_values(
+        sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject)
+    )
+    sharded_part, common_state_dict = extract_matching_values(
+        persistent, lambda v: isinstance(v, ShardedBase)
+    )
     shards = _sharded_leaves(sharded_part)
     for sh in shards:
         if isinstance(sh, ShardedTensor) and sh.data is None:
@@ -264,7 +281,7 @@ def save(
         for sh in main
     ]
     state, group = _dcp_state(staged), _group_for_async_saves()
-    outcome: dict[str, Optional[str]] = {}
+    outcome: dict[str, str | None] = {}
     writer = threading.Thread(
         target=lambda: outcome.__setitem__("error", _write(state, checkpoint_dir, group)), daemon=True
     )
@@ -290,20 +307,24 @@ def _stored(checkpoint_dir: str):
     return FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
 
 
-def load_tensors_metadata(checkpoint_dir: str, sharded_strategy: Any = None) -> Dict[str, ShardedTensor]:
+def load_tensors_metadata(checkpoint_dir: str, sharded_strategy: Any = None) -> dict[str, ShardedTensor]:
     """Each stored tensor as a ShardedTensor without data (its key, dtype and global shape)."""
     _check_strategy(sharded_strategy, "sharded")
     _read_config(str(checkpoint_dir))
     return {
-        k: ShardedTensor.from_rank_offsets(k, torch.empty(md.size, dtype=md.properties.dtype, device="meta")).without_data()
+        k: ShardedTensor.from_rank_offsets(
+            k, torch.empty(md.size, dtype=md.properties.dtype, device="meta")
+        ).without_data()
         for k, md in _stored(str(checkpoint_dir)).items()
         if isinstance(md, TensorStorageMetadata)
     }
 
 
-def load_sharded_metadata(checkpoint_dir: str, sharded_strategy: Any = None, common_strategy: Any = None) -> Dict[str, ShardedBase]:
+def load_sharded_metadata(
+    checkpoint_dir: str, sharded_strategy: Any = None, common_strategy: Any = None
+) -> dict[str, ShardedBase]:
     """``load_tensors_metadata`` and each stored ShardedObject shard (without data)."""
-    out: Dict[str, ShardedBase] = {}
+    out: dict[str, ShardedBase] = {}
     for k, md in _stored(str(checkpoint_dir)).items():
         if isinstance(md, BytesStorageMetadata) and "/shard_" in k:
             sh = ShardedObject.empty_from_unique_key(k)
@@ -317,7 +338,9 @@ def load_plain_tensors(checkpoint_dir: str) -> StateDict:
     return load(load_tensors_metadata(checkpoint_dir), checkpoint_dir, validate_access_integrity=False)
 
 
-def load_content_metadata(checkpoint_dir: Optional[str] = None, *, preloaded_state_dict: Optional[StateDict] = None) -> Optional[dict]:
+def load_content_metadata(
+    checkpoint_dir: str | None = None, *, preloaded_state_dict: StateDict | None = None
+) -> dict | None:
     if preloaded_state_dict is None:
         if checkpoint_dir is None:
             raise ValueError("load_content_metadata needs checkpoint_dir or preloaded_state_dict")
@@ -325,12 +348,22 @@ def load_content_metadata(checkpoint_dir: Optional[str] = None, *, preloaded_sta
     return preloaded_state_dict.get(_CONTENT_METADATA_KEY)
 
 
-def _mismatches(shards: list[ShardedBase], stored: dict, strict: StrictHandling) -> tuple[Set[str], Set[str]]:
+def _mismatches(shards: list[ShardedBase], stored: dict, strict: StrictHandling) -> tuple[set[str], set[str]]:
     """(missing, unexpected) keys: stored but requested by no rank / requested here but not stored."""
-    ckpt_keys = {ShardedObject.empty_from_unique_key(k).key if isinstance(md, BytesStorageMetadata) and "/shard_" in k else k for k, md in stored.items()}
+    ckpt_keys = {
+        ShardedObject.empty_from_unique_key(k).key
+        if isinstance(md, BytesStorageMetadata) and "/shard_" in k
+        else k
+        for k, md in stored.items()
+    }
     unexpected = {sh.key for sh in shards} - ckpt_keys
-    missing: Set[str] = set()
-    if strict in (StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL, StrictHandling.IGNORE_ALL):
+    missing: set[str] = set()
+    if strict in (
+        StrictHandling.LOG_ALL,
+        StrictHandling.RAISE_ALL,
+        StrictHandling.RETURN_ALL,
+        StrictHandling.IGNORE_ALL,
+    ):
         requested: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(requested, {sh.key for sh in shards})
         missing = ckpt_keys - set().union(*requested)
@@ -361,8 +394,8 @@ def load(
     sharded_strategy: Any = None,
     common_strategy: Any = None,
     validate_access_integrity: bool = True,
-    strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
-) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
+    strict: str | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
+) -> StateDict | tuple[StateDict, set[str], set[str]]:
     """Loads what ``sharded_state_dict`` asks for from ``checkpoint_dir``; collective.
 
     Returns the common state dict with the requested entries put in: each ShardedTensor as its
@@ -391,14 +424,16 @@ def load(
         request, lambda v: isinstance(v, ShardedTensorFactory), return_lists_as_dicts=True
     )
     apply_factories(request)
-    nonpersistent, request = extract_matching_values(request, lambda v: isinstance(v, LocalNonpersistentObject))
+    nonpersistent, request = extract_matching_values(
+        request, lambda v: isinstance(v, LocalNonpersistentObject)
+    )
     dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
     merge(common, nonpersistent)
     request, _ = extract_matching_values(request, lambda v: isinstance(v, ShardedBase))
     shards = _sharded_leaves(request)
 
-    missing: Set[str] = set()
-    unexpected: Set[str] = set()
+    missing: set[str] = set()
+    unexpected: set[str] = set()
     if strict != StrictHandling.ASSUME_OK_UNEXPECTED:
         missing, unexpected = _mismatches(shards, stored, strict)
         if unexpected:
@@ -424,7 +459,9 @@ def load(
             elif sh.allow_shape_mismatch:
                 sh.data.zero_()
     stored_shapes = {
-        sh.key: tuple(stored[sh.key].size) for sh in shards if isinstance(sh, ShardedTensor) and sh.allow_shape_mismatch
+        sh.key: tuple(stored[sh.key].size)
+        for sh in shards
+        if isinstance(sh, ShardedTensor) and sh.allow_shape_mismatch
     }
     state = _dcp_state(shards, stored_shapes, loading=True)
     error = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from enum import Enum
-from typing import Any, List, Optional, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,8 +20,8 @@ from megatron_ext.dist_checkpointing.mapping import (
     is_main_replica,
 )
 
-_LocalMetadata = List[Union[ShardedTensor, ShardedObject]]
-_GlobalMetadata = List[_LocalMetadata]
+_LocalMetadata = list[ShardedTensor | ShardedObject]
+_GlobalMetadata = list[_LocalMetadata]
 
 
 class StrictHandling(Enum):
@@ -39,7 +39,7 @@ class StrictHandling(Enum):
     IGNORE_ALL = "ignore_all"
 
 
-def parse_strict_flag(strict: Union[str, bool, StrictHandling]) -> StrictHandling:
+def parse_strict_flag(strict: str | bool | StrictHandling) -> StrictHandling:
     if isinstance(strict, StrictHandling):
         return strict
     if strict is True:
@@ -68,11 +68,15 @@ def _tensor_problems(key: str, shards: list[tuple[int, ShardedTensor]]) -> list[
         for attr in ("dtype", "global_shape", "has_regular_grid"):
             if getattr(sh, attr) != getattr(first, attr):
                 return [
-                    f"{key}: rank {rank} gives {attr} {getattr(sh, attr)}, rank {shards[0][0]} "
-                    f"gives {getattr(first, attr)}"
+                    (
+                        f"{key}: rank {rank} gives {attr} {getattr(sh, attr)}, rank {shards[0][0]} "
+                        f"gives {getattr(first, attr)}"
+                    )
                 ]
         if first.has_regular_grid and sh.local_shape != first.local_shape:
-            return [f"{key}: rank {rank} gives local_shape {sh.local_shape}, rank {shards[0][0]} gives {first.local_shape}"]
+            return [
+                f"{key}: rank {rank} gives local_shape {sh.local_shape}, rank {shards[0][0]} gives {first.local_shape}"
+            ]
     if not first.has_regular_grid:
         return []  # irregular shards: DCP checks what it writes
     counts = torch.zeros(first.axis_fragmentations, dtype=torch.int)
@@ -84,8 +88,10 @@ def _tensor_problems(key: str, shards: list[tuple[int, ShardedTensor]]) -> list[
     missing = int((counts == 0).sum())
     repeated = int((counts > 1).sum())
     return [
-        f"{key}: of its {counts.numel()} chunks (grid {tuple(first.axis_fragmentations)}), {missing} "
-        f"have no main replica and {repeated} have several"
+        (
+            f"{key}: of its {counts.numel()} chunks (grid {tuple(first.axis_fragmentations)}), {missing} "
+            f"have no main replica and {repeated} have several"
+        )
     ]
 
 
@@ -101,7 +107,7 @@ def _object_problems(key: str, shards: list[tuple[int, ShardedObject]]) -> list[
 
 
 def validate_sharding_integrity(
-    global_metadata: _GlobalMetadata, common_state_dict: Optional[CommonStateDict] = None
+    global_metadata: _GlobalMetadata, common_state_dict: CommonStateDict | None = None
 ) -> None:
     """Checks that the main replicas of every key's shards, over all ranks, cover the global
     tensor (the grid of objects) exactly once, with one dtype and global shape. Every rank checks
