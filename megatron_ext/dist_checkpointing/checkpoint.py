@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from megatron_ext import parallel_state
 from megatron_ext.comm_errors import reported
 from megatron_ext.distributed.finalize_model_grads import _find_ddp
+from megatron_ext.dist_checkpointing.core import CheckpointingException
 from megatron_ext.dist_checkpointing.sharding import (
     ParamSpec,
     model_chunks,
@@ -60,10 +61,6 @@ TRACKER = "latest_checkpointed_iteration.txt"
 # Called on every rank after its files are written and before the checkpoint is completed; tests
 # set it to kill a rank at the worst moment.
 _after_rank_wrote: Callable[[], None] | None = None
-
-
-class CheckpointingException(RuntimeError):
-    """A checkpoint that cannot be loaded into this model (incomplete, corrupted, other shape)."""
 
 
 def checkpoint_dir(save_dir: str, iteration: int) -> str:

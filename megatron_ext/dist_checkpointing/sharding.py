@@ -72,16 +72,21 @@ def _add_dcp_hooks(alias: torch.Tensor) -> None:
     keeps it alive.
     """
     local = alias.detach()
-    global_size = torch.Size(alias.global_shape)
-    chunks = [
-        ChunkStorageMetadata(offsets=torch.Size(g), sizes=torch.Size(n))
-        for g, n in zip(alias.global_offsets, alias.local_sizes)
+    parts = [
+        (g, local[tuple(slice(o, o + n) for o, n in zip(offset, size))])
+        for g, offset, size in zip(alias.global_offsets, alias.local_offsets, alias.local_sizes)
     ]
-    pieces = {
-        chunk.offsets: local[tuple(slice(o, o + n) for o, n in zip(offset, chunk.sizes))]
-        for chunk, offset in zip(chunks, alias.local_offsets)
-    }
-    properties = TensorProperties.create_from_tensor(local)
+    _set_dcp_hooks(alias, alias.global_shape, parts)
+
+
+def _set_dcp_hooks(
+    alias: torch.Tensor, global_shape: Iterable[int], parts: list[tuple[tuple[int, ...], torch.Tensor]]
+) -> None:
+    """Gives ``alias`` DCP's hooks for the chunks ``parts``: (global offset, tensor) each."""
+    global_size = torch.Size(global_shape)
+    chunks = [ChunkStorageMetadata(offsets=torch.Size(g), sizes=t.shape) for g, t in parts]
+    pieces = {chunk.offsets: t for chunk, (_, t) in zip(chunks, parts)}
+    properties = TensorProperties.create_from_tensor(parts[0][1])
 
     def write_items(fqn: str, _obj: Any) -> list[WriteItem]:
         return [
@@ -104,6 +109,20 @@ def _add_dcp_hooks(alias: torch.Tensor) -> None:
     alias.__create_chunk_list__ = lambda: list(chunks)
     alias.__get_tensor_shard__ = piece_at
     alias.size = lambda dim=None: global_size if dim is None else global_size[dim]
+
+
+def sharded_parts(global_shape: Iterable[int], parts: list[tuple[tuple[int, ...], torch.Tensor]]) -> torch.Tensor:
+    """What DCP saves and loads as the chunks ``parts`` ((global offset, tensor) each, the tensors
+    of the global tensor's rank) of one global tensor: ``sharded_tensor`` for a single tensor;
+    for several separate tensors, an alias of the first that carries DCP's hooks over all of them
+    (the fields of ``sharded_tensor`` describe pieces of one tensor only)."""
+    if len(parts) == 1:
+        offset, tensor = parts[0]
+        zeros = (0,) * tensor.dim()
+        return sharded_tensor(tensor, global_shape, [(tuple(offset), zeros, tuple(tensor.shape))])
+    alias = parts[0][1].detach()
+    _set_dcp_hooks(alias, global_shape, [(tuple(g), t.detach()) for g, t in parts])
+    return alias
 
 
 def replicated(tensor: torch.Tensor) -> torch.Tensor:

@@ -210,6 +210,14 @@ class GPTModel(torch.nn.Module):
             input_tensor = input_tensor[0]
         self.decoder.set_input_tensor(input_tensor)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Megatron's checkpointing API: every tensor as a ShardedTensor under its global name (layer
+        numbering: see ``ParallelTransformer.sharded_state_dict``); a tied output weight on the last
+        stage is a non-main replica of ``embedding.word_embeddings.weight``."""
+        from megatron_ext.dist_checkpointing.module_state import gpt_sharded_state_dict
+
+        return gpt_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
     def forward(
         self,
         input_ids: torch.Tensor | None,

@@ -326,6 +326,12 @@ class VocabParallelEmbedding(torch.nn.Module):
         else:
             set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Megatron's checkpointing API: each tensor as a ShardedTensor (the weight split along the vocabulary, dim 0)."""
+        from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
+
+        return module_sharded_state_dict(self, prefix, sharded_offsets)
+
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         # Every rank holds the same ids, so every rank raises alike; without this check an id
         # outside the vocabulary would silently embed to zeros at TP > 1.
@@ -450,6 +456,12 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Megatron's checkpointing API: each tensor as a ShardedTensor (weight and bias split along the output, dim 0, with the layer's stride)."""
+        from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
+
+        return module_sharded_state_dict(self, prefix, sharded_offsets)
+
     def forward(
         self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -571,6 +583,12 @@ class RowParallelLinear(torch.nn.Module):
             setattr(self.bias, "sequence_parallel", self.sequence_parallel)
         else:
             self.register_parameter("bias", None)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Megatron's checkpointing API: each tensor as a ShardedTensor (the weight split along the input, dim 1; the bias replicated)."""
+        from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
+
+        return module_sharded_state_dict(self, prefix, sharded_offsets)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.input_is_parallel or self.tensor_model_parallel_size == 1:

@@ -93,6 +93,12 @@ class ParallelAttention(torch.nn.Module):
             skip_bias_add=True,
         )
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Megatron's checkpointing API: each tensor as a ShardedTensor (as the layers inside are split)."""
+        from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
+
+        return module_sharded_state_dict(self, prefix, sharded_offsets)
+
     def forward(
         self,
         hidden_states: torch.Tensor,

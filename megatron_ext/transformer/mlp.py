@@ -68,6 +68,12 @@ class ParallelMLP(torch.nn.Module):
                 f"{config.activation_func!r}"
             )
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Megatron's checkpointing API: each tensor as a ShardedTensor (as the layers inside are split)."""
+        from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
+
+        return module_sharded_state_dict(self, prefix, sharded_offsets)
+
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         intermediate, bias = self.dense_h_to_4h(hidden_states)
         if self.bias_activation_fusion and self.gated:

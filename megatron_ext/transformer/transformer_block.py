@@ -153,6 +153,14 @@ class ParallelTransformer(torch.nn.Module):
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         self.input_tensor = input_tensor
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Megatron's checkpointing API: the layers by global layer number, stacked along a leading
+        layer axis (``decoder.layers.<name>``) or, with ``metadata["non_homogeneous_layers"]`` or
+        ``["singleton_local_shards"]``, one key per layer (``layers.<N>.<name>``)."""
+        from megatron_ext.dist_checkpointing.module_state import block_sharded_state_dict
+
+        return block_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
     def forward(
         self,
         hidden_states: torch.Tensor | None,
