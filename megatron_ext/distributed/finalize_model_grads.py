@@ -16,7 +16,8 @@ from megatron_ext.distributed.distributed_data_parallel import (
 )
 from megatron_ext.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 from megatron_ext.pipeline_parallel.schedules import get_attr_wrapped_model
-from megatron_ext.tensor_parallel.utils import comm_device
+from megatron_ext.process_groups_config import resolve_pg_collection
+from megatron_ext.tensor_parallel.utils import comm_device, resolve_tp_group
 
 # The one default bucket size of the package (DistributedDataParallel's).
 DEFAULT_BUCKET_BYTES = DEFAULT_BUCKET_SIZE_BYTES
@@ -124,8 +125,7 @@ def allreduce_embedding_grads(
 def _reduce_tensor_parallel_grads(
     model_chunks: list[torch.nn.Module], config_of: Any, tp_group: dist.ProcessGroup | None
 ) -> None:
-    if tp_group is None:
-        tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_group = resolve_tp_group(tp_group)
     if dist.get_world_size(tp_group) == 1:
         return
     summed, averaged = [], []
@@ -278,21 +278,10 @@ def finalize_model_grads(
     parallel_state's groups. ``model`` is the list of model chunks.
     """
     model_chunks = model
-    if pg_collection is not None:
-        missing = [f for f in _PG_COLLECTION_FIELDS if not hasattr(pg_collection, f)]
-        if missing:
-            raise parallel_state.ParallelStateError(
-                f"finalize_model_grads: pg_collection lacks {missing}; it needs {list(_PG_COLLECTION_FIELDS)} "
-                "(set embd / pos_embd to None when there is no such group)"
-            )
-        tp_group, pp_group, embd_group = pg_collection.tp, pg_collection.pp, pg_collection.embd
-        pos_embd_group, dp_group = pg_collection.pos_embd, pg_collection.dp_cp
-    else:
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        embd_group = parallel_state.get_embedding_group(check_initialized=False)
-        pos_embd_group = parallel_state.get_position_embedding_group(check_initialized=False)
-        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    pgs = resolve_pg_collection(pg_collection, _PG_COLLECTION_FIELDS, "finalize_model_grads")
+    tp_group, pp_group, embd_group, pos_embd_group, dp_group = (
+        pgs.tp, pgs.pp, pgs.embd, pgs.pos_embd, pgs.dp_cp
+    )
     config = _chunk_config(model_chunks[0]) if model_chunks else None
 
     params = []

@@ -33,7 +33,13 @@ from megatron_ext.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron_ext.tensor_parallel.random import get_cuda_rng_tracker
-from megatron_ext.tensor_parallel.utils import VocabUtility, divide, group_args, resolve_tp_group
+from megatron_ext.tensor_parallel.utils import (
+    VocabUtility,
+    divide,
+    group_args,
+    resolve_tp_group,
+    tp_group_size_rank,
+)
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
 
@@ -128,11 +134,6 @@ def _initialize_affine_weight_cpu(
 
 
 # --- helpers shared by the layers -----------------------------------------------------------------
-
-
-def _group_and_size(tp_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
-    group = resolve_tp_group(tp_group)
-    return group, dist.get_world_size(group), dist.get_rank(group)
 
 
 class _Settings(NamedTuple):
@@ -300,7 +301,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.embedding_dim = embedding_dim
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
         self.deterministic_mode = settings.deterministic_mode
-        self.tp_group, world_size, rank = _group_and_size(tp_group)
+        self.tp_group, world_size, rank = tp_group_size_rank(tp_group)
         self.tensor_model_parallel_size = world_size
         self.num_embeddings_per_partition = _split_size(num_embeddings, world_size, "num_embeddings", name)
         self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_per_partition_vocab_size(
@@ -405,7 +406,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
         self.stride = stride
-        self.tp_group, world_size, rank = _group_and_size(tp_group)
+        self.tp_group, world_size, rank = tp_group_size_rank(tp_group)
         self.tensor_model_parallel_size = world_size
         self.output_size_per_partition = _split_size(output_size, world_size, "output_size", name)
         if self.output_size_per_partition % stride != 0:
@@ -535,7 +536,7 @@ class RowParallelLinear(torch.nn.Module):
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
         self.stride = stride
-        self.tp_group, world_size, rank = _group_and_size(tp_group)
+        self.tp_group, world_size, rank = tp_group_size_rank(tp_group)
         self.tensor_model_parallel_size = world_size
         self.input_size_per_partition = _split_size(input_size, world_size, "input_size", name)
         if self.input_size_per_partition % stride != 0:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import _C  # noqa: F401  (registers the ops)
-from megatron_ext.tensor_parallel.utils import group_args, resolve_tp_group
+from megatron_ext.tensor_parallel.utils import group_args, resolve_tp_group, tp_group_size_rank
 
 _ops = torch.ops.megatron_ext
 
@@ -225,11 +225,6 @@ class _RegionClass:
         return cls.apply(*args, **kwargs)
 
 
-def _group_size_rank(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
-    group = resolve_tp_group(group)
-    return group, group.size(), group.rank()
-
-
 def _all_to_all_autograd(
     input_: torch.Tensor,
     output_split_sizes: list[int] | None,
@@ -331,7 +326,7 @@ class _GatherFromSequenceParallelRegion(_RegionClass):
             raise ParallelStateError(
                 "output_split_sizes needs tensor_parallel_output_grad=True (as in Megatron-core)"
             )
-        group, world, rank = _group_size_rank(group)
+        group, world, rank = tp_group_size_rank(group)
         sizes = _check_split_sizes("output_split_sizes", output_split_sizes, world)
         if input_.shape[0] != sizes[rank]:
             raise ValueError(
@@ -372,7 +367,7 @@ class _ReduceScatterToSequenceParallelRegion(_RegionClass):
     ) -> torch.Tensor:
         if input_split_sizes is None:
             return reduce_scatter_to_sequence_parallel_region(input_, group)
-        group, world, rank = _group_size_rank(group)
+        group, world, rank = tp_group_size_rank(group)
         sizes = _check_split_sizes("input_split_sizes", input_split_sizes, world)
         if input_.shape[0] != sum(sizes):
             raise ValueError(
