@@ -45,6 +45,13 @@ dist_all_gather_func = all_gather_single
 dist_reduce_scatter_func = reduce_scatter_single
 
 
+def model_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """Where ``param``'s gradient lives: ``main_grad`` (a view into a buffer here, Megatron-core's
+    convention) if the parameter has one, else ``param.grad``."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
 class GradSyncError(RuntimeError, AssertionError):
     """Gradient synchronisation used out of order: a collective asked for twice, waited for before
     it started, or ``register_grad_ready`` without ``overlap_grad_reduce``. Megatron-core asserts in

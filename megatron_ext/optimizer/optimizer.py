@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_ext import parallel_state
 from megatron_ext.comm_errors import reported
+from megatron_ext.distributed.param_and_grad_buffer import model_grad
 from megatron_ext.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -49,12 +50,6 @@ class _Slot:
     end: int
     main: torch.Tensor
     grad_source: Callable[[], torch.Tensor | None]
-
-
-def model_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """The model gradient the optimizer reads: ``main_grad`` if the parameter has one."""
-    main_grad = getattr(param, "main_grad", None)
-    return main_grad if main_grad is not None else param.grad
 
 
 def named_model_parameters(model_chunks: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
