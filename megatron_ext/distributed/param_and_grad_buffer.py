@@ -45,6 +45,11 @@ dist_all_gather_func = all_gather_single
 dist_reduce_scatter_func = reduce_scatter_single
 
 
+# The 16-bit parameter dtypes: their gradients may be reduced in float32 and the optimizer keeps
+# float32 main copies of them.
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
 def model_grad(param: torch.Tensor) -> torch.Tensor | None:
     """Where ``param``'s gradient lives: ``main_grad`` (a view into a buffer here, Megatron-core's
     convention) if the parameter has one, else ``param.grad``."""

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_ext import parallel_state
 from megatron_ext.comm_errors import reported
-from megatron_ext.distributed.param_and_grad_buffer import model_grad
+from megatron_ext.distributed.param_and_grad_buffer import SIXTEEN_BIT, model_grad
 from megatron_ext.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -35,9 +35,6 @@ from megatron_ext.optimizer.grad_scaler import MegatronGradScaler
 from megatron_ext.optimizer.optimizer_config import OptimizerConfig
 from megatron_ext.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron_ext.tensor_parallel.utils import comm_device
-
-SIXTEEN_BIT = (torch.float16, torch.bfloat16)
-
 
 @dataclass
 class _Slot:
