@@ -1,6 +1,5 @@
 """Sharded checkpoints that load at any tensor/pipeline/data-parallel layout (see checkpoint.py)."""
 
-from megatron_ext.dist_checkpointing.adam import NamedAdam
 from megatron_ext.dist_checkpointing.checkpoint import (
     CONVERTIBLE_CONFIG_FIELDS,
     CheckpointingException,
@@ -18,7 +17,6 @@ from megatron_ext.dist_checkpointing.sharding import param_specs, replicated, sh
 __all__ = [
     "CONVERTIBLE_CONFIG_FIELDS",
     "CheckpointingException",
-    "NamedAdam",
     "checkpoint_dir",
     "complete_iterations",
     "find_checkpoint",
