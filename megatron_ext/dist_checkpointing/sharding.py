@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from megatron_ext import parallel_state
+from megatron_ext.optimizer.optimizer import chunk_prefix
 
 TIED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
 # torch 2.14 added DCP's CheckpointableTensor protocol (the four fields below); older DCP learns a
@@ -212,10 +213,10 @@ def param_specs(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, Par
     for i, wrapped in enumerate(chunks):
         chunk = _unwrap(wrapped)
         prefixes = _global_prefixes(chunk)
-        chunk_prefix = f"chunk{i}." if len(chunks) > 1 else ""
+        prefix = chunk_prefix(i, len(chunks))
         for name, param in wrapped.named_parameters():
             bare = _strip_wrappers(name)
-            spec = ParamSpec(chunk_prefix + name, _global_name(bare, prefixes, chunk), param)
+            spec = ParamSpec(prefix + name, _global_name(bare, prefixes, chunk), param)
             if spec.global_name == TIED_EMBEDDING_NAME and spec.global_name in seen:
                 spec.copy_of = seen[spec.global_name]
             elif spec.global_name in seen:

@@ -49,12 +49,18 @@ class _Slot:
     grad_source: Callable[[], torch.Tensor | None]
 
 
+def chunk_prefix(index: int, num_chunks: int) -> str:
+    """What the names of model chunk ``index``'s parameters start with in the optimizer's state
+    (and the checkpoints): ``chunk{index}.`` when there are several chunks, nothing otherwise."""
+    return f"chunk{index}." if num_chunks > 1 else ""
+
+
 def named_model_parameters(model_chunks: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
     """Trainable parameters by name as in ``chunk.named_parameters()``, prefixed ``chunk{i}.``
     when there are several chunks (the names of ``param_state_by_name``)."""
     out = []
     for i, chunk in enumerate(model_chunks):
-        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
+        prefix = chunk_prefix(i, len(model_chunks))
         out.extend((prefix + n, p) for n, p in chunk.named_parameters() if p.requires_grad)
     return out
 
@@ -428,7 +434,7 @@ def _state_dict_params(
     out = {}
     for i, (chunk, sd) in enumerate(zip(model_chunks, per_chunk)):
         by_name = {_strip_module(k): v for k, v in sd.items()}
-        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
+        prefix = chunk_prefix(i, len(model_chunks))
         for name, _ in chunk.named_parameters():
             if _strip_module(name) in by_name:
                 out[prefix + name] = by_name[_strip_module(name)]
