@@ -26,8 +26,11 @@ def test_gpu_benchmark_script_on_cpu(tmp_path):
     assert list(rows) == ["bias_gelu fwd (tanh)", "bias_gelu bwd (tanh)", "bias_gelu fwd (erf)",
                           "bias_dropout_add fwd (p 0.1)", "bias_dropout_add fwd+bwd (p 0.1)",
                           "cross_entropy fwd+bwd"]
-    assert list(rows["cross_entropy fwd+bwd"]["variants"]) == ["megatron_ext", "megatron_ext overwrite_logits",
-                                                               "DTensor loss_parallel"]
+    assert list(rows["cross_entropy fwd+bwd"]["variants"]) == [
+        "megatron_ext",
+        "megatron_ext overwrite_logits",
+        "DTensor loss_parallel",
+    ]
     assert list(rows["bias_gelu fwd (erf)"]["variants"]) == ["megatron_ext", "torch F.gelu(y + b)"]
     bf16 = 2
     assert rows["bias_gelu fwd (tanh)"]["bytes"] == (2 * tokens * 4 * hidden + 4 * hidden) * bf16

@@ -304,7 +304,9 @@ def _check_fakes():
     local = _local(full)
     n = ps.get_tensor_model_parallel_world_size()
     for logits, tgt in ((local, target.to("meta")), (local.to("meta"), target)):
-        with pytest.raises(ValueError, match=r"target is on (meta|cpu) but vocab_parallel_logits are on (cpu|meta)"):
+        with pytest.raises(
+            ValueError, match=r"target is on (meta|cpu) but vocab_parallel_logits are on (cpu|meta)"
+        ):
             tp_.vocab_parallel_cross_entropy(logits, tgt)
     mode = FakeTensorMode()
     fx = mode.from_tensor(local.transpose(0, 1))
@@ -357,16 +359,27 @@ def _opcheck_worker(tp: int) -> bool:
     ops = torch.ops.megatron_ext
     x = local.clone().requires_grad_(True)
     torch.library.opcheck(ops.vocab_parallel_cross_entropy.default, (x, target, 0.1, 7, group_name, n))
-    torch.library.opcheck(ops.vocab_parallel_cross_entropy_forward.default, (local, target, 0.0, None, group_name, n))
+    torch.library.opcheck(
+        ops.vocab_parallel_cross_entropy_forward.default, (local, target, 0.0, None, group_name, n)
+    )
     torch.library.opcheck(ops.vocab_parallel_cross_entropy_row_stats.default, (local, target, 0, None))
-    _, row_max, lse, local_target = ops.vocab_parallel_cross_entropy_forward(local, target, 0.0, None, group_name, n)
+    _, row_max, lse, local_target = ops.vocab_parallel_cross_entropy_forward(
+        local, target, 0.0, None, group_name, n
+    )
     args = (grad, local, local_target, row_max, lse, 0.0, VOCAB)
     torch.library.opcheck(ops.vocab_parallel_cross_entropy_backward.default, args)
-    torch.library.opcheck(ops.vocab_parallel_cross_entropy_backward_.default, (grad, local.clone(), *args[2:]))
-    for bad in (local.size(-1), -3):  # a column past the slice, or no meaning at all: refused, nothing written
+    torch.library.opcheck(
+        ops.vocab_parallel_cross_entropy_backward_.default, (grad, local.clone(), *args[2:])
+    )
+    for bad in (
+        local.size(-1),
+        -3,
+    ):  # a column past the slice, or no meaning at all: refused, nothing written
         wrong = local_target.clone()
         wrong[1] = bad
-        with pytest.raises(ValueError, match=rf"local_target must hold columns in \[0, {local.size(-1)}\).*{bad}"):
+        with pytest.raises(
+            ValueError, match=rf"local_target must hold columns in \[0, {local.size(-1)}\).*{bad}"
+        ):
             ops.vocab_parallel_cross_entropy_backward(grad, local, wrong, row_max, lse, 0.0, VOCAB)
     with pytest.raises(ValueError, match=rf"group_size {n + 1} does not match the size {n} of process group"):
         ops.vocab_parallel_cross_entropy(local, target, 0.0, None, group_name, n + 1)

@@ -56,7 +56,9 @@ def _data(model: Toy, n: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(4, model.in_features(), dtype=torch.float64, generator=g) for _ in range(n)]
 
 
-def _local_grads(model: torch.nn.Module, batches: list[torch.Tensor], use_extra: bool = False) -> list[torch.Tensor]:
+def _local_grads(
+    model: torch.nn.Module, batches: list[torch.Tensor], use_extra: bool = False
+) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
     for x in batches:
         model(x, use_extra).square().mean().backward()
@@ -456,7 +458,10 @@ def _finalize_tokens_worker() -> None:
     gen = torch.Generator().manual_seed(0)
     model = torch.nn.Linear(3, 2).double()
     # Every rank draws every rank's gradients, so each can form the expected result itself.
-    grads = [[torch.randn(p.shape, dtype=torch.float64, generator=gen) for p in model.parameters()] for _ in range(2)]
+    grads = [
+        [torch.randn(p.shape, dtype=torch.float64, generator=gen) for p in model.parameters()]
+        for _ in range(2)
+    ]
     tokens = [5, 3]
 
     def check(expected_divisor: float | None, **kwargs) -> None:
@@ -471,8 +476,14 @@ def _finalize_tokens_worker() -> None:
     # Per-token loss: the data-parallel sum over the global token count.
     check(float(sum(tokens)), num_tokens=torch.tensor(tokens[rank]))
     # The same groups passed explicitly.
-    check(float(sum(tokens)), num_tokens=torch.tensor(tokens[rank]), pg_collection=ProcessGroupCollection.use_mpu_process_groups())
-    partial = ProcessGroupCollection(tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group())
+    check(
+        float(sum(tokens)),
+        num_tokens=torch.tensor(tokens[rank]),
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+    partial = ProcessGroupCollection(
+        tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group()
+    )
     with pytest.raises(AssertionError, match=r"pg_collection lacks \['embd', 'pos_embd', 'dp_cp'\]"):
         finalize_model_grads([model], pg_collection=partial)
 

@@ -304,7 +304,10 @@ def _run_train_gpt(device: str, tmp_path) -> list[float]:
            str(ROOT / "examples" / "train_gpt.py"), "--device", device, "--tp", "1", "--pp", "1",
            "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--micro-batch-size", "4",
            "--global-batch-size", "8", "--steps", "6", "--no-progress", "--plot", "", "--log-json", str(log)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [record["loss"] for record in map(json.loads, log.read_text().splitlines()) if "loss" in record]

@@ -19,9 +19,17 @@ EXACT = dict(rtol=1e-10, atol=1e-12)
 
 def _model(tp: int, fused: bool, sequence_parallel: bool, **kwargs) -> GPTModel:
     config = TransformerConfig(
-        tensor_model_parallel_size=tp, num_layers=2, hidden_size=16, num_attention_heads=4, hidden_dropout=0.0,
-        attention_dropout=0.0, params_dtype=torch.float64, pipeline_dtype=torch.float64,
-        use_cpu_initialization=True, sequence_parallel=sequence_parallel, fused_output_cross_entropy=fused,
+        tensor_model_parallel_size=tp,
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float64,
+        pipeline_dtype=torch.float64,
+        use_cpu_initialization=True,
+        sequence_parallel=sequence_parallel,
+        fused_output_cross_entropy=fused,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
     return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, init_seed=SEED, **kwargs)

@@ -43,7 +43,9 @@ def _compare(reference: dict, results: dict):
         ref = torch.tensor(reference[(1, 1, 1, dtype, "1f1b")], dtype=torch.float64)
         got = torch.tensor(losses, dtype=torch.float64)
         rtol = 1e-9 if dtype == "float64" else 1e-5
-        torch.testing.assert_close(got, ref, rtol=rtol, atol=0, msg=lambda m: f"{(tp, pp, dp, dtype, schedule)}: {m}")
+        torch.testing.assert_close(
+            got, ref, rtol=rtol, atol=0, msg=lambda m: f"{(tp, pp, dp, dtype, schedule)}: {m}"
+        )
 
 
 DTYPES = ["float64", "float32"]
@@ -77,7 +79,9 @@ def test_recompute_and_dropout(serial_losses):
     # Recomputation replays the forward's RNG states, so with dropout the losses equal those of
     # the run without recomputation; without dropout both equal the serial losses.
     plain, recomputed = (
-        run_distributed(4, _layouts_worker, [(2, 2, 1)], ["float64"], ["1f1b"], extra)[0][(2, 2, 1, "float64", "1f1b")]
+        run_distributed(4, _layouts_worker, [(2, 2, 1)], ["float64"], ["1f1b"], extra)[0][
+            (2, 2, 1, "float64", "1f1b")
+        ]
         for extra in (["--dropout", "0.1"], ["--dropout", "0.1", "--recompute"])
     )
     torch.testing.assert_close(torch.tensor(recomputed), torch.tensor(plain), rtol=1e-12, atol=0)
@@ -127,31 +131,94 @@ def test_zero_bubble_schedules_match_serial(serial_losses):
 @pytest.mark.parametrize(
     "argv,world,message",
     [
-        (["--pp", "2", "--layers", "6", "--virtual-pipeline", "2"], 2,
-         "--layers 6 is not divisible by --pp x --virtual-pipeline = 2 x 2"),
-        (["--pp", "1", "--virtual-pipeline", "2"], 1, "--virtual-pipeline 2 needs a value >= 1 and --pp >= 2"),
+        (
+            ["--pp", "2", "--layers", "6", "--virtual-pipeline", "2"],
+            2,
+            "--layers 6 is not divisible by --pp x --virtual-pipeline = 2 x 2",
+        ),
+        (
+            ["--pp", "1", "--virtual-pipeline", "2"],
+            1,
+            "--virtual-pipeline 2 needs a value >= 1 and --pp >= 2",
+        ),
         (["--tp", "2", "--heads", "3", "--hidden", "48"], 2, "--heads 3 is not divisible by --tp 2"),
         (["--pp", "2", "--layers", "3"], 2, "--layers 3 is not divisible by --pp 2"),
         (["--pp", "1", "--schedule", "zb-h1"], 1, "--schedule zb-h1 needs --pp >= 2"),
-        (["--pp", "2", "--schedule", "zb-v", "--virtual-pipeline", "3", "--layers", "6"], 2,
-         "--schedule zb-v runs 2 model chunks per rank, got --virtual-pipeline 3"),
-        (["--pp", "2", "--schedule", "zb-v", "--global-batch-size", "4"], 2,
-         "--schedule zb-v needs at least 2 x --pp - 1 = 3 micro-batches per step, got"),
-        (["--dp", "2", "--global-batch-size", "6", "--micro-batch-size", "2"], 2,
-         "--global-batch-size 6 is not divisible by --micro-batch-size x dp = 2 x 2"),
+        (
+            ["--pp", "2", "--schedule", "zb-v", "--virtual-pipeline", "3", "--layers", "6"],
+            2,
+            "--schedule zb-v runs 2 model chunks per rank, got --virtual-pipeline 3",
+        ),
+        (
+            ["--pp", "2", "--schedule", "zb-v", "--global-batch-size", "4"],
+            2,
+            "--schedule zb-v needs at least 2 x --pp - 1 = 3 micro-batches per step, got",
+        ),
+        (
+            ["--dp", "2", "--global-batch-size", "6", "--micro-batch-size", "2"],
+            2,
+            "--global-batch-size 6 is not divisible by --micro-batch-size x dp = 2 x 2",
+        ),
         (["--tp", "2", "--pp", "2", "--dp", "1"], 8, "world size 8 != tp x pp x dp = 2 x 2 x 1"),
         (["--tp", "3", "--pp", "1"], 4, "world size 4 is not divisible by tp x pp = 3"),
         (["--tp", "1", "--pp", "1", "--data", "/nonexistent/corpus.txt"], 1, "no such file"),
-        (["--tp", "2", "--pp", "1", "--hidden", "30", "--heads", "4"], 2, "--hidden 30 is not divisible by --heads 4"),
+        (
+            ["--tp", "2", "--pp", "1", "--hidden", "30", "--heads", "4"],
+            2,
+            "--hidden 30 is not divisible by --heads 4",
+        ),
         (["--timeout", "0"], 1, "--timeout must be positive, got 0.0"),
-        (["--arch", "llama", "--num-query-groups", "3"], 1, "--num-query-groups 3 must be a positive divisor of --heads 4"),
-        (["--arch", "llama", "--tp", "4", "--pp", "1", "--heads", "8", "--num-query-groups", "6", "--hidden", "48"], 4,
-         "--num-query-groups 6 must be a positive divisor of --heads 8"),
-        (["--arch", "llama", "--tp", "4", "--pp", "1", "--heads", "12", "--num-query-groups", "6", "--hidden", "48"],
-         4, "--num-query-groups 6 must be a multiple or a divisor of --tp 4"),
-        (["--arch", "llama", "--ffn-hidden", "30", "--tp", "4", "--pp", "1"], 4,
-         "--ffn-hidden 30 must be >= 1 and divisible by --tp 4"),
-        (["--export-hf", "/tmp/out"], 1, "--export-hf writes Llama-shaped models: use --arch llama or --load-hf"),
+        (
+            ["--arch", "llama", "--num-query-groups", "3"],
+            1,
+            "--num-query-groups 3 must be a positive divisor of --heads 4",
+        ),
+        (
+            [
+                "--arch",
+                "llama",
+                "--tp",
+                "4",
+                "--pp",
+                "1",
+                "--heads",
+                "8",
+                "--num-query-groups",
+                "6",
+                "--hidden",
+                "48",
+            ],
+            4,
+            "--num-query-groups 6 must be a positive divisor of --heads 8",
+        ),
+        (
+            [
+                "--arch",
+                "llama",
+                "--tp",
+                "4",
+                "--pp",
+                "1",
+                "--heads",
+                "12",
+                "--num-query-groups",
+                "6",
+                "--hidden",
+                "48",
+            ],
+            4,
+            "--num-query-groups 6 must be a multiple or a divisor of --tp 4",
+        ),
+        (
+            ["--arch", "llama", "--ffn-hidden", "30", "--tp", "4", "--pp", "1"],
+            4,
+            "--ffn-hidden 30 must be >= 1 and divisible by --tp 4",
+        ),
+        (
+            ["--export-hf", "/tmp/out"],
+            1,
+            "--export-hf writes Llama-shaped models: use --arch llama or --load-hf",
+        ),
         (["--load-hf", "/nonexistent/model"], 1, "--load-hf '/nonexistent/model' holds no config.json"),
     ],
 )
@@ -198,7 +265,10 @@ def _bad_arguments_worker(cases):
 
 
 def test_bad_arguments_raise_on_every_rank():
-    cases = [["--tp", "2", "--pp", "1", "--heads", "3", "--hidden", "48"], ["--tp", "1", "--pp", "2", "--layers", "3"]]
+    cases = [
+        ["--tp", "2", "--pp", "1", "--heads", "3", "--hidden", "48"],
+        ["--tp", "1", "--pp", "2", "--layers", "3"],
+    ]
     messages = run_distributed(2, _bad_arguments_worker, cases)
     assert messages[0] == messages[1]
     assert "--heads 3 is not divisible by --tp 2" in messages[0][0]

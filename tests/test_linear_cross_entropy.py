@@ -74,7 +74,11 @@ def _check_equal_to_unfused(tp: int) -> None:
 
     # Label smoothing and ignore_index, together and apart, with every kind of loss gradient.
     hidden, weight, target, grads = _inputs(seed=20 + tp, ignore_index=7)
-    for kwargs in (dict(label_smoothing=0.1), dict(ignore_index=7), dict(label_smoothing=0.2, ignore_index=7)):
+    for kwargs in (
+        dict(label_smoothing=0.1),
+        dict(ignore_index=7),
+        dict(label_smoothing=0.2, ignore_index=7),
+    ):
         for name, grad in grads.items():
             grad = grad.clone()
             grad.view(-1)[1] = float("nan")  # an ignored token's gradient must not leak
@@ -119,7 +123,10 @@ def _check_equal_to_unfused(tp: int) -> None:
 
 
 def _check_low_precision(tp: int) -> None:
-    for dtype, tol in ((torch.float32, dict(rtol=1e-5, atol=1e-6)), (torch.bfloat16, dict(rtol=3e-2, atol=1e-2))):
+    for dtype, tol in (
+        (torch.float32, dict(rtol=1e-5, atol=1e-6)),
+        (torch.bfloat16, dict(rtol=3e-2, atol=1e-2)),
+    ):
         hidden, weight, target, grads = _inputs(seed=30 + tp, dtype=dtype)
         for name, grad in grads.items():
             ref = _run(False, hidden, weight, target, grad, label_smoothing=0.1)
@@ -147,7 +154,9 @@ def _check_errors(tp: int) -> None:
         fn(hidden, w, target, label_smoothing=1.5)
     name = ps.get_tensor_model_parallel_group().group_name
     with pytest.raises(ValueError, match="do not match process group"):
-        torch.ops.megatron_ext.vocab_parallel_linear_cross_entropy(hidden, w, target, 0.0, None, 4, name, tp + 1, 0)
+        torch.ops.megatron_ext.vocab_parallel_linear_cross_entropy(
+            hidden, w, target, 0.0, None, 4, name, tp + 1, 0
+        )
 
 
 def _check_opcheck() -> None:
@@ -188,7 +197,9 @@ def test_equal_to_unfused_tp_1_2_4():
 
 def test_kernels_registered():
     for op in OPS:
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_ext::{op}", "CompositeExplicitAutograd")
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(
+            f"megatron_ext::{op}", "CompositeExplicitAutograd"
+        )
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_ext::{OPS[0]}", "Autograd")
 
 

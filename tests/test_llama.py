@@ -28,9 +28,19 @@ LLAMA = ["--arch", "llama", "--num-query-groups", "2"]
 
 def _llama(tp: int, groups: int = 2, **overrides) -> GPTModel:
     kwargs = dict(
-        tensor_model_parallel_size=tp, num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=groups,
-        ffn_hidden_size=48, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64,
+        tensor_model_parallel_size=tp,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=groups,
+        ffn_hidden_size=48,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float64,
         use_cpu_initialization=True,
     )
     model_kwargs = {k: overrides.pop(k) for k in ("rotary_percent", "rotary_base") if k in overrides}
@@ -79,7 +89,9 @@ def _split_worker(cases) -> list[float]:
         assert set(ref_grads) == {n for n, _ in model.named_parameters()}
         for name, param in model.named_parameters():
             expected = _shard(ref_grads[name], param, rank, tp)
-            assert_close(param.grad, expected, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{groups} {n}: {m}")
+            assert_close(
+                param.grad, expected, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{groups} {n}: {m}"
+            )
         losses.append(loss.sum().item())
         ps.destroy_model_parallel()
     return losses
@@ -141,7 +153,9 @@ def test_rotary_embedding_is_a_rotation_of_channel_pairs():
         rope = RotaryEmbedding(d, dim / d, rotary_interleaved=interleaved, rotary_base=base)
         freqs = rope(s)
         assert freqs.shape == (s, 1, 1, dim) and freqs.dtype == torch.float32
-        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, rotary_interleaved=interleaved)
+        config = TransformerConfig(
+            num_layers=1, hidden_size=8, num_attention_heads=1, rotary_interleaved=interleaved
+        )
         got = apply_rotary_pos_emb(t, freqs, config)
         expected = t.clone()
         for i in range(dim // 2):
@@ -161,8 +175,11 @@ def test_rotary_embedding_is_a_rotation_of_channel_pairs():
     "overrides,error,message",
     [
         (dict(num_query_groups=3), ValueError, r"num_query_groups \(3\) must be a positive divisor"),
-        (dict(num_query_groups=2, tensor_model_parallel_size=3, num_attention_heads=6),
-         ValueError, r"num_query_groups \(2\) must be a multiple or a divisor of tensor_model_parallel_size \(3\)"),
+        (
+            dict(num_query_groups=2, tensor_model_parallel_size=3, num_attention_heads=6),
+            ValueError,
+            r"num_query_groups \(2\) must be a multiple or a divisor of tensor_model_parallel_size \(3\)",
+        ),
         (dict(normalization="LayerNorm2"), ValueError, r"normalization='LayerNorm2' is not one of"),
         (dict(activation_func="silu"), ValueError, "activation_func must be callable"),
         (dict(glu_linear_offset=1.0), NotImplementedError, "glu_linear_offset"),
@@ -178,8 +195,14 @@ def test_bad_llama_configs_are_refused(overrides, error, message):
 
 def _position_embedding_worker() -> bool:
     ps.initialize_model_parallel(1)
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
-                               hidden_dropout=0.0, attention_dropout=0.0)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     with pytest.raises(ValueError, match="position_embedding_type='alibi' is not one of"):
         GPTModel(config, vocab_size=16, max_sequence_length=4, position_embedding_type="alibi")
     none = GPTModel(config, vocab_size=16, max_sequence_length=4, position_embedding_type="none")

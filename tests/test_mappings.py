@@ -121,7 +121,10 @@ def _check_dtypes(n: int):
         assert_close(tp_.reduce_from_tensor_model_parallel_region(x), x * n)
         gathered = tp_.gather_from_sequence_parallel_region(x)
         assert gathered.dtype == dtype and gathered.shape == (2 * n * n, 4)
-        assert_close(tp_.reduce_scatter_to_sequence_parallel_region(x), x.chunk(n, 0)[ps.get_tensor_model_parallel_rank()] * n)
+        assert_close(
+            tp_.reduce_scatter_to_sequence_parallel_region(x),
+            x.chunk(n, 0)[ps.get_tensor_model_parallel_rank()] * n,
+        )
 
 
 def _check_unsupported_dtype(n: int):
@@ -130,11 +133,15 @@ def _check_unsupported_dtype(n: int):
     ranks = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
     group = (rf"of a uint16 tensor of shape \[2, 2\] over the tensor-model-parallel group \(global ranks "
              rf"{re.escape(str(ranks))}, gloo\) failed on global rank {dist.get_rank()}")
-    with pytest.raises(dist.DistBackendError,
-                       match=rf"^all-gather in the forward of gather_from_tensor_model_parallel_region {group}"):
+    with pytest.raises(
+        dist.DistBackendError,
+        match=rf"^all-gather in the forward of gather_from_tensor_model_parallel_region {group}",
+    ):
         tp_.gather_from_tensor_model_parallel_region(torch.zeros(2, 2, dtype=torch.uint16))
-    with pytest.raises(dist.DistBackendError,
-                       match=rf"^all-reduce in the forward of reduce_from_tensor_model_parallel_region {group}"):
+    with pytest.raises(
+        dist.DistBackendError,
+        match=rf"^all-reduce in the forward of reduce_from_tensor_model_parallel_region {group}",
+    ):
         tp_.reduce_from_tensor_model_parallel_region(torch.zeros(2, 2, dtype=torch.uint16))
 
 
@@ -236,11 +243,19 @@ def _check_opcheck(n: int):
     args = group_args()
     ops = torch.ops.megatron_ext
     x = torch.randn(2 * n, 3 * n, dtype=torch.float64, requires_grad=True)
-    cases = [(getattr(ops, op).default, (x, *args)) for op in (
-        "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
-        "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
-        "scatter_to_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-        "all_gather_last_dim_from_tensor_parallel_region", "reduce_scatter_last_dim_to_tensor_parallel_region")]
+    cases = [
+        (getattr(ops, op).default, (x, *args))
+        for op in (
+            "copy_to_tensor_model_parallel_region",
+            "reduce_from_tensor_model_parallel_region",
+            "scatter_to_tensor_model_parallel_region",
+            "gather_from_tensor_model_parallel_region",
+            "scatter_to_sequence_parallel_region",
+            "reduce_scatter_to_sequence_parallel_region",
+            "all_gather_last_dim_from_tensor_parallel_region",
+            "reduce_scatter_last_dim_to_tensor_parallel_region",
+        )
+    ]
     cases += [(ops.gather_from_sequence_parallel_region.default, (x, flag, *args)) for flag in (True, False)]
     for op, op_args in cases:
         torch.library.opcheck(op, op_args)

@@ -4,10 +4,10 @@ gathers are deferred (after step() the parameters outside this rank's slice stil
 values, and a later bucket is still in flight when an earlier layer's forward starts); training
 with the overlap equals training without it (bitwise) and the plain optimizer (1e-12) at
 (tp, pp, dp) = (1, 1, 4), (1, 2, 2), and (1, 2, 2) and (2, 1, 2) with the fused output layer +
-cross-entropy (the tied word embedding's last-stage copy read outside the output layer's forward); state dicts,
-checkpoints saved right after step() and loads over gathers in flight see the updated values;
-examples/train_gpt.py --overlap-param-gather gives the same losses as without, in float64, fp16 (dynamic
-loss scaling) and bf16 with sequence parallelism."""
+cross-entropy (the tied word embedding's last-stage copy read outside the output layer's forward);
+state dicts, checkpoints saved right after step() and loads over gathers in flight see the updated
+values; examples/train_gpt.py --overlap-param-gather gives the same losses as without, in float64,
+fp16 (dynamic loss scaling) and bf16 with sequence parallelism."""
 
 from __future__ import annotations
 
@@ -315,8 +315,9 @@ def test_gpt_overlap_equals_no_overlap_and_plain(tmp_path):
 
 def _train_gpt_worker(layout, extra):
     train_gpt = _train_gpt()
-    args = train_gpt.parse_args(SMALL + layout + ["--use-distributed-optimizer", "--grad-bucket-bytes", "3000"]
-                                + extra)
+    args = train_gpt.parse_args(
+        SMALL + layout + ["--use-distributed-optimizer", "--grad-bucket-bytes", "3000"] + extra
+    )
     out = train_gpt.train(args)
     return out["losses"], out["skipped_steps"]
 

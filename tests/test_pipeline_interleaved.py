@@ -465,7 +465,9 @@ def _gpt_chunks_worker() -> dict:
                                use_cpu_initialization=True, virtual_pipeline_model_parallel_size=2)
     # Megatron's uneven split: the first stage holds 2 layers (1 per chunk), the last 4 (2 per chunk).
     config.num_layers_in_first_pipeline_stage = 2
-    chunks = [GPTModel(config, vocab_size=16, max_sequence_length=4, init_seed=5, vp_stage=c) for c in range(2)]
+    chunks = [
+        GPTModel(config, vocab_size=16, max_sequence_length=4, init_seed=5, vp_stage=c) for c in range(2)
+    ]
     out = {
         "layers": [[layer.layer_number for layer in chunk.decoder.layers] for chunk in chunks],
         "pre": [chunk.pre_process for chunk in chunks],

@@ -24,7 +24,9 @@ def test_split_tensor_along_last_dim():
     chunks = utils.split_tensor_along_last_dim(x, 3)
     assert [c.tolist() for c in chunks] == [x[:, 0:4].tolist(), x[:, 4:8].tolist(), x[:, 8:12].tolist()]
     assert not chunks[1].is_contiguous()
-    assert all(c.is_contiguous() for c in utils.split_tensor_along_last_dim(x, 3, contiguous_split_chunks=True))
+    assert all(
+        c.is_contiguous() for c in utils.split_tensor_along_last_dim(x, 3, contiguous_split_chunks=True)
+    )
     with pytest.raises(ValueError, match="12 is not divisible by 5"):
         utils.split_tensor_along_last_dim(x, 5)
 

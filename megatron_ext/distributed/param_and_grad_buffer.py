@@ -446,7 +446,9 @@ class _ParamAndGradBucketGroup:
                 fn()
             after = []
             for t in reduced:
-                with reported("all-reduce of the gradients over the distributed-optimizer instances", inter, tensor=t):
+                with reported(
+                    "all-reduce of the gradients over the distributed-optimizer instances", inter, tensor=t
+                ):
                     torch.distributed.all_reduce(t, op=dist.ReduceOp.SUM, group=inter)
                 if average:
                     t.div_(dist.get_world_size(inter))

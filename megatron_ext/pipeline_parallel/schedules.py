@@ -1062,11 +1062,20 @@ def forward_backward_pipelining_without_interleaving(
     process groups: pass both ``p2p_communicator`` and ``pg_collection`` (or neither).
     """
     return _pipelined(
-        "1f1b", forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-        decoder_seq_length=decoder_seq_length, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
-        p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+        "1f1b",
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step,
+        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+        p2p_communicator=p2p_communicator,
+        pg_collection=pg_collection,
         force_all_reduce=force_all_reduce,
     )
 
@@ -1095,11 +1104,20 @@ def forward_backward_pipelining_gpipe(
     list of chunks (a virtual pipeline), run in the interleaved schedule's forward order.
     """
     return _pipelined(
-        "gpipe", forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-        decoder_seq_length=decoder_seq_length, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
-        p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+        "gpipe",
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step,
+        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+        p2p_communicator=p2p_communicator,
+        pg_collection=pg_collection,
         force_all_reduce=force_all_reduce,
     )
 
@@ -1165,11 +1183,20 @@ def forward_backward_pipelining_zero_bubble_h1(
     (``split_backward``). 1F1B's peak activation memory; a third of its bubble when F, I and W
     cost the same. The same arguments as the other schedules; the gradients equal 1F1B's."""
     return _pipelined(
-        "zb-h1", forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-        decoder_seq_length=decoder_seq_length, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
-        p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+        "zb-h1",
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step,
+        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+        p2p_communicator=p2p_communicator,
+        pg_collection=pg_collection,
         force_all_reduce=force_all_reduce,
     )
 
@@ -1198,10 +1225,19 @@ def forward_backward_pipelining_zbv(
     ``data_iterator`` are lists of two, built for the V (``schedule_tables.virtual_stage`` with
     ``layout="v"``); ``num_microbatches`` must be at least ``2 pp - 1``."""
     return _pipelined(
-        "zb-v", forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-        decoder_seq_length=decoder_seq_length, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
-        p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+        "zb-v",
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step,
+        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+        p2p_communicator=p2p_communicator,
+        pg_collection=pg_collection,
         force_all_reduce=force_all_reduce,
     )

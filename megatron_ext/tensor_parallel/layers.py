@@ -41,7 +41,11 @@ from megatron_ext.tensor_parallel.utils import (
     tp_group_size_rank,
 )
 
-_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
+    "tensor_model_parallel": False,
+    "partition_dim": -1,
+    "partition_stride": 1,
+}
 
 InitMethod = Callable[[torch.Tensor], Any]
 
@@ -62,7 +66,9 @@ def param_is_not_tensor_parallel_duplicate(
     return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
-def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
+def set_tensor_model_parallel_attributes(
+    tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int
+) -> None:
     """Marks ``tensor`` as split along ``dim`` with ``stride`` (attributes must not be set yet)."""
     for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
         if hasattr(tensor, attribute):
@@ -79,7 +85,9 @@ def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tenso
             setattr(tensor, attribute, value)
 
 
-def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, source_tensor: torch.Tensor) -> None:
+def copy_tensor_model_parallel_attributes(
+    destination_tensor: torch.Tensor, source_tensor: torch.Tensor
+) -> None:
     """Copies the attributes ``source_tensor`` has onto ``destination_tensor``."""
     for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
         if hasattr(source_tensor, attribute):
@@ -164,7 +172,8 @@ def _check_init_method(init_method: Any, settings: _Settings, layer: str) -> Non
     if settings.perform_initialization and not callable(init_method):
         raise ValueError(
             f"{layer}: init_method must be a callable that fills a weight tensor in place "
-            f"(e.g. torch.nn.init.xavier_normal_) when config.perform_initialization is True, got {init_method!r}"
+            "(e.g. torch.nn.init.xavier_normal_) when config.perform_initialization is True, got "
+            f"{init_method!r}"
         )
 
 
@@ -411,7 +420,8 @@ class ColumnParallelLinear(torch.nn.Module):
         self.output_size_per_partition = _split_size(output_size, world_size, "output_size", name)
         if self.output_size_per_partition % stride != 0:
             raise ValueError(
-                f"{name}: the per-rank output size {self.output_size_per_partition} (output_size={output_size} "
+                f"{name}: the per-rank output size {self.output_size_per_partition} "
+                f"(output_size={output_size} "
                 f"/ tp={world_size}) is not divisible by stride={stride}"
             )
         self.sequence_parallel = _sequence_parallel(settings, world_size)
@@ -452,7 +462,10 @@ class ColumnParallelLinear(torch.nn.Module):
             self.register_parameter("bias", None)
 
     def forward(
-        self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if weight is None:
             if self.weight is None:
@@ -485,7 +498,9 @@ class ColumnParallelLinear(torch.nn.Module):
         gather_output = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather_output:
             if self.sequence_parallel:
-                raise ValueError("ColumnParallelLinear: gather_output cannot be combined with sequence parallelism")
+                raise ValueError(
+                    "ColumnParallelLinear: gather_output cannot be combined with sequence parallelism"
+                )
             output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
         else:
             output = output_parallel

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import _C  # noqa: F401  (registers the ops)
+from megatron_ext.parallel_state import ParallelStateError
 from megatron_ext.tensor_parallel.utils import group_args, resolve_tp_group, tp_group_size_rank
 
 _ops = torch.ops.megatron_ext
@@ -175,7 +176,9 @@ def reduce_scatter_to_sequence_parallel_region(
     when given). Backward: all-gather along the first dim."""
     _check_tensor(input_, "reduce_scatter_to_sequence_parallel_region")
     if input_split_sizes is not None:
-        return _ReduceScatterToSequenceParallelRegion.apply(input_, group, input_split_sizes, use_global_buffer)
+        return _ReduceScatterToSequenceParallelRegion.apply(
+            input_, group, input_split_sizes, use_global_buffer
+        )
     return _ops.reduce_scatter_to_sequence_parallel_region(input_, *group_args(group))
 
 
@@ -213,8 +216,6 @@ _register_fake("reduce_scatter_last_dim_to_tensor_parallel_region", "reduce_scat
 # calls them directly: ``symbolic`` returns what ``apply`` returns; ``backward`` runs the conjugate
 # region on ``grad_output`` (reading the group and options from ``ctx`` under Megatron-core's
 # attribute names) and returns it with a None for each other argument of ``apply``.
-
-from megatron_ext.parallel_state import ParallelStateError  # kept with the classes below
 
 
 class _RegionClass:

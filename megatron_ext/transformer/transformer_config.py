@@ -338,11 +338,14 @@ class TransformerConfig(ModelParallelConfig):
             )
         if (self.persist_layer_norm or self.memory_efficient_layer_norm) and self.normalization != "RMSNorm":
             raise NotImplementedError(
-                "TransformerConfig.persist_layer_norm / memory_efficient_layer_norm select megatron_ext's fused "
+                "TransformerConfig.persist_layer_norm / memory_efficient_layer_norm select megatron_ext's "
+                "fused "
                 f"RMSNorm kernel; there is no fused LayerNorm (normalization={self.normalization!r})"
             )
         if not callable(self.activation_func):
-            raise ValueError(f"TransformerConfig.activation_func must be callable, got {self.activation_func!r}")
+            raise ValueError(
+                f"TransformerConfig.activation_func must be callable, got {self.activation_func!r}"
+            )
         if self.recompute_granularity not in (None, "full"):
             raise NotImplementedError(
                 f"TransformerConfig.recompute_granularity={self.recompute_granularity!r} is not supported: "
@@ -365,7 +368,8 @@ class TransformerConfig(ModelParallelConfig):
         if self.transformer_impl not in ("transformer_engine", "local"):
             raise NotImplementedError(
                 f"TransformerConfig.transformer_impl={self.transformer_impl!r} is not supported: "
-                "megatron_ext builds its own layers ('local'; the default 'transformer_engine' means the same here)"
+                "megatron_ext builds its own layers ('local'; the default 'transformer_engine' means the "
+                "same here)"
             )
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
@@ -380,6 +384,7 @@ class TransformerConfig(ModelParallelConfig):
         ):
             raise NotImplementedError(
                 "TransformerConfig.embedding_init_method / embedding_init_method_std different from "
-                "init_method / init_method_std are not supported: the embedding is initialised with init_method"
+                "init_method / init_method_std are not supported: the embedding is initialised with "
+                "init_method"
             )
         self.embedding_init_method = self.init_method

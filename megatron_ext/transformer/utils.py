@@ -46,7 +46,9 @@ def layer_norm(config: Any, hidden_size: int) -> torch.nn.Module:
     ``finalize_model_grads`` all-reduces."""
     eps, dtype = config.layernorm_epsilon, config.params_dtype
     if getattr(config, "normalization", "LayerNorm") == "RMSNorm":
-        fused = getattr(config, "persist_layer_norm", False) or getattr(config, "memory_efficient_layer_norm", False)
+        fused = getattr(config, "persist_layer_norm", False) or getattr(
+            config, "memory_efficient_layer_norm", False
+        )
         norm = (FusedRMSNorm if fused else torch.nn.RMSNorm)(hidden_size, eps=eps, dtype=dtype)
     else:
         norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=dtype)
