@@ -4,11 +4,10 @@ the CPU twins, so the script itself is checked here (its figures are not GPU fig
 from __future__ import annotations
 
 import json
-import pathlib
 import subprocess
 import sys
+from tests.conftest import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_gpu_benchmark_script_on_cpu(tmp_path):

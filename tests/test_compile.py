@@ -14,9 +14,9 @@ from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
 from megatron_ext.model_parallel_config import ModelParallelConfig
 from megatron_ext.tensor_parallel.utils import group_args
+from tests.conftest import TIGHT
 from tests.distributed import run_distributed
 
-EXACT = dict(rtol=1e-10, atol=1e-12)
 # bf16 keeps 8 mantissa bits; a row-parallel output adds rounded partial sums of magnitude ~4.
 BF16 = dict(rtol=2e-2, atol=8e-2)
 REGIONS = (
@@ -112,11 +112,11 @@ def _fullgraph_layer_worker(part: str) -> bool:
     g = torch.randn(6, 2, 16, dtype=torch.float64, generator=gen)
     expected = _run_module(layer, x, g)
     got = _run_module(layer, x, g, torch.compile(layer, fullgraph=True))
-    assert_close(got[0], expected[0], **EXACT)
-    assert_close(got[1], expected[1], **EXACT)
+    assert_close(got[0], expected[0], **TIGHT)
+    assert_close(got[1], expected[1], **TIGHT)
     assert got[2].keys() == expected[2].keys()
     for name in expected[2]:
-        assert_close(got[2][name], expected[2][name], **EXACT, msg=name)
+        assert_close(got[2][name], expected[2][name], **TIGHT, msg=name)
     return True
 
 
@@ -189,7 +189,7 @@ def _main_grad_swap_worker() -> bool:
     out.backward(g)
     assert_close(old, torch.zeros_like(old), rtol=0, atol=0)
     expected = 0.25 + g.reshape(-1, 3).t() @ x.detach().reshape(-1, 8)
-    assert_close(new, expected, **EXACT)
+    assert_close(new, expected, **TIGHT)
     assert layer.weight.grad is None
     out, _ = layer(x.detach())
     del layer.weight.main_grad  # gone by backward time

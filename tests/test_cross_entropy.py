@@ -15,15 +15,11 @@ from torch.testing import assert_close
 import megatron_ext
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
+from tests.conftest import TIGHT, has_kernel
 from tests.distributed import run_distributed
 
 VOCAB = 48  # divisible by every TP size tested
-TIGHT = dict(rtol=1e-10, atol=1e-12)
 KERNEL_OPS = ["vocab_parallel_cross_entropy_row_stats", "vocab_parallel_cross_entropy_backward"]
-
-
-def _has_kernel(op: str, key: str) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_ext::{op}", key)
 
 
 def _inputs(seed: int, shape=(5, 3), scale: float = 3.0, ignore_index: int | None = None):
@@ -479,13 +475,13 @@ def test_kernels_registered():
     if os.environ.get("FORCE_CUDA") == "1":
         assert cuda, "FORCE_CUDA=1 but the extension was built without its CUDA kernels"
     for op in KERNEL_OPS:
-        assert _has_kernel(op, "CPU")
-        assert _has_kernel(op, "CUDA") == cuda
-        assert _has_kernel(op, "Meta")
-    assert _has_kernel("vocab_parallel_cross_entropy", "Autograd")
-    assert _has_kernel("vocab_parallel_cross_entropy", "CompositeExplicitAutograd")
-    assert _has_kernel("vocab_parallel_cross_entropy_forward", "CompositeExplicitAutograd")
-    assert _has_kernel("vocab_parallel_cross_entropy_backward_", "CPU")
+        assert has_kernel(op, "CPU")
+        assert has_kernel(op, "CUDA") == cuda
+        assert has_kernel(op, "Meta")
+    assert has_kernel("vocab_parallel_cross_entropy", "Autograd")
+    assert has_kernel("vocab_parallel_cross_entropy", "CompositeExplicitAutograd")
+    assert has_kernel("vocab_parallel_cross_entropy_forward", "CompositeExplicitAutograd")
+    assert has_kernel("vocab_parallel_cross_entropy_backward_", "CPU")
 
 
 def test_cpu_capability_variants_agree():

@@ -6,8 +6,6 @@ buckets still matches the serial losses."""
 from __future__ import annotations
 
 import copy
-import importlib.util
-import pathlib
 
 import pytest
 import torch
@@ -15,9 +13,9 @@ import torch.distributed as dist
 
 from megatron_ext import parallel_state as ps
 from megatron_ext.distributed import DistributedDataParallel, finalize_model_grads
+from tests.conftest import SMALL_GPT, load_train_gpt
 from tests.distributed import run_distributed
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 DIMS = [3, 5, 4, 6, 2]
 ATOL = 1e-12
 
@@ -343,15 +341,11 @@ def test_bad_input():
 # The GPT example with buckets small enough that several start during each last backward ------
 
 
-SMALL = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--micro-batch-size", "2",
-         "--global-batch-size", "8", "--steps", "4", "--lr", "1e-2", "--no-progress", "--plot", "",
-         "--dtype", "float64", "--grad-bucket-bytes", "4096"]
+BUCKETED = SMALL_GPT + ["--steps", "4", "--dtype", "float64", "--grad-bucket-bytes", "4096"]
 
 
 def _train_worker(runs):
-    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
-    train_gpt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_gpt)
+    train_gpt = load_train_gpt()
     started_in_backward: list[tuple[int, int]] = []  # (buckets started, buckets) per step
     finish = DistributedDataParallel.finish_grad_sync
 
@@ -363,7 +357,7 @@ def _train_worker(runs):
     out = {}
     for run in runs:
         started_in_backward.clear()
-        losses = train_gpt.train(train_gpt.parse_args(SMALL + list(run)))["losses"]
+        losses = train_gpt.train(train_gpt.parse_args(BUCKETED + list(run)))["losses"]
         out[run] = (losses, list(started_in_backward))
     return out
 

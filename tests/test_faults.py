@@ -15,10 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_distributed
-from tests.test_gpt_training import SMALL, _train_gpt
+from tests.conftest import ROOT, SMALL, load_train_gpt
+from tests.distributed import free_port, run_distributed
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = SMALL + ["--layers", "2", "--dtype", "float64", "--tp", "1", "--pp", "2"]
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -34,7 +33,7 @@ def _fake_checkpoint(save_dir: pathlib.Path, iteration: int, track: bool = True)
 
 
 def test_checkpoint_paths_and_arguments_are_checked_before_the_process_group(tmp_path):
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     saves = tmp_path / "saves"  # holds iterations 10 and 20, the tracker names 20
     _fake_checkpoint(saves, 10)
     _fake_checkpoint(saves, 20)
@@ -120,7 +119,7 @@ def test_checkpoint_paths_and_arguments_are_checked_before_the_process_group(tmp
 
 
 def _run(*argv: str) -> dict:
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     return train_gpt.train(train_gpt.parse_args(TINY + list(argv)))
 
 
@@ -149,7 +148,7 @@ def _save_guards_worker(save_dir: str) -> dict:
     dist.barrier()
     # a fresh run into the same directory: refused before training, then by the save itself
     out["fresh"] = _error(_run, "--steps", "2", "--save", save_dir)
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     train_gpt.check_checkpoint_paths = lambda args: None
     out["library"] = _error(
         train_gpt.train, train_gpt.parse_args(TINY + ["--steps", "2", "--save", save_dir])
@@ -312,14 +311,6 @@ def uninterrupted() -> list[float]:
     return losses
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("nnodes", [1, 2])
 def test_torchrun_restarts_killed_workers_from_the_latest_checkpoint(tmp_path, uninterrupted, nnodes):
     # Plain torchrun --max-restarts, no environment variable: in the first attempt rank 1 is
@@ -334,7 +325,7 @@ def test_torchrun_restarts_killed_workers_from_the_latest_checkpoint(tmp_path, u
     if nnodes == 1:
         launchers = [launcher + ["--standalone", "--nproc-per-node", "2"]]
     else:
-        endpoint = f"127.0.0.1:{_free_port()}"
+        endpoint = f"127.0.0.1:{free_port()}"
         launchers = [launcher + ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                                  "--rdzv-endpoint", endpoint, "--rdzv-id", "faults"]] * 2
     script = [str(ROOT / "tests" / "elastic_train_gpt.py"), *TINY, "--steps", "8", "--save", save_dir,
@@ -378,7 +369,7 @@ def _nonfinite_worker(save_dir: str) -> dict:
     data-parallel reduction, inside the fp16 optimizer's step after its tenth update)."""
 
     def run(layout: tuple[int, int, int], *argv: str, poison: str = "loss") -> dict:
-        train_gpt = _train_gpt()
+        train_gpt = load_train_gpt()
         steps = []
         if dist.get_rank() == 1 and poison == "loss":
             step_microbatches, loss_func = train_gpt.step_microbatches, train_gpt.loss_func
@@ -455,15 +446,16 @@ def test_nonfinite_loss_stops_or_skips_on_every_rank(tmp_path):
 
 
 def _largest_layout_worker(precisions: list[list[str]]) -> list[list[float]]:
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     everything = ["--tp", "2", "--pp", "2", "--dp", "2", "--virtual-pipeline", "2", "--sequence-parallel",
                   "--use-distributed-optimizer", "--overlap-param-gather", "--steps", "20", "--timeout", "60"]
     return [train_gpt.train(train_gpt.parse_args(SMALL + everything + p))["losses"] for p in precisions]
 
 
 def _serial_worker() -> list[float]:
-    return _train_gpt().train(_train_gpt().parse_args(SMALL + ["--tp", "1", "--pp", "1", "--steps", "20",
-                                                               "--dtype", "float64"]))["losses"]
+    train_gpt = load_train_gpt()
+    args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "1", "--steps", "20", "--dtype", "float64"])
+    return train_gpt.train(args)["losses"]
 
 
 def test_largest_layout_runs_under_load():
@@ -497,7 +489,7 @@ def _faulty_rank(rank: int, port: int, layout: str, signal_name: str, marks: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=FAULT_TIMEOUT))
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     if rank == 1:
         step_microbatches = train_gpt.step_microbatches
 
@@ -531,11 +523,9 @@ def test_a_dead_or_stopped_rank_is_reported_with_the_collective_group_and_peer(t
 
     import torch.multiprocessing as mp
 
-    from tests.distributed import _free_port
-
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_faulty_rank, args=(r, port, layout, signal_name, str(tmp_path), results))
              for r in range(2)]
     for p in procs:

@@ -11,10 +11,10 @@ from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel
 from megatron_ext.models import GPTModel
 from megatron_ext.transformer import TransformerConfig
+from tests.conftest import TIGHT
 from tests.distributed import run_distributed
 
 VOCAB, SEQ, BATCH, SEED = 64, 8, 3, 7
-EXACT = dict(rtol=1e-10, atol=1e-12)
 
 
 def _model(tp: int, fused: bool, sequence_parallel: bool, **kwargs) -> GPTModel:
@@ -67,11 +67,11 @@ def _worker() -> bool:
                 fused = _model(tp, True, sequence_parallel, share_embeddings_and_output_weights=tied)
                 loss, grads = _loss_and_grads(fused, masked)
                 where = f"tp={tp} sp={sequence_parallel} tied={tied} masked={masked}"
-                assert_close(loss, ref_loss, **EXACT, msg=lambda m: f"{where}: {m}")
+                assert_close(loss, ref_loss, **TIGHT, msg=lambda m: f"{where}: {m}")
                 assert grads.keys() == ref_grads.keys()
                 for name, grad in grads.items():
                     assert grad is not None, f"{where}: {name} has no gradient"
-                    assert_close(grad, ref_grads[name], **EXACT, msg=lambda m: f"{where} {name}: {m}")
+                    assert_close(grad, ref_grads[name], **TIGHT, msg=lambda m: f"{where} {name}: {m}")
         ps.destroy_model_parallel()
     return True
 

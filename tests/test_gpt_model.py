@@ -13,10 +13,10 @@ from megatron_ext import tensor_parallel
 from megatron_ext.distributed import finalize_model_grads
 from megatron_ext.models import GPTModel
 from megatron_ext.transformer import TransformerConfig
+from tests.conftest import TIGHT
 from tests.distributed import run_distributed
 
 VOCAB, SEQ, BATCH, SEED = 64, 8, 3, 7
-EXACT = dict(rtol=1e-10, atol=1e-12)
 
 
 def _model(tp: int, pp: int = 1, **kwargs) -> GPTModel:
@@ -60,11 +60,11 @@ def _tensor_parallel_worker() -> bool:
         model = _model(2, parallel_output=parallel_output)
         logits = model(tokens, positions)
         expected = ref_logits.chunk(2, -1)[r] if parallel_output else ref_logits
-        assert_close(logits, expected, **EXACT)
+        assert_close(logits, expected, **TIGHT)
         loss = model(tokens, positions, labels=labels)  # vocab-parallel whatever parallel_output says
-        assert_close(loss, ref_loss, **EXACT)
+        assert_close(loss, ref_loss, **TIGHT)
         loss.sum().backward()
-        assert_close(model.embedding.word_embeddings.weight.grad, ref_grad.chunk(2, 0)[r], **EXACT)
+        assert_close(model.embedding.word_embeddings.weight.grad, ref_grad.chunk(2, 0)[r], **TIGHT)
 
     for bad in (VOCAB, -1):
         ids = tokens.clone()
@@ -127,7 +127,7 @@ def _attention_worker() -> None:
             results[(backend, mask is None)] = (out.detach(), inp.grad, weight_grad)
     for no_mask in (True, False):
         for fused, unfused in zip(results[("auto", no_mask)], results[("unfused", no_mask)]):
-            assert_close(fused, unfused, **EXACT)
+            assert_close(fused, unfused, **TIGHT)
     assert not torch.allclose(results[("auto", True)][0], results[("auto", False)][0])
     # Dropout inside SDPA draws from the tracker's stream: the same stream, the same output.
     config = TransformerConfig(

@@ -214,9 +214,9 @@ TINY = ["--arch", "llama", "--num-query-groups", "2", "--layers", "4", "--hidden
 
 
 def _example_worker(export_dir: str) -> dict:
-    from tests.test_gpt_training import _train_gpt
+    from tests.conftest import load_train_gpt
 
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
 
     def run(*argv):
         return train_gpt.train(train_gpt.parse_args(TINY + list(argv)))["losses"]
@@ -234,9 +234,9 @@ def _example_worker(export_dir: str) -> dict:
 
 def _transformers_loss_worker(export_dir: str) -> float:
     """transformers' mean loss of the exported model on the example's first global batch."""
-    from tests.test_gpt_training import _train_gpt
+    from tests.conftest import load_train_gpt
 
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     args = train_gpt.parse_args(TINY + ["--tp", "1", "--pp", "1", "--dp", "1"])
     ps.initialize_model_parallel(1)
     batches = train_gpt.step_microbatches(train_gpt.load_corpus(None, args.seq_len + 2), 0, args)

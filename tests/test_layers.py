@@ -11,9 +11,9 @@ from torch.testing import assert_close
 from megatron_ext import ModelParallelConfig
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
+from tests.conftest import TIGHT, has_kernel
 from tests.distributed import run_distributed
 
-TIGHT = dict(rtol=1e-10, atol=1e-12)
 SEQ, BATCH, HIDDEN, OUT, VOCAB, EMBED = 8, 3, 24, 24, 16, 6
 WEIGHT_SEED = 1234
 
@@ -426,12 +426,8 @@ def test_model_parallel_config():
 def test_linear_fake_kernel_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(
-        "megatron_ext::linear_with_grad_accumulation_and_async_allreduce", "Autograd"
-    )
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(
-        "megatron_ext::linear_with_grad_accumulation_and_async_allreduce", "Meta"
-    )
+    assert has_kernel("linear_with_grad_accumulation_and_async_allreduce", "Autograd")
+    assert has_kernel("linear_with_grad_accumulation_and_async_allreduce", "Meta")
     import megatron_ext._ops  # noqa: F401
 
     with FakeTensorMode():

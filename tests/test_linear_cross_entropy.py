@@ -13,12 +13,12 @@ from torch.testing import assert_close
 
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
+from tests.conftest import TIGHT, has_kernel
 from tests.distributed import run_distributed
 
 VOCAB = 48  # divisible by every TP size tested
 HIDDEN = 8
 SHAPE = (5, 3)  # 15 tokens: chunk sizes 4 and 7 do not divide it
-TIGHT = dict(rtol=1e-10, atol=1e-12)
 OPS = ("vocab_parallel_linear_cross_entropy", "vocab_parallel_linear_cross_entropy_forward",
        "vocab_parallel_linear_cross_entropy_backward")
 
@@ -197,10 +197,8 @@ def test_equal_to_unfused_tp_1_2_4():
 
 def test_kernels_registered():
     for op in OPS:
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(
-            f"megatron_ext::{op}", "CompositeExplicitAutograd"
-        )
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_ext::{OPS[0]}", "Autograd")
+        assert has_kernel(op, "CompositeExplicitAutograd")
+    assert has_kernel(OPS[0], "Autograd")
 
 
 def _cuda_worker() -> bool:

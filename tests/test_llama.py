@@ -19,8 +19,8 @@ from megatron_ext.distributed import finalize_model_grads
 from megatron_ext.models import GPTModel
 from megatron_ext.transformer import TransformerConfig
 from megatron_ext.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb
+from tests.conftest import assert_losses_match, checkpoint_run, train_layouts
 from tests.distributed import run_distributed
-from tests.test_gpt_training import _compare, _layouts_worker
 
 VOCAB, SEQ, BATCH = 64, 12, 2
 LLAMA = ["--arch", "llama", "--num-query-groups", "2"]
@@ -225,7 +225,7 @@ def test_gpt_model_position_embedding_choices():
 
 @pytest.fixture(scope="module")
 def serial_llama_losses():
-    (ref,) = run_distributed(1, _layouts_worker, [(1, 1, 1)], ["float64"], ["1f1b"], LLAMA)
+    (ref,) = run_distributed(1, train_layouts, [(1, 1, 1)], ["float64"], ["1f1b"], LLAMA)
     losses = ref[(1, 1, 1, "float64", "1f1b")]
     assert len(losses) == 5 and losses[-1] < losses[0] and math.isfinite(losses[-1])  # it trains
     return ref
@@ -241,17 +241,16 @@ def serial_llama_losses():
     ],
 )
 def test_llama_layouts_match_serial(serial_llama_losses, layouts, schedules, extra):
-    results = run_distributed(4, _layouts_worker, layouts, ["float64"], schedules, LLAMA + extra)
+    results = run_distributed(4, train_layouts, layouts, ["float64"], schedules, LLAMA + extra)
     assert all(r == results[0] for r in results)
-    _compare(serial_llama_losses, results[0])
+    assert_losses_match(serial_llama_losses, results[0])
 
 
 def _resume_worker(save_dir: str):
-    from tests.test_checkpoint import _run
-
-    full = _run((2, 2, 1), *LLAMA, "--save", save_dir, "--save-interval", "2")
+    full = checkpoint_run((2, 2, 1), *LLAMA, "--save", save_dir, "--save-interval", "2")
     ckpt = os.path.join(save_dir, "iter_0000002")
-    resumed = {layout: _run(layout, *LLAMA, "--load", ckpt) for layout in [(1, 4, 1), (4, 1, 1), (1, 2, 2)]}
+    layouts = [(1, 4, 1), (4, 1, 1), (1, 2, 2)]
+    resumed = {layout: checkpoint_run(layout, *LLAMA, "--load", ckpt) for layout in layouts}
     return full["losses"], {k: (v["start_step"], v["losses"]) for k, v in resumed.items()}
 
 

@@ -9,9 +9,9 @@ from torch.testing import assert_close
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
 from megatron_ext.tensor_parallel import mappings
+from tests.conftest import EXACT, per_rank
 from tests.distributed import run_distributed
 
-EXACT = dict(rtol=1e-12, atol=1e-12)
 CLASSES = [
     "_CopyToModelParallelRegion",
     "_ReduceFromModelParallelRegion",
@@ -24,11 +24,6 @@ CLASSES = [
     "_ReduceScatterToTensorParallelRegion",
     "_AllToAll",
 ]
-
-
-def _per_rank(n, shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(*shape, generator=g, dtype=torch.float64) for _ in range(n)]
 
 
 def _run(fn, x, grad, region_op=True):
@@ -51,7 +46,7 @@ def _worker():
     ps.initialize_model_parallel(tensor_model_parallel_size=3)
     group = ps.get_tensor_model_parallel_group()
     n, r = 3, ps.get_tensor_model_parallel_rank()
-    xs, gs = _per_rank(n, (6, 2, 9), 1), _per_rank(n, (6, 2, 9), 2)
+    xs, gs = per_rank(n, (6, 2, 9), 1), per_rank(n, (6, 2, 9), 2)
 
     def chunk(t, dim):
         return t.chunk(n, dim)[r]
@@ -96,7 +91,7 @@ def _worker():
     sizes = [2, 0, 5]
     rows = [x[: sizes[i]] for i, x in enumerate(xs)]
     total = sum(sizes)
-    ups = _per_rank(n, (total, 2, 9), 3)
+    ups = per_rank(n, (total, 2, 9), 3)
     out, grad = _run(
         lambda x: mappings._GatherFromSequenceParallelRegion.apply(x, group, True, sizes),
         rows[r],
@@ -118,7 +113,7 @@ def _worker():
         mappings._GatherFromSequenceParallelRegion.apply(rows[r], group, False, sizes)
     # Uneven first-dim reduce-scatter: rank i keeps sizes[i] rows of the sum.
     full = [x[:total] if x.shape[0] >= total else torch.cat([x, x])[:total] for x in xs]
-    downs = _per_rank(n, (7, 2, 9), 4)
+    downs = per_rank(n, (7, 2, 9), 4)
     mine = [d[: sizes[i]] for i, d in enumerate(downs)]
     out, grad = _run(
         lambda x: mappings._ReduceScatterToSequenceParallelRegion.apply(x, group, sizes),

@@ -11,15 +11,9 @@ from torch.testing import assert_close
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
 from megatron_ext.tensor_parallel.utils import group_args
+from tests.conftest import EXACT, per_rank
 from tests.distributed import run_distributed
 
-EXACT = dict(rtol=1e-12, atol=1e-12)
-
-
-def _per_rank(n: int, shape, seed: int) -> list[torch.Tensor]:
-    """One tensor per TP rank, the same on every process (so each can compute the reference)."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(*shape, generator=g, dtype=torch.float64) for _ in range(n)]
 
 
 def _run(region, x: torch.Tensor, grad: torch.Tensor, **kwargs):
@@ -36,8 +30,8 @@ def _check_regions(group=None):
     n, r = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     kw = {} if group is None else {"group": group}
     s, b, h = 4 * n, 3, 8 * n
-    xs = _per_rank(n, (s, b, h), seed=1)  # each rank's own input
-    gs = _per_rank(n, (s, b, h), seed=2)  # each rank's upstream gradient
+    xs = per_rank(n, (s, b, h), seed=1)  # each rank's own input
+    gs = per_rank(n, (s, b, h), seed=2)  # each rank's upstream gradient
     total_x, total_g = sum(xs), sum(gs)
 
     def chunk(t, dim):

@@ -5,8 +5,6 @@ float32; optimizer state per rank falls as 1/dp; the by-name state round-trips a
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 
 import pytest
 import torch
@@ -23,18 +21,9 @@ from megatron_ext.optimizer import (
     get_megatron_optimizer,
 )
 from megatron_ext.pipeline_parallel import get_forward_backward_func
+from tests.conftest import SMALL_GPT, load_train_gpt
 from tests.distributed import run_distributed
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-SMALL = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--micro-batch-size", "2",
-         "--global-batch-size", "8", "--lr", "1e-2", "--no-progress", "--plot", ""]
-
-
-def _train_gpt():
-    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _build(train_gpt, args, distributed: bool, clip_grad: float = 0.0, bucket_bytes: int | None = None):
@@ -68,10 +57,10 @@ def _run_step(train_gpt, args, corpus, step, ddp, optimizer):
 def _equivalence_worker(layouts, extra):
     """Plain vs distributed optimizer from the same weights and batches: parameters, gradient
     norms and by-name optimizer state after each step; then a by-name reload continues alike."""
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     out = {}
     for tp, pp, dp in layouts:
-        args = train_gpt.parse_args(SMALL + ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
+        args = train_gpt.parse_args(SMALL_GPT + ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
                                              "--dtype", "float64"] + extra)
         train_gpt.check_args(args, dist.get_world_size())
         corpus = train_gpt.load_corpus(None, args.seq_len + 2)
@@ -131,10 +120,10 @@ def test_distributed_optimizer_equals_plain(world, layouts, extra):
 
 def _clip_worker(layouts, extra):
     """The gradient norm of step 0 and the per-step losses with clipping, through train_gpt."""
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     out = {}
     for tp, pp, dp in layouts:
-        args = train_gpt.parse_args(SMALL + ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
+        args = train_gpt.parse_args(SMALL_GPT + ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
                                              "--dtype", "float64", "--steps", "3",
                                              "--clip-grad", "0.05"] + extra)
         log = train_gpt.train(args)
@@ -145,8 +134,8 @@ def _clip_worker(layouts, extra):
 def _serial_clip_reference():
     """Serial gradients of step 0 clipped with torch.nn.utils.clip_grad_norm_; and the same
     through FP32Optimizer."""
-    train_gpt = _train_gpt()
-    args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "1", "--dp", "1", "--dtype", "float64"])
+    train_gpt = load_train_gpt()
+    args = train_gpt.parse_args(SMALL_GPT + ["--tp", "1", "--pp", "1", "--dp", "1", "--dtype", "float64"])
     corpus = train_gpt.load_corpus(None, args.seq_len + 2)
     ps.initialize_model_parallel()
     ddp, optimizer = _build(train_gpt, args, False, clip_grad=0.05)
@@ -244,8 +233,8 @@ def test_fp16_scaler_skips_overflow_on_every_rank(distributed):
 
 
 def _bf16_worker(extra):
-    train_gpt = _train_gpt()
-    args = train_gpt.parse_args(SMALL + ["--steps", "8"] + extra)
+    train_gpt = load_train_gpt()
+    args = train_gpt.parse_args(SMALL_GPT + ["--steps", "8"] + extra)
     return train_gpt.train(args)["losses"]
 
 
@@ -272,10 +261,10 @@ def _state_bytes(optimizer) -> int:
 
 
 def _memory_worker(dp_sizes):
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     out = {}
     for dp in dp_sizes:
-        args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "1", "--dp", str(dp), "--bf16"])
+        args = train_gpt.parse_args(SMALL_GPT + ["--tp", "1", "--pp", "1", "--dp", str(dp), "--bf16"])
         corpus = train_gpt.load_corpus(None, args.seq_len + 2)
         ps.initialize_model_parallel()
         for distributed in (False, True):
@@ -341,10 +330,10 @@ def test_plain_module_and_bad_input():
 
 
 def _ckpt_worker(directory, layouts):
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     out = []
     for tp, pp, extra in layouts:
-        args = train_gpt.parse_args(SMALL + ["--tp", str(tp), "--pp", str(pp), "--dtype", "float64",
+        args = train_gpt.parse_args(SMALL_GPT + ["--tp", str(tp), "--pp", str(pp), "--dtype", "float64",
                                              "--use-distributed-optimizer", "--clip-grad", "0.05"] + extra)
         out.append(train_gpt.train(args)["losses"])
     return out

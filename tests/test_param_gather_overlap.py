@@ -25,8 +25,8 @@ from megatron_ext.optimizer import (
     get_megatron_optimizer,
 )
 from megatron_ext.pipeline_parallel import get_forward_backward_func
+from tests.conftest import SMALL_GPT, load_train_gpt
 from tests.distributed import run_distributed
-from tests.test_optimizer import SMALL, _train_gpt
 
 
 def _outside_my_slices(ddp: DistributedDataParallel) -> dict[int, torch.Tensor]:
@@ -224,10 +224,10 @@ def _gpt_step(train_gpt, args, corpus, step, ddp, optimizer):
 
 
 def _gpt_worker(directory, layouts):
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     out = {}
     for tp, pp, dp, fused in layouts:
-        args = train_gpt.parse_args(SMALL + ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
+        args = train_gpt.parse_args(SMALL_GPT + ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
                                              "--dtype", "float64"])
         train_gpt.check_args(args, dist.get_world_size())
         corpus = train_gpt.load_corpus(None, args.seq_len + 2)
@@ -314,9 +314,9 @@ def test_gpt_overlap_equals_no_overlap_and_plain(tmp_path):
 
 
 def _train_gpt_worker(layout, extra):
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     args = train_gpt.parse_args(
-        SMALL + layout + ["--use-distributed-optimizer", "--grad-bucket-bytes", "3000"] + extra
+        SMALL_GPT + layout + ["--use-distributed-optimizer", "--grad-bucket-bytes", "3000"] + extra
     )
     out = train_gpt.train(args)
     return out["losses"], out["skipped_steps"]
@@ -339,7 +339,7 @@ def test_train_gpt_overlap_param_gather_flag(tmp_path, layout):
 
 
 def test_train_gpt_overlap_param_gather_needs_distributed_optimizer():
-    train_gpt = _train_gpt()
-    args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "1", "--overlap-param-gather"])
+    train_gpt = load_train_gpt()
+    args = train_gpt.parse_args(SMALL_GPT + ["--tp", "1", "--pp", "1", "--overlap-param-gather"])
     with pytest.raises(ValueError, match="--overlap-param-gather needs --use-distributed-optimizer"):
         train_gpt.check_args(args, 1)

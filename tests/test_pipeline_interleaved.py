@@ -21,9 +21,9 @@ from megatron_ext.pipeline_parallel import P2PCommunicator, get_forward_backward
 from megatron_ext.pipeline_parallel import schedules as sch
 from megatron_ext.process_groups_config import ProcessGroupCollection
 from megatron_ext.transformer.transformer_block import layers_per_virtual_stage
+from tests.conftest import EXACT
 from tests.distributed import run_distributed
 
-EXACT = dict(rtol=1e-12, atol=1e-12)
 S, B, H, L = 3, 2, 4, 24  # sequence, micro-batch, hidden, layers (divisible by pp * v = 4, 6, 8, 12)
 WORLD = 4
 

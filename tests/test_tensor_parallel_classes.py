@@ -13,9 +13,9 @@ from torch.testing import assert_close
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
 from megatron_ext.tensor_parallel import cross_entropy, layers, mappings
+from tests.conftest import EXACT
 from tests.distributed import run_distributed
 
-EXACT = dict(rtol=1e-12, atol=1e-12)
 VCE = cross_entropy.VocabParallelCrossEntropy
 
 
