@@ -45,6 +45,61 @@ def grads_of(out: torch.Tensor, grad: torch.Tensor, *inputs: torch.Tensor) -> li
     return list(torch.autograd.grad(out, inputs, grad))
 
 
+def float64(values) -> torch.Tensor:
+    """A worker's plain values (lists, floats) back as a float64 tensor: workers return plain
+    values, since a tensor in the result queue needs its worker alive to be read."""
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def opcheck_report(op, args: tuple) -> dict[str, str]:
+    """``torch.library.opcheck``'s result for each of its tests: "SUCCESS", or the error as text (a
+    worker returns plain values; an exception may not pickle into the result queue)."""
+    report = torch.library.opcheck(op, args, raise_exception=False)
+    return {test: str(result) for test, result in report.items()}
+
+
+def assert_opchecks_passed(reports: list[tuple[str, dict[str, str]]]) -> None:
+    """Every ``(label, opcheck_report(...))`` ran its tests and passed them all."""
+    for label, report in reports:
+        assert report and all(result == "SUCCESS" for result in report.values()), (label, report)
+
+
+class Comparisons:
+    """The ``assert_close`` calls a worker records instead of making, for the test to make them: the
+    worker returns ``made`` (plain values: a tensor in the result queue needs its worker alive) and
+    the test passes it to ``assert_comparisons``."""
+
+    def __init__(self) -> None:
+        self.made: list[tuple] = []
+
+    def close(self, actual, expected, label: str | None = None, **tolerances) -> None:
+        label = label or f"comparison {len(self.made)}"
+        self.made.append((label, _plain(actual), _plain(expected), tolerances))
+
+
+def _plain(value):
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return ("tensor", value.detach().cpu().tolist(), dtype, tuple(value.shape))
+    return ("value", value)
+
+
+def _restored(plain):
+    if plain[0] == "tensor":
+        _, values, dtype, shape = plain
+        return torch.tensor(values, dtype=getattr(torch, dtype)).reshape(shape)
+    return plain[1]
+
+
+def assert_comparisons(made: list[tuple]) -> None:
+    """Makes the comparisons a worker recorded with ``Comparisons.close`` (at least one)."""
+    assert made, "the worker recorded no comparison"
+    for label, actual, expected, tolerances in made:
+        torch.testing.assert_close(
+            _restored(actual), _restored(expected), msg=lambda m: f"{label}: {m}", **tolerances
+        )
+
+
 def per_rank(n: int, shape, seed: int) -> list[torch.Tensor]:
     """One float64 tensor per TP rank, the same on every process (so each can compute the
     reference)."""

@@ -13,7 +13,7 @@ import megatron_ext  # noqa: F401
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel
 from megatron_ext.fusions import bias_gelu, get_bias_dropout_add
-from tests.conftest import EXACT, grads_of, has_kernel
+from tests.conftest import EXACT, Comparisons, assert_comparisons, grads_of, has_kernel
 from tests.distributed import run_distributed
 
 ops = torch.ops.megatron_ext
@@ -238,38 +238,43 @@ def _shard_of(name: str, full: torch.Tensor, local: torch.Tensor, tp: int, rank:
     return full.chunk(tp, dim)[rank]
 
 
-def _layer_flags_worker() -> bool:
+def _layer_flags_worker() -> list[tuple]:
+    """Fusion flags on against off, serial against TP 2 (recorded comparisons, made in the test)."""
+    compared = Comparisons()
     exact = dict(rtol=1e-10, atol=1e-12)
     ps.initialize_model_parallel(1)
     _weight_grad_checks(ps.get_tensor_model_parallel_group().group_name)
     ref_loss, ref_grads = _run(_gpt(1, fused=False))
     loss, grads = _run(_gpt(1, fused=True))
-    assert_close(loss, ref_loss, **exact)
+    compared.close(loss, ref_loss, **exact)
     for name, grad in grads.items():
-        assert_close(grad, ref_grads[name], **exact, msg=name)
+        compared.close(grad, ref_grads[name], **exact, label=name)
     # With dropout on, the fused masks come from the default generator, which every layout seeds
     # alike: serial with and without recomputation, then tensor parallel, agree.
     drop_loss, drop_grads = _run(_gpt(1, fused=True, hidden_dropout=0.2))
     assert (drop_loss - ref_loss).abs().max() > 1e-3  # dropout did change the loss
     re_loss, re_grads = _run(_gpt(1, fused=True, hidden_dropout=0.2, recompute=True))
-    assert_close(re_loss, drop_loss, **exact)
+    compared.close(re_loss, drop_loss, **exact)
     for name, grad in re_grads.items():
-        assert_close(grad, drop_grads[name], **exact, msg=name)
+        compared.close(grad, drop_grads[name], **exact, label=name)
     ps.destroy_model_parallel()
 
     ps.initialize_model_parallel(2)
     rank = ps.get_tensor_model_parallel_rank()
     for dropout, (want_loss, want_grads) in ((0.0, (ref_loss, ref_grads)), (0.2, (drop_loss, drop_grads))):
         loss, grads = _run(_gpt(2, fused=True, hidden_dropout=dropout))
-        assert_close(loss, want_loss, **exact)
+        compared.close(loss, want_loss, **exact)
         for name, grad in grads.items():
-            assert_close(grad, _shard_of(name, want_grads[name], grad, 2, rank), **exact, msg=name)
+            compared.close(grad, _shard_of(name, want_grads[name], grad, 2, rank), **exact, label=name)
     ps.destroy_model_parallel()
-    return True
+    return compared.made
 
 
 def test_transformer_layer_fusion_flags_on_equal_off_and_parallel_equals_serial():
-    assert run_distributed(2, _layer_flags_worker) == [True, True]
+    results = run_distributed(2, _layer_flags_worker)
+    for made in results:
+        assert_comparisons(made)
+    assert len({len(made) for made in results}) == 1
 
 
 def test_kernels_registered_for_every_backend_built():
