@@ -76,7 +76,7 @@ def _check_equal_to_unfused(tp: int, compared: Comparisons) -> None:
     # The unfused path itself against serial torch on the full logits.
     ref_loss = F.cross_entropy((hidden @ weight.T).reshape(-1, VOCAB), target.reshape(-1), reduction="none")
     compared.close(_run(True, hidden, weight, target, grads["arbitrary"], chunk_size=4)[0],
-                 ref_loss.reshape(SHAPE), **TIGHT)
+                   ref_loss.reshape(SHAPE), **TIGHT)
 
     # Label smoothing and ignore_index, together and apart, with every kind of loss gradient.
     hidden, weight, target, grads = _inputs(seed=20 + tp, ignore_index=7)

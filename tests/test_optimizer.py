@@ -61,7 +61,7 @@ def _equivalence_worker(layouts, extra):
     out = {}
     for tp, pp, dp in layouts:
         args = train_gpt.parse_args(SMALL_GPT + ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
-                                             "--dtype", "float64"] + extra)
+                                                 "--dtype", "float64"] + extra)
         train_gpt.check_args(args, dist.get_world_size())
         corpus = train_gpt.load_corpus(None, args.seq_len + 2)
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -124,8 +124,8 @@ def _clip_worker(layouts, extra):
     out = {}
     for tp, pp, dp in layouts:
         args = train_gpt.parse_args(SMALL_GPT + ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
-                                             "--dtype", "float64", "--steps", "3",
-                                             "--clip-grad", "0.05"] + extra)
+                                                 "--dtype", "float64", "--steps", "3",
+                                                 "--clip-grad", "0.05"] + extra)
         log = train_gpt.train(args)
         out[(tp, pp, dp)] = (log["losses"], log["grad_norms"])
     return out
@@ -341,7 +341,8 @@ def _ckpt_worker(directory, layouts):
     out = []
     for tp, pp, extra in layouts:
         args = train_gpt.parse_args(SMALL_GPT + ["--tp", str(tp), "--pp", str(pp), "--dtype", "float64",
-                                             "--use-distributed-optimizer", "--clip-grad", "0.05"] + extra)
+                                                 "--use-distributed-optimizer", "--clip-grad", "0.05",
+                                                 *extra])
         out.append(train_gpt.train(args)["losses"])
     return out
 

@@ -228,7 +228,7 @@ def _gpt_worker(directory, layouts):
     out = {}
     for tp, pp, dp, fused in layouts:
         args = train_gpt.parse_args(SMALL_GPT + ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
-                                             "--dtype", "float64"])
+                                                 "--dtype", "float64"])
         train_gpt.check_args(args, dist.get_world_size())
         corpus = train_gpt.load_corpus(None, args.seq_len + 2)
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
