@@ -226,8 +226,8 @@ def param_specs(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, Par
                     f"{spec.global_name!r}; are the layers' layer_number attributes global?"
                 )
             seen.setdefault(spec.global_name, spec)
-            specs[chunk_prefix + name] = spec
-            specs.setdefault(chunk_prefix + bare, spec)
+            specs[prefix + name] = spec
+            specs.setdefault(prefix + bare, spec)
     return specs
 
 
