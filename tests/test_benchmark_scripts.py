@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from tests.conftest import ROOT
 
+import pytest
+
+from tests.conftest import ROOT
 
 
 def test_gpu_benchmark_script_on_cpu(tmp_path):
@@ -52,6 +54,7 @@ def _run_script(name: str, *argv: str) -> None:
     assert done.returncode == 0, f"{name} exited with {done.returncode}:\n{done.stderr[-4000:]}"
 
 
+@pytest.mark.slow  # runs the benchmark script end to end
 def test_pipeline_bubble_benchmark_script(tmp_path):
     # The measured step cannot beat the simulated one (the model's costs are sleeps), and the
     # simulated steps are the closed forms: 1F1B (m + p - 1) 3 L c, ZB-H1 m 3 L c + (p - 1) L c.
@@ -73,6 +76,7 @@ def test_pipeline_bubble_benchmark_script(tmp_path):
         assert s["min_s"] * 1e3 >= sim[name] * 0.99, name
 
 
+@pytest.mark.slow  # runs the benchmark script end to end
 def test_attention_benchmark_script(tmp_path):
     out = tmp_path / "attention.json"
     _run_script("attention.py", "--without-megatron-core", "--seq", "64", "128", "--heads", "2",
@@ -84,6 +88,7 @@ def test_attention_benchmark_script(tmp_path):
         assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in rows.values())
 
 
+@pytest.mark.slow  # runs the benchmark script end to end
 def test_llama_kernels_benchmark_script(tmp_path):
     out = tmp_path / "llama_kernels.json"
     _run_script("llama_kernels.py", "--without-megatron-core", "--dtypes", "float32", "bfloat16",

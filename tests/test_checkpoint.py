@@ -16,6 +16,8 @@ import torch.distributed as dist
 from tests.conftest import ROOT, SMALL, checkpoint_args, checkpoint_run, load_train_gpt
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # trains the example GPT, saves and resumes at many layouts
+
 def _save_then_resume_worker(save_dir: str, layouts, dropout: str):
     """Trains 4 steps at tp 2 x pp 2 saving after step 2, then resumes that checkpoint at each of
     ``layouts`` (with this world size); returns the uninterrupted and the resumed losses."""

@@ -17,6 +17,8 @@ from megatron_ext.tensor_parallel.utils import group_args
 from tests.conftest import TIGHT, Comparisons, assert_comparisons, assert_opchecks_passed, opcheck_report
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # torch.compile and opcheck's AOT checks compile graphs
+
 # bf16 keeps 8 mantissa bits; a row-parallel output adds rounded partial sums of magnitude ~4.
 BF16 = dict(rtol=2e-2, atol=8e-2)
 REGIONS = (

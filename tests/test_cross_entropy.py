@@ -497,6 +497,7 @@ def _compile_cache_worker(cache_dir: str) -> list[int]:
     return hits
 
 
+@pytest.mark.slow  # compiles with inductor
 def test_compile_shared_cache_tp1_tp2(tmp_path):
     hits = run_distributed(2, _compile_cache_worker, str(tmp_path / "inductor"), timeout=600)
     # Rank 1 compiled the TP-2 graph after rank 0 had stored it: the shared cache was used, and

@@ -362,6 +362,7 @@ def _train_worker(runs):
     return out
 
 
+@pytest.mark.slow  # trains the example GPT
 def test_gpt_small_buckets_match_serial():
     (serial,) = run_distributed(1, _train_worker, [("--tp", "1", "--pp", "1")])
     runs = [

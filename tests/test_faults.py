@@ -18,6 +18,8 @@ import torch.distributed as dist
 from tests.conftest import ROOT, SMALL, load_train_gpt
 from tests.distributed import free_port, run_distributed
 
+pytestmark = pytest.mark.slow  # kills, stops and restarts training runs
+
 TINY = SMALL + ["--layers", "2", "--dtype", "float64", "--tp", "1", "--pp", "2"]
 TRACKER = "latest_checkpointed_iteration.txt"
 

@@ -323,6 +323,7 @@ def _llama_block(x, w, freqs, y, b):
     return q.sum() + bias_swiglu(y, b).square().sum() + swiglu(y).sum()
 
 
+@pytest.mark.slow  # compiles with inductor
 def test_compiles_with_fullgraph():
     torch._dynamo.reset()
     x, w = _randn(4, 2, 16, seed=46), _randn(16, seed=47)

@@ -13,6 +13,8 @@ from megatron_ext import parallel_state as ps
 from tests.conftest import SMALL, assert_losses_match, load_train_gpt, train_layouts
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # trains the example GPT at many layouts
+
 DTYPES = ["float64", "float32"]
 SCHEDULES = ["1f1b", "gpipe"]
 

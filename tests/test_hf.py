@@ -17,6 +17,8 @@ from megatron_ext.models import GPTModel
 from megatron_ext.models.hf import config_from_hf, export_hf_state_dict, load_hf_state_dict
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # end-to-end runs from Hugging Face weights
+
 transformers = pytest.importorskip("transformers")
 
 BATCH, SEQ = 2, 10

@@ -245,6 +245,7 @@ def serial_llama_losses():
         ([(1, 2, 2)], ["1f1b"], ["--virtual-pipeline", "2"]),
     ],
 )
+@pytest.mark.slow  # trains the example Llama
 def test_llama_layouts_match_serial(serial_llama_losses, layouts, schedules, extra):
     results = run_distributed(4, train_layouts, layouts, ["float64"], schedules, LLAMA + extra)
     assert all(r == results[0] for r in results)
@@ -259,6 +260,7 @@ def _resume_worker(save_dir: str):
     return full["losses"], {k: (v["start_step"], v["losses"]) for k, v in resumed.items()}
 
 
+@pytest.mark.slow  # trains the example Llama
 def test_llama_checkpoint_resumes_at_other_layouts(tmp_path):
     results = run_distributed(4, _resume_worker, str(tmp_path / "run"))
     full, resumed = results[0]

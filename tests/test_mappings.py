@@ -22,7 +22,6 @@ from tests.conftest import (
 from tests.distributed import run_distributed
 
 
-
 def _run(region, x: torch.Tensor, grad: torch.Tensor, **kwargs):
     x = x.clone().requires_grad_(True)
     x_before = x.detach().clone()
@@ -342,6 +341,7 @@ def test_regions_world1():
     _assert_regions(run_distributed(1, _regions_worker, [1]), [1])
 
 
+@pytest.mark.slow  # TP 2 and 4 over 4 ranks; test_regions_world1 stays in the fast set
 def test_regions_world4():
     _assert_regions(run_distributed(4, _regions_worker, [1, 2, 4]), [1, 2, 4])
 

@@ -5,7 +5,6 @@ float32; optimizer state per rank falls as 1/dp; the by-name state round-trips a
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,7 +22,6 @@ from megatron_ext.optimizer import (
 from megatron_ext.pipeline_parallel import get_forward_backward_func
 from tests.conftest import SMALL_GPT, load_train_gpt
 from tests.distributed import run_distributed
-
 
 
 def _build(train_gpt, args, distributed: bool, clip_grad: float = 0.0, bucket_bytes: int | None = None):
@@ -106,6 +104,7 @@ def _equivalence_worker(layouts, extra):
         (8, [(2, 2, 2)], ["--sequence-parallel"]),
     ],
 )
+@pytest.mark.slow  # trains the example GPT
 def test_distributed_optimizer_equals_plain(world, layouts, extra):
     results = run_distributed(world, _equivalence_worker, layouts, extra, timeout=600)
     for out in results:
@@ -157,6 +156,7 @@ def _serial_clip_reference():
     return torch_norm, our_norm
 
 
+@pytest.mark.slow  # trains the example GPT
 def test_clipping_equals_serial_clip_grad_norm():
     ((torch_norm, our_norm),) = run_distributed(1, _serial_clip_reference)
     assert torch_norm > 0.05
@@ -230,14 +230,13 @@ def test_fp16_scaler_skips_overflow_on_every_rank(distributed):
         assert good[0] is True and good[2]  # the next step updates
 
 
-
-
 def _bf16_worker(extra):
     train_gpt = load_train_gpt()
     args = train_gpt.parse_args(SMALL_GPT + ["--steps", "8"] + extra)
     return train_gpt.train(args)["losses"]
 
 
+@pytest.mark.slow  # trains the example GPT
 def test_bf16_run_tracks_float32_run():
     (fp32,) = run_distributed(1, _bf16_worker, ["--tp", "1", "--pp", "1"])
     extra = ["--tp", "2", "--pp", "1", "--bf16", "--use-distributed-optimizer", "--sequence-parallel"]
@@ -277,6 +276,7 @@ def _memory_worker(dp_sizes):
 
 
 @pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.slow  # trains the example GPT
 def test_optimizer_memory_falls_as_one_over_dp(dp):
     results = run_distributed(dp, _memory_worker, [dp])
     for out in results:
@@ -347,6 +347,7 @@ def _ckpt_worker(directory, layouts):
     return out
 
 
+@pytest.mark.slow  # trains the example GPT
 def test_distributed_optimizer_checkpoint_resumes_at_another_layout(tmp_path):
     d = str(tmp_path / "ckpt")
     # Uninterrupted 6 steps at tp 2 x dp 2; saved after 3 at that layout; resumed at pp 2 x dp 2.

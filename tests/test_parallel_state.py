@@ -411,6 +411,7 @@ def _cp_ep_worker() -> dict:
     return got
 
 
+@pytest.mark.slow  # 8 ranks
 def test_context_and_expert_groups_world8():
     for rank, got in enumerate(run_distributed(8, _cp_ep_worker)):
         e = {k: _mine(v, rank) for k, v in CP_EP_EXPECTED.items()}
@@ -461,7 +462,9 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("world", sorted(LAYOUTS))
+@pytest.mark.parametrize(
+    "world", [pytest.param(w, marks=pytest.mark.slow) if w == 8 else w for w in sorted(LAYOUTS)]
+)  # 8 ranks: slow
 def test_layouts(world):
     for rank, per_layout in enumerate(run_distributed(world, _layouts_worker, LAYOUTS[world])):
         assert len(per_layout) == len(LAYOUTS[world])

@@ -297,6 +297,7 @@ def _gpt_worker(directory, layouts):
     return out
 
 
+@pytest.mark.slow  # trains the example GPT
 def test_gpt_overlap_equals_no_overlap_and_plain(tmp_path):
     layouts = [(1, 1, 4, False), (1, 2, 2, False), (1, 2, 2, True), (2, 1, 2, True)]
     results = run_distributed(4, _gpt_worker, str(tmp_path), layouts, timeout=600)
@@ -330,6 +331,7 @@ def _train_gpt_worker(layout, extra):
     ["--tp", "1", "--pp", "2", "--fp16", "--steps", "24"],
     ["--tp", "2", "--pp", "1", "--bf16", "--sequence-parallel", "--steps", "3"],
 ], ids=["float64-interleaved", "fp16", "bf16-sequence-parallel"])
+@pytest.mark.slow  # trains the example GPT
 def test_train_gpt_overlap_param_gather_flag(tmp_path, layout):
     without, skipped = run_distributed(4, _train_gpt_worker, layout, [])[0]
     extra = ["--overlap-param-gather", "--save", str(tmp_path)]  # the save follows a step: gathers in flight
