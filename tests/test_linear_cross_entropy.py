@@ -205,6 +205,7 @@ def _worker() -> dict:
     return {"compared": compared.made, "opcheck": reports}
 
 
+@pytest.mark.slow  # three TP sizes over 4 ranks; test_cross_entropy covers the unfused loss in the fast set
 def test_equal_to_unfused_tp_1_2_4():
     results = run_distributed(4, _worker)
     for got in results:
