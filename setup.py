@@ -156,7 +156,11 @@ def _extension():
         os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
     generated = _write_build_config(cuda)
     include_dirs = [os.path.join(here, "csrc"), generated]
-    isa_macros = [(f"MEGATRON_EXT_CPU_{name}", None) for name, _ in CPU_CAPABILITIES] if _build_cpu_capabilities() else []
+    isa_macros = (
+        [(f"MEGATRON_EXT_CPU_{name}", None) for name, _ in CPU_CAPABILITIES]
+        if _build_cpu_capabilities()
+        else []
+    )
     # No floating-point contraction: a CPU kernel rounds each product its source writes, as the torch
     # ops it is compared with do (a fused multiply-add appears only where written out).
     cxx_flags = ["-O3", "-std=c++20", "-ffp-contract=off"]

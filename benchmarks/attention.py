@@ -74,7 +74,10 @@ def _worker(args) -> dict:
                 torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
             return step
 
-        variants = {"megatron_ext (sdpa)": run_ours(ours["auto"]), "megatron_ext unfused": run_ours(ours["unfused"])}
+        variants = {
+            "megatron_ext (sdpa)": run_ours(ours["auto"]),
+            "megatron_ext unfused": run_ours(ours["unfused"]),
+        }
         if mcore is not None:
             # Its default causal mask is made on "cuda": it is given the same mask on the CPU.
             causal = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)

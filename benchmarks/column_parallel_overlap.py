@@ -99,7 +99,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--ffn", type=int, default=4096, help="full output size (split over TP)")
@@ -137,7 +139,12 @@ def main() -> None:
         json.dump(
             {
                 "config": {**vars(args), "dtype": "float32", "backend": "gloo", "device": "cpu"},
-                "machine": {"cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0], "platform": platform.platform(), "torch": torch.__version__},
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "load_average_1min": os.getloadavg()[0],
+                    "platform": platform.platform(),
+                    "torch": torch.__version__,
+                },
                 "median_ms": {name: seconds * 1e3 for name, seconds in rows.items()},
                 "ideal_overlap_ms": ideal * 1e3,
             },

@@ -115,7 +115,8 @@ def print_table(title: str, summary: dict[str, dict[str, float]], baseline: str 
                 f"{s['max_s'] * scale:>9.2f} {s['cpu_median_s'] * scale:>11.2f} {s['peak_extra_mib']:>11.1f}")
         if b is not None:
             mem = f"{s['peak_extra_mib'] / b['peak_extra_mib']:.3f}" if b["peak_extra_mib"] > 0 else "-"
-            line += f" {s['median_s'] / b['median_s']:>11.2f} {s['cpu_median_s'] / b['cpu_median_s']:>11.2f} {mem:>13}"
+            line += (f" {s['median_s'] / b['median_s']:>11.2f} "
+                     f"{s['cpu_median_s'] / b['cpu_median_s']:>11.2f} {mem:>13}")
         print(line)
 
 

@@ -159,7 +159,9 @@ def main() -> None:
     args = parser.parse_args()
 
     dtype_names = args.dtypes.split(",")
-    ranks = run_distributed(args.tp, _bench_worker, args.tokens, args.vocab, args.reps, dtype_names, timeout=3000)
+    ranks = run_distributed(
+        args.tp, _bench_worker, args.tokens, args.vocab, args.reps, dtype_names, timeout=3000
+    )
     import megatron_ext
 
     table = {}

@@ -152,7 +152,9 @@ def run(args: argparse.Namespace) -> dict:
 
     rows = []
 
-    def row(name: str, bytes_moved: float, variants: dict[str, Variant], compare: str | None = "output") -> None:
+    def row(
+        name: str, bytes_moved: float, variants: dict[str, Variant], compare: str | None = "output"
+    ) -> None:
         """Times the variants; with ``compare`` ("output": what run returns, "grad": the prepared
         input's gradient) also records each one's largest difference from the first variant's."""
         variants = {k: v for k, v in variants.items() if v is not None}
@@ -193,7 +195,7 @@ def run(args: argparse.Namespace) -> dict:
             "megatron_ext": plain(lambda: ops.bias_gelu_forward(y, b, False)),
             "torch F.gelu(y + b)": plain(lambda: F.gelu(y + b)),
         })
-    del y, g
+    y = g = None  # free them (the closures above hold the names)
 
     # bias + dropout + residual on the attention / MLP output [tokens, h].
     x, hb, r, gh = randn(n, h), randn(h), randn(n, h), randn(n, h)
@@ -218,7 +220,7 @@ def run(args: argparse.Namespace) -> dict:
         "megatron_ext": dropout_fwd_bwd(fusions.bias_dropout_add_fused_train),
         "megatron-core": mc("bias_dropout_add_fused_train", dropout_fwd_bwd),
     }, compare=None)
-    del x, r, gh
+    x = r = gh = None
 
     # Vocab-parallel cross-entropy forward + backward at tp 1 on [tokens, vocab] logits: each rep
     # starts from a fresh copy (megatron-core overwrites float32 logits in place).
@@ -250,7 +252,7 @@ def run(args: argparse.Namespace) -> dict:
         "megatron-core": mc("vocab_parallel_cross_entropy", cross_entropy),
         "DTensor loss_parallel": (cross_entropy(None)[0], dtensor_step),
     }, compare="grad")
-    del logits
+    logits = None
 
     # The weight-gradient GEMM of gradient_accumulation_fusion ([h, 4h] += go^T inp) as the linear
     # layers run it: 16-bit operands into the fp32 main_grad in one cuBLAS call, against a 16-bit

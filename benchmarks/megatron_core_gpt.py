@@ -300,8 +300,6 @@ def setup(run: Run, stack: str = "megatron.core", weights_from: list[torch.nn.Mo
     tensor_parallel = importlib.import_module(f"{stack}.tensor_parallel")
     distributed = importlib.import_module(f"{stack}.distributed")
     optim = importlib.import_module(f"{stack}.optimizer")
-    OptimizerParamScheduler = importlib.import_module(
-        f"{stack}.optimizer_param_scheduler").OptimizerParamScheduler
 
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
@@ -339,12 +337,17 @@ def setup(run: Run, stack: str = "megatron.core", weights_from: list[torch.nn.Mo
         model,
     )
     # Megatron-LM's loop sets each group's learning rate and weight decay (times its lr_mult /
-    # wd_mult) through the scheduler; here both are constant.
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=run.lr, max_lr=run.lr, min_lr=run.lr, lr_warmup_steps=0,
-        lr_decay_steps=run.steps, lr_decay_style="constant", start_wd=0.01, end_wd=0.01,
-        wd_incr_steps=run.steps, wd_incr_style="constant",
-    )
+    # wd_mult) through Megatron-core's scheduler; here both are constant. megatron_ext's optimizer
+    # starts its groups there itself, so its own model needs none.
+    scheduler = None
+    if stack == "megatron.core":
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=run.lr, max_lr=run.lr, min_lr=run.lr, lr_warmup_steps=0,
+            lr_decay_steps=run.steps, lr_decay_style="constant", start_wd=0.01, end_wd=0.01,
+            wd_incr_steps=run.steps, wd_incr_style="constant",
+        )
     config.finalize_model_grads_func = distributed.finalize_model_grads
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     return model, optimizer, scheduler
@@ -355,7 +358,9 @@ def train_step(run: Run, model: list[torch.nn.Module], optimizer: Any, scheduler
     """One global step; returns the step's loss (mean over micro-batches and data-parallel
     replicas) on the last pipeline stage, None elsewhere."""
     ps = importlib.import_module(f"{stack}.parallel_state")
-    get_forward_backward_func = importlib.import_module(f"{stack}.pipeline_parallel").get_forward_backward_func
+    get_forward_backward_func = importlib.import_module(
+        f"{stack}.pipeline_parallel"
+    ).get_forward_backward_func
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     micro = batches(run, step, dp_rank, dp_size)
@@ -371,7 +376,8 @@ def train_step(run: Run, model: list[torch.nn.Module], optimizer: Any, scheduler
         forward_only=False,
     )
     optimizer.step()
-    scheduler.step(increment=1)
+    if scheduler is not None:
+        scheduler.step(increment=1)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
     loss = torch.stack([m["lm loss"] for m in losses]).mean().to(torch.float64)

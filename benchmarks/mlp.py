@@ -16,7 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import import_megatron_core, print_table, require_megatron_core, run_interleaved, summarize, write_json
+from common import (
+    import_megatron_core,
+    print_table,
+    require_megatron_core,
+    run_interleaved,
+    summarize,
+    write_json,
+)
 
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
@@ -69,13 +76,24 @@ def _worker(tokens: int, hidden: int, ffn: int, reps: int) -> dict:
     tp, rank = dist.get_world_size(), dist.get_rank()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     g = torch.Generator().manual_seed(11)
-    master = {"w1": torch.randn(ffn, hidden, generator=g) * 0.02, "b1": torch.randn(ffn, generator=g) * 0.02,
-              "w2": torch.randn(hidden, ffn, generator=g) * 0.02, "b2": torch.randn(hidden, generator=g) * 0.02}
+    master = {
+        "w1": torch.randn(ffn, hidden, generator=g) * 0.02,
+        "b1": torch.randn(ffn, generator=g) * 0.02,
+        "w2": torch.randn(hidden, ffn, generator=g) * 0.02,
+        "b2": torch.randn(hidden, generator=g) * 0.02,
+    }
     x = torch.randn(tokens, 1, hidden, generator=g).requires_grad_(True)
     grad = torch.randn(tokens, 1, hidden, generator=g)
 
-    models = {"megatron_ext": _parallel_mlp(tp_, ModelParallelConfig(tensor_model_parallel_size=tp,
-                                                                      use_cpu_initialization=True), master, rank, tp)}
+    models = {
+        "megatron_ext": _parallel_mlp(
+            tp_,
+            ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True),
+            master,
+            rank,
+            tp,
+        )
+    }
     mcore = import_megatron_core()
     if mcore is not None:
         mps, mtp, MConfig = mcore
@@ -116,12 +134,19 @@ def main() -> None:
     ranks = run_distributed(2, _worker, args.tokens, args.hidden, args.ffn, args.reps, timeout=3600)
     summary = summarize([r["timings"] for r in ranks])
     baseline = "megatron-core" if "megatron-core" in summary else "megatron_ext"
-    print_table(f"MLP {args.hidden}->{args.ffn}->{args.hidden} (column -> GeLU -> row), {args.tokens} tokens, "
-                f"float32 fwd+bwd, TP=2 (gloo, CPU, 1 thread per rank)", summary, baseline=baseline, unit="ms")
+    print_table(
+        f"MLP {args.hidden}->{args.ffn}->{args.hidden} (column -> GeLU -> row), {args.tokens} tokens, "
+        f"float32 fwd+bwd, TP=2 (gloo, CPU, 1 thread per rank)",
+        summary,
+        baseline=baseline,
+        unit="ms",
+    )
     diffs = {k: max(r["relative_diff_vs_megatron_ext"][k] for r in ranks) for k in summary}
     print("max relative difference of (|output|, |grad input|) vs megatron_ext: "
           + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
-    write_json("mlp", {"config": vars(args), "results": summary, "relative_diff_vs_megatron_ext": diffs}, args.out)
+    write_json(
+        "mlp", {"config": vars(args), "results": summary, "relative_diff_vs_megatron_ext": diffs}, args.out
+    )
 
 
 if __name__ == "__main__":

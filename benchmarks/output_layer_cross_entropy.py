@@ -18,7 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import import_megatron_core, print_table, require_megatron_core, run_interleaved, summarize, write_json
+from common import (
+    import_megatron_core,
+    print_table,
+    require_megatron_core,
+    run_interleaved,
+    summarize,
+    write_json,
+)
 
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
@@ -41,12 +48,19 @@ def _worker(tokens: int, hidden_size: int, vocab: int, reps: int, chunk_size: in
     hidden = torch.randn(tokens, 1, hidden_size, generator=g).requires_grad_(True)  # [s, b, h], replicated
     target = torch.randint(0, vocab, (tokens, 1), generator=g)
     local_vocab = vocab // tp
-    weight = (torch.randn(local_vocab, hidden_size, generator=torch.Generator().manual_seed(99 + rank)) * 0.02)
+    weight = torch.randn(local_vocab, hidden_size, generator=torch.Generator().manual_seed(99 + rank)) * 0.02
     weight.requires_grad_(True)
 
     ours_config = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True)
-    ours_layer = tp_.ColumnParallelLinear(hidden_size, vocab, config=ours_config, init_method=torch.nn.init.zeros_,
-                                          bias=False, gather_output=False, skip_weight_param_allocation=True)
+    ours_layer = tp_.ColumnParallelLinear(
+        hidden_size,
+        vocab,
+        config=ours_config,
+        init_method=torch.nn.init.zeros_,
+        bias=False,
+        gather_output=False,
+        skip_weight_param_allocation=True,
+    )
     results: dict[str, torch.Tensor] = {}
 
     def finish(name: str, loss: torch.Tensor) -> None:
@@ -75,9 +89,15 @@ def _worker(tokens: int, hidden_size: int, vocab: int, reps: int, chunk_size: in
         mps, mtp, MConfig = mcore
         mps.initialize_model_parallel(tensor_model_parallel_size=tp)
         mcore_config = MConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True)
-        mcore_layer = mtp.ColumnParallelLinear(hidden_size, vocab, config=mcore_config,
-                                               init_method=torch.nn.init.zeros_, bias=False, gather_output=False,
-                                               skip_weight_param_allocation=True)
+        mcore_layer = mtp.ColumnParallelLinear(
+            hidden_size,
+            vocab,
+            config=mcore_config,
+            init_method=torch.nn.init.zeros_,
+            bias=False,
+            gather_output=False,
+            skip_weight_param_allocation=True,
+        )
 
         def megatron_core() -> None:
             logits, _ = mcore_layer(hidden, weight=weight)
@@ -98,20 +118,28 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (default: ~16 MiB of logits)")
+    parser.add_argument(
+        "--chunk-size", type=int, default=None, help="tokens per chunk (default: ~16 MiB of logits)"
+    )
     parser.add_argument("--without-megatron-core", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     require_megatron_core(args.without_megatron_core)
 
-    ranks = run_distributed(args.tp, _worker, args.tokens, args.hidden, args.vocab, args.reps, args.chunk_size,
-                            timeout=3600)
+    ranks = run_distributed(
+        args.tp, _worker, args.tokens, args.hidden, args.vocab, args.reps, args.chunk_size, timeout=3600
+    )
     summary = summarize([r["timings"] for r in ranks])
     logits_mib = args.tokens * args.vocab // args.tp * 4 / 2**20
     baseline = "megatron-core" if "megatron-core" in summary else "megatron_ext unfused"
-    print_table(f"output layer + cross-entropy fwd+bwd, float32, tokens={args.tokens}, hidden={args.hidden}, "
-                f"vocab={args.vocab}, TP={args.tp} (gloo, CPU, 1 thread per rank); local logits {logits_mib:.0f} "
-                f"MiB per rank", summary, baseline=baseline, unit="s")
+    print_table(
+        f"output layer + cross-entropy fwd+bwd, float32, tokens={args.tokens}, hidden={args.hidden}, "
+        f"vocab={args.vocab}, TP={args.tp} (gloo, CPU, 1 thread per rank); local logits {logits_mib:.0f} "
+        f"MiB per rank",
+        summary,
+        baseline=baseline,
+        unit="s",
+    )
     diffs = {name: max(r["relative_diff_vs_fused"][name] for r in ranks) for name in summary}
     print("max relative difference of (loss, |grad hidden|, |grad weight|) vs fused: "
           + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))

@@ -18,7 +18,14 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from common import import_megatron_core, print_table, require_megatron_core, run_interleaved, summarize, write_json
+from common import (
+    import_megatron_core,
+    print_table,
+    require_megatron_core,
+    run_interleaved,
+    summarize,
+    write_json,
+)
 
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
@@ -107,8 +114,13 @@ def main() -> None:
     for key in ranks[0]:
         summary = summarize([r[key]["timings"] for r in ranks])
         results[key] = summary
-        print_table(f"copy_to + reduce_from fwd+bwd, float32 [{key.replace('x', ', ')}], TP=2 (gloo, CPU, 1 thread "
-                    f"per rank), per step", summary, baseline="two bare all-reduces", unit="ms")
+        print_table(
+            f"copy_to + reduce_from fwd+bwd, float32 [{key.replace('x', ', ')}], TP=2 (gloo, CPU, 1 thread "
+            f"per rank), per step",
+            summary,
+            baseline="two bare all-reduces",
+            unit="ms",
+        )
         # Overhead: median time above the floor of the collective each implementation runs
         # (megatron_ext exchanges sums of 1 MiB and more, all-reduces smaller ones).
         rows, cols = map(int, key.split("x"))

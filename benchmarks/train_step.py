@@ -35,7 +35,11 @@ from megatron_core_gpt import Run, cpu_patches, setup, train_step
 from tests.distributed import run_distributed
 
 LAYOUTS = {"tp2pp2": dict(tp=2, pp=2), "dp4": dict(tp=1, pp=1)}
-STACKS = {"megatron-core": "megatron.core", "megatron_ext": "megatron_ext", "megatron_ext fused": "megatron_ext"}
+STACKS = {
+    "megatron-core": "megatron.core",
+    "megatron_ext": "megatron_ext",
+    "megatron_ext fused": "megatron_ext",
+}
 
 
 def _run(args: argparse.Namespace, arch: str, layout: str) -> Run:
@@ -62,7 +66,9 @@ def _worker(args: argparse.Namespace) -> dict:
 
             def step(name: str) -> None:
                 model, optimizer, scheduler, variant_run, stack = setups[name]
-                losses[name].append(train_step(variant_run, model, optimizer, scheduler, len(losses[name]), stack))
+                losses[name].append(
+                    train_step(variant_run, model, optimizer, scheduler, len(losses[name]), stack)
+                )
 
             # Resident memory of the model, its gradient buffers and the optimizer state
             # (allocated at the first step): the growth over its setup and over its first step.
@@ -78,14 +84,16 @@ def _worker(args: argparse.Namespace) -> dict:
                 resident[name] = (resident[name] + memory_kib("VmRSS") - before) / 1024
             result = run_interleaved({name: (lambda n=name: step(n)) for name in STACKS}, args.reps)
             out[f"{arch} {layout}"] = {"timing": result, "losses": losses, "resident_mib": resident}
-            del setups
+            setups.clear()
             mcore_ps.destroy_model_parallel()
             ext_ps.destroy_model_parallel()
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--arch", nargs="+", default=["gpt", "llama"], choices=["gpt", "llama"])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--layers", type=int, default=4)
@@ -96,7 +104,9 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--json", default=None, help="results path (default benchmarks/results/train_step.json)")
+    parser.add_argument(
+        "--json", default=None, help="results path (default benchmarks/results/train_step.json)"
+    )
     args = parser.parse_args()
     require_megatron_core(allow_missing=False)
 
@@ -105,8 +115,10 @@ def main() -> None:
     payload = {"args": vars(args), "tokens_per_step": tokens, "results": {}}
     for case in per_rank[0]:
         summary = summarize([r[case]["timing"] for r in per_rank])
-        losses = {name: next(r[case]["losses"][name] for r in per_rank if r[case]["losses"][name][0] is not None)
-                  for name in STACKS}
+        losses = {
+            name: next(r[case]["losses"][name] for r in per_rank if r[case]["losses"][name][0] is not None)
+            for name in STACKS
+        }
         for name, s in summary.items():
             s["tokens_per_s"] = tokens / s["median_s"]
             s["resident_mib"] = max(r[case]["resident_mib"][name] for r in per_rank)

@@ -34,11 +34,13 @@ TORCH_LIBRARY(megatron_ext, m) {
       "int vocab_start, int? ignore_index) -> Tensor");
   m.def(
       "vocab_parallel_cross_entropy_backward(Tensor grad_loss, Tensor vocab_parallel_logits, "
-      "Tensor local_target, Tensor row_max, Tensor log_sum_exp, float label_smoothing, int vocab_size) "
+      "Tensor local_target, Tensor row_max, Tensor log_sum_exp, float label_smoothing, int "
+      "vocab_size) "
       "-> Tensor");
   m.def(
       "vocab_parallel_cross_entropy_backward_(Tensor grad_loss, Tensor(a!) vocab_parallel_logits, "
-      "Tensor local_target, Tensor row_max, Tensor log_sum_exp, float label_smoothing, int vocab_size) "
+      "Tensor local_target, Tensor row_max, Tensor log_sum_exp, float label_smoothing, int "
+      "vocab_size) "
       "-> ()");
 
   // Fused transformer-layer epilogues (ops/fused_epilogue.cpp, kernels/fused_epilogue*). The
@@ -90,10 +92,13 @@ TORCH_LIBRARY(megatron_ext, m) {
       "int group_rank) -> Tensor");
   m.def(
       "vocab_parallel_linear_cross_entropy_forward(Tensor hidden, Tensor weight, Tensor target, "
-      "float label_smoothing, int? ignore_index, int chunk_size, bool hidden_grad, bool weight_grad, "
-      "str group_name, int group_size, int group_rank) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "float label_smoothing, int? ignore_index, int chunk_size, bool hidden_grad, bool "
+      "weight_grad, "
+      "str group_name, int group_size, int group_rank) -> (Tensor, Tensor, Tensor, Tensor, "
+      "Tensor)");
   m.def(
-      "vocab_parallel_linear_cross_entropy_backward(Tensor grad_loss, Tensor hidden, Tensor weight, "
+      "vocab_parallel_linear_cross_entropy_backward(Tensor grad_loss, Tensor hidden, Tensor "
+      "weight, "
       "Tensor target, Tensor row_max, Tensor log_sum_exp, Tensor(a!) grad_hidden, "
       "Tensor(b!) grad_weight, float label_smoothing, int? ignore_index, int chunk_size, "
       "bool precomputed, int vocab_start, int vocab_size, str group_name, int group_size) -> ()");
@@ -112,7 +117,8 @@ pybind11::dict build_info() {
   info["cuda_version"] = MEGATRON_EXT_CUDA_VERSION;
   info["cuda_archs"] = MEGATRON_EXT_CUDA_ARCHS;
   info["cpu_capabilities"] = megatron_ext::kernels::compiled_cpu_capabilities();
-  info["cpu_capability"] = megatron_ext::kernels::cpu_capability_name(megatron_ext::kernels::cpu_capability());
+  info["cpu_capability"] =
+      megatron_ext::kernels::cpu_capability_name(megatron_ext::kernels::cpu_capability());
   return info;
 }
 
@@ -120,17 +126,21 @@ pybind11::dict build_info() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megatron_ext C++ extension: ops are registered under torch.ops.megatron_ext";
-  m.def("build_info", &build_info,
-        "How the extension was built: torch version, whether CUDA was compiled, CUDA archs, the CPU "
-        "instruction sets the CPU kernels were compiled for and the one in use.");
+  m.def(
+      "build_info", &build_info,
+      "How the extension was built: torch version, whether CUDA was compiled, CUDA archs, the CPU "
+      "instruction sets the CPU kernels were compiled for and the one in use.");
   m.def(
       "cpu_capability",
-      [] { return megatron_ext::kernels::cpu_capability_name(megatron_ext::kernels::cpu_capability()); },
+      [] {
+        return megatron_ext::kernels::cpu_capability_name(megatron_ext::kernels::cpu_capability());
+      },
       "The instruction set the CPU kernels use: default, avx2 or avx512.");
   m.def("supported_cpu_capabilities", &megatron_ext::kernels::supported_cpu_capabilities,
         "The compiled instruction sets the running CPU supports.");
   m.def("_set_cpu_capability", &megatron_ext::kernels::set_cpu_capability,
-        "Forces the CPU kernels' instruction set (for tests); ValueError if the CPU or build lacks it.");
+        "Forces the CPU kernels' instruction set (for tests); ValueError if the CPU or build lacks "
+        "it.");
 
   // What the cross-entropy's fake kernels (megatron_ext/_ops.py) read from kernels/cross_entropy.h.
   m.def("cross_entropy_acc_dtype", &megatron_ext::cross_entropy_acc_type,

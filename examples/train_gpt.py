@@ -17,7 +17,6 @@ import sys
 import sysconfig
 import time
 from datetime import timedelta
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -32,7 +31,11 @@ from megatron_ext.dist_checkpointing import (
     read_marker,
     save_checkpoint,
 )
-from megatron_ext.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron_ext.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron_ext.distributed.distributed_data_parallel import DEFAULT_BUCKET_SIZE_BYTES
 from megatron_ext.models import GPTModel
 from megatron_ext.models.hf import config_from_hf, export_hf_state_dict, hf_config_dict, load_hf_state_dict
@@ -41,7 +44,12 @@ from megatron_ext.pipeline_parallel import get_forward_backward_func
 from megatron_ext.tensor_parallel.utils import comm_device
 from megatron_ext.transformer import TransformerConfig
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 BYTE_VOCAB = 256
 DEFAULT_CORPUS_BYTES = 4 * 1024 * 1024
 
@@ -51,18 +59,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp x pp))")
-    p.add_argument("--arch", choices=["gpt", "llama"], default="gpt",
-                   help="gpt: LayerNorm, biased linears, GeLU, learned positions, tied output layer; llama: "
-                        "RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases, untied output layer")
+    p.add_argument(
+        "--arch",
+        choices=["gpt", "llama"],
+        default="gpt",
+        help="gpt: LayerNorm, biased linears, GeLU, learned positions, tied output layer; llama: "
+        "RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases, untied output layer",
+    )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--num-query-groups", type=int, default=None,
                    help="key/value heads for grouped-query attention (default: --heads)")
-    p.add_argument("--ffn-hidden", type=int, default=None,
-                   help="MLP width (default: 4 x --hidden for gpt, 8/3 x --hidden rounded up to a multiple of 32 for llama)")
+    p.add_argument(
+        "--ffn-hidden",
+        type=int,
+        default=None,
+        help="MLP width (default: 4 x --hidden for gpt, 8/3 x --hidden rounded up to a multiple of "
+        "32 for llama)",
+    )
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--vocab-size", type=int, default=256, help=">= 256 (bytes); padded rows are never targets")
+    p.add_argument(
+        "--vocab-size", type=int, default=256, help=">= 256 (bytes); padded rows are never targets"
+    )
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=300)
@@ -77,15 +96,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "weight halves); zb-v runs two model chunks per rank in a V")
     p.add_argument("--virtual-pipeline", type=int, default=None,
                    help="model chunks per pipeline stage: the interleaved 1F1B schedule (needs --pp >= 2)")
-    p.add_argument("--no-bias-gelu-fusion", action="store_true", help="bias + GeLU as two torch ops, not one kernel")
+    p.add_argument(
+        "--no-bias-gelu-fusion", action="store_true", help="bias + GeLU as two torch ops, not one kernel"
+    )
     p.add_argument("--no-bias-dropout-fusion", action="store_true",
                    help="bias + dropout + residual add as torch ops, not one kernel")
     p.add_argument("--recompute", action="store_true", help="recompute each layer's activations in backward")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="shard LayerNorm/dropout activations along the sequence over the tensor-parallel group")
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="shard LayerNorm/dropout activations along the sequence over the tensor-parallel group",
+    )
     p.add_argument("--grad-bucket-bytes", type=int, default=DEFAULT_BUCKET_SIZE_BYTES,
                    help="size bound of a data-parallel gradient all-reduce bucket")
-    p.add_argument("--bf16", action="store_true", help="bf16 model parameters, float32 main parameters and gradients")
+    p.add_argument(
+        "--bf16", action="store_true", help="bf16 model parameters, float32 main parameters and gradients"
+    )
     p.add_argument("--fp16", action="store_true",
                    help="fp16 model parameters, float32 main parameters and gradients, dynamic loss scaling")
     p.add_argument("--use-distributed-optimizer", action="store_true",
@@ -94,37 +120,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --use-distributed-optimizer: overlap the all-gather of the updated parameters "
                         "with the next forward")
     p.add_argument("--clip-grad", type=float, default=0.0, help="clip gradients to this global norm (0: off)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases/LayerNorms)")
-    p.add_argument("--data", default=None, help="a text file (byte-level); default: Python's standard library sources")
-    p.add_argument("--log-json", default=None,
-                   help="append JSON lines here as the run goes: each attempt's start (config, the iteration it "
-                        "resumed from), every step (loss, tokens/s, grad norm), each save and the end")
-    p.add_argument("--plot", default="runs/train_gpt_loss.png", help="PNG loss curve written by rank 0 ('' = none)")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="seconds a collective may wait before failing (default: 120 on CPU; 600 on GPUs, where "
-                        "NCCL's watchdog ends the process instead)")
+    p.add_argument(
+        "--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases/LayerNorms)"
+    )
+    p.add_argument(
+        "--data", default=None, help="a text file (byte-level); default: Python's standard library sources"
+    )
+    p.add_argument(
+        "--log-json",
+        default=None,
+        help="append JSON lines here as the run goes: each attempt's start (config, the iteration it "
+        "resumed from), every step (loss, tokens/s, grad norm), each save and the end",
+    )
+    p.add_argument(
+        "--plot", default="runs/train_gpt_loss.png", help="PNG loss curve written by rank 0 ('' = none)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds a collective may wait before failing (default: 120 on CPU; 600 on GPUs, where "
+        "NCCL's watchdog ends the process instead)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--save", default=None, help="directory to save checkpoints in (also after the last step)")
     p.add_argument("--save-interval", type=int, default=None, help="save every this many steps")
-    p.add_argument("--load", default=None,
-                   help="checkpoint (or --save directory) to resume from, at any valid layout; a path with no "
-                        "checkpoint is an error unless it is the --save directory or --allow-fresh-start is given")
+    p.add_argument(
+        "--load",
+        default=None,
+        help="checkpoint (or --save directory) to resume from, at any valid layout; a path with no "
+        "checkpoint is an error unless it is the --save directory or --allow-fresh-start is given",
+    )
     p.add_argument("--allow-fresh-start", action="store_true",
                    help="with --load: train from scratch when that directory holds no checkpoint")
-    p.add_argument("--allow-overwrite", action="store_true",
-                   help="save even where --save holds a newer iteration than this run starts from (overwriting "
-                        "it and moving the tracker back)")
+    p.add_argument(
+        "--allow-overwrite",
+        action="store_true",
+        help="save even where --save holds a newer iteration than this run starts from (overwriting "
+        "it and moving the tracker back)",
+    )
     p.add_argument("--keep-last", type=int, default=None,
                    help="after each save, remove all but the newest this many checkpoints in --save")
     p.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false",
                    help="do not check each step's loss and gradients for NaN and Inf before the update")
-    p.add_argument("--skip-nonfinite", action="store_true",
-                   help="skip (on every rank) a step whose loss or gradients are not finite, instead of stopping")
-    p.add_argument("--load-hf", default=None,
-                   help="start from Hugging Face weights: a directory with config.json and safetensors files "
-                        "(Llama, Mistral, Qwen2, Qwen3); the model's shape comes from its config.json, not from "
-                        "--arch --layers --hidden --heads --num-query-groups --ffn-hidden --vocab-size")
+    p.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="skip (on every rank) a step whose loss or gradients are not finite, instead of stopping",
+    )
+    p.add_argument(
+        "--load-hf",
+        default=None,
+        help="start from Hugging Face weights: a directory with config.json and safetensors files "
+        "(Llama, Mistral, Qwen2, Qwen3); the model's shape comes from its config.json, not from "
+        "--arch --layers --hidden --heads --num-query-groups --ffn-hidden --vocab-size",
+    )
     p.add_argument("--export-hf", default=None,
                    help="after training, write the weights as Hugging Face safetensors + config.json to this "
                         "directory (Llama-shaped models: --arch llama or --load-hf)")
@@ -148,10 +199,21 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         args.ffn_hidden, args.vocab_size = config.ffn_hidden_size, kwargs["vocab_size"]
         if args.seq_len > kwargs["max_sequence_length"]:
             raise ValueError(
-                f"--seq-len {args.seq_len} exceeds the --load-hf model's {kwargs['max_sequence_length']} positions"
+                f"--seq-len {args.seq_len} exceeds the --load-hf model's {kwargs['max_sequence_length']} "
+                "positions"
             )
-    for name in ("tp", "pp", "layers", "hidden", "heads", "seq_len", "micro_batch_size", "global_batch_size", "steps",
-                 "grad_bucket_bytes"):
+    for name in (
+        "tp",
+        "pp",
+        "layers",
+        "hidden",
+        "heads",
+        "seq_len",
+        "micro_batch_size",
+        "global_batch_size",
+        "steps",
+        "grad_bucket_bytes",
+    ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.dp is None:
@@ -170,7 +232,9 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     if args.num_query_groups is not None:
         groups = args.num_query_groups
         if groups < 1 or args.heads % groups != 0:
-            raise ValueError(f"--num-query-groups {groups} must be a positive divisor of --heads {args.heads}")
+            raise ValueError(
+                f"--num-query-groups {groups} must be a positive divisor of --heads {args.heads}"
+            )
         if groups % args.tp != 0 and args.tp % groups != 0:
             raise ValueError(f"--num-query-groups {groups} must be a multiple or a divisor of --tp {args.tp}")
     if args.ffn_hidden is not None and (args.ffn_hidden < 1 or args.ffn_hidden % args.tp != 0):
@@ -207,11 +271,15 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
             f"got --global-batch-size / (--micro-batch-size x dp) = {num_microbatches}"
         )
     if args.vocab_size < BYTE_VOCAB or args.vocab_size % args.tp != 0:
-        raise ValueError(f"--vocab-size {args.vocab_size} must be >= {BYTE_VOCAB} and divisible by --tp {args.tp}")
+        raise ValueError(
+            f"--vocab-size {args.vocab_size} must be >= {BYTE_VOCAB} and divisible by --tp {args.tp}"
+        )
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 cannot be combined")
     if (args.bf16 or args.fp16) and args.dtype != "float32":
-        raise ValueError(f"--{'bf16' if args.bf16 else 'fp16'} sets the parameter dtype; drop --dtype {args.dtype}")
+        raise ValueError(
+            f"--{'bf16' if args.bf16 else 'fp16'} sets the parameter dtype; drop --dtype {args.dtype}"
+        )
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
     if args.clip_grad < 0:
@@ -219,7 +287,9 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     if args.weight_decay < 0:
         raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
     if args.sequence_parallel and args.seq_len % args.tp != 0:
-        raise ValueError(f"--seq-len {args.seq_len} is not divisible by --tp {args.tp} (needed by --sequence-parallel)")
+        raise ValueError(
+            f"--seq-len {args.seq_len} is not divisible by --tp {args.tp} (needed by --sequence-parallel)"
+        )
     if args.data is not None and os.path.isdir(args.data):
         raise ValueError(f"--data {args.data!r} is a directory; expected a text file")
     if args.data is not None and not os.path.isfile(args.data):
@@ -227,7 +297,9 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     if args.save_interval is not None and (args.save_interval < 1 or args.save is None):
         raise ValueError(f"--save-interval {args.save_interval} needs --save and must be >= 1")
     if args.skip_nonfinite and not args.check_for_nan_in_loss_and_grad:
-        raise ValueError("--skip-nonfinite needs the check that --no-check-for-nan-in-loss-and-grad turns off")
+        raise ValueError(
+            "--skip-nonfinite needs the check that --no-check-for-nan-in-loss-and-grad turns off"
+        )
     if args.keep_last is not None and (args.keep_last < 1 or args.save is None):
         raise ValueError(f"--keep-last {args.keep_last} needs --save and must be >= 1")
     if not 0.0 <= args.dropout < 1.0:
@@ -245,8 +317,10 @@ def read_hf_config(path: str) -> dict:
         hf_config = json.load(f)
     config, kwargs = config_from_hf(hf_config)  # refuses what it cannot map
     if kwargs["vocab_size"] < BYTE_VOCAB:
-        raise ValueError(f"--load-hf {path!r}: a vocabulary of {kwargs['vocab_size']} < {BYTE_VOCAB} tokens cannot "
-                         "hold the byte-level data")
+        raise ValueError(
+            f"--load-hf {path!r}: a vocabulary of {kwargs['vocab_size']} < {BYTE_VOCAB} tokens cannot "
+            "hold the byte-level data"
+        )
     return hf_config
 
 
@@ -256,14 +330,17 @@ def check_checkpoint_paths(args: argparse.Namespace) -> None:
     start = 0
     if args.load is not None:
         if os.path.exists(args.load) and not os.path.isdir(args.load):
-            raise ValueError(f"--load {args.load!r} is not a directory; expected a checkpoint or a --save directory")
+            raise ValueError(
+                f"--load {args.load!r} is not a directory; expected a checkpoint or a --save directory"
+            )
         resolved = find_checkpoint(args.load)
         own_saves = args.save is not None and os.path.realpath(args.save) == os.path.realpath(args.load)
         if resolved is None and not (own_saves or (args.allow_fresh_start and os.path.isdir(args.load))):
             found = "does not exist" if not os.path.exists(args.load) else "holds no checkpoint"
             raise ValueError(
                 f"--load {args.load!r} {found}; to train from scratch, name it as --save too (a run that "
-                f"resumes from its own saves)" + (" or pass --allow-fresh-start" if found != "does not exist" else "")
+                f"resumes from its own saves)"
+                + (" or pass --allow-fresh-start" if found != "does not exist" else "")
             )
         if resolved is not None:
             try:
@@ -273,7 +350,8 @@ def check_checkpoint_paths(args: argparse.Namespace) -> None:
     newest = latest_iteration(args.save) if args.save is not None else None
     if newest is not None and newest > start and not args.allow_overwrite:
         raise ValueError(
-            f"--save {args.save!r} holds iteration {newest}, newer than the iteration {start} this run starts "
+            f"--save {args.save!r} holds iteration {newest}, newer than the iteration {start} this run "
+            "starts "
             f"from: its saves would overwrite newer checkpoints. Resume them with --load {args.save}, choose "
             f"another --save directory, or pass --allow-overwrite"
         )
@@ -530,7 +608,9 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
             micro_batch_size=args.micro_batch_size,
             forward_only=False,
         )
-        nonfinite = nonfinite_report(step_losses, chunks, args, device) if args.check_for_nan_in_loss_and_grad else ""
+        nonfinite = (
+            nonfinite_report(step_losses, chunks, args, device) if args.check_for_nan_in_loss_and_grad else ""
+        )
         if nonfinite and not args.skip_nonfinite:
             raise FloatingPointError(
                 f"step {step + 1}: {nonfinite}; stopped before the update, so no checkpoint holds it "
@@ -559,8 +639,14 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
     if args.export_hf is not None:
         log_event(args, event="export_hf", path=export_hf(args, [c.module for c in chunks]))
     log_event(args, event="end", steps=len(losses), skipped_steps=skipped)
-    return {"config": run_config(args), "start_step": start_step, "losses": losses, "tokens_per_s": tokens_per_s,
-            "grad_norms": grad_norms, "skipped_steps": skipped}
+    return {
+        "config": run_config(args),
+        "start_step": start_step,
+        "losses": losses,
+        "tokens_per_s": tokens_per_s,
+        "grad_norms": grad_norms,
+        "skipped_steps": skipped,
+    }
 
 
 def export_hf(args: argparse.Namespace, models: list[GPTModel]) -> str:
@@ -618,7 +704,9 @@ def log_event(args: argparse.Namespace, **record) -> None:
             f.write(json.dumps({**record, "time": time.time()}) + "\n")
 
 
-def save(args: argparse.Namespace, iteration: int, model: torch.nn.Module, optimizer: MegatronOptimizer) -> str:
+def save(
+    args: argparse.Namespace, iteration: int, model: torch.nn.Module, optimizer: MegatronOptimizer
+) -> str:
     # The data position is the step: step k always reads the same global batch.
     data = {"consumed_samples": iteration * args.global_batch_size,
             "global_batch_size": args.global_batch_size}
@@ -664,7 +752,9 @@ def write_outputs(log: dict, args: argparse.Namespace) -> None:
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats / byte)")
         c = log["config"]
-        ax.set_title(f"GPT {c['layers']}x{c['hidden']}, tp {c['tp']} pp {c['pp']} dp {c['dp']}, {c['schedule']}")
+        ax.set_title(
+            f"GPT {c['layers']}x{c['hidden']}, tp {c['tp']} pp {c['pp']} dp {c['dp']}, {c['schedule']}"
+        )
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(args.plot, dpi=100)
@@ -675,7 +765,8 @@ def summary(log: dict, args: argparse.Namespace) -> str:
     # The first step includes warm-up; it is the figure only when it is the only one.
     timed = log["tokens_per_s"][1:] or log["tokens_per_s"]
     return (
-        f"loss {log['losses'][0]:.4f} -> {log['losses'][-1]:.4f} over steps {log['start_step'] + 1}-{args.steps}, "
+        f"loss {log['losses'][0]:.4f} -> {log['losses'][-1]:.4f} over steps "
+        f"{log['start_step'] + 1}-{args.steps}, "
         f"{sum(timed) / len(timed):.0f} tokens/s" + (f"; loss curve: {args.plot}" if args.plot else "")
     )
 

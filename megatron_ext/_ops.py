@@ -41,7 +41,15 @@ def _per_token(logits: torch.Tensor, target: torch.Tensor, dtype: torch.dtype | 
 
 
 @torch.library.register_fake("megatron_ext::vocab_parallel_cross_entropy")
-def _(vocab_parallel_logits, target, label_smoothing, ignore_index, group_name, group_size, overwrite_logits=False):
+def _(
+    vocab_parallel_logits,
+    target,
+    label_smoothing,
+    ignore_index,
+    group_name,
+    group_size,
+    overwrite_logits=False,
+):
     return _per_token(vocab_parallel_logits, target)
 
 

@@ -222,7 +222,8 @@ class ModelParallelConfig:
             and not self.sequence_parallel
         ):
             warnings.warn(
-                "When using expert parallelism and tensor parallelism for training, sequence parallelism must be used",
+                "When using expert parallelism and tensor parallelism for training, sequence parallelism "
+                "must be used",
                 stacklevel=2,
             )
         if self.microbatch_group_size_per_vp_stage is None:

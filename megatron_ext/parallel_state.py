@@ -252,7 +252,8 @@ def create_hierarchical_groups(
     each level (and its gloo twin, or None)."""
     _check(
         math.prod(hierarchical_group_sizes) == len(ranks),
-        f"hierarchical group sizes {hierarchical_group_sizes} do not multiply to the {len(ranks)} ranks {ranks}",
+        f"hierarchical group sizes {hierarchical_group_sizes} do not multiply to the {len(ranks)} ranks "
+        f"{ranks}",
     )
     if not isinstance(pg_options, list):
         pg_options = [pg_options] * len(hierarchical_group_sizes)
@@ -406,7 +407,8 @@ def initialize_model_parallel(
         raise RuntimeError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size "
             f"({tensor_model_parallel_size}) x pipeline_model_parallel_size "
-            f"({pipeline_model_parallel_size}) x context_parallel_size ({context_parallel_size}) = {model_size}"
+            f"({pipeline_model_parallel_size}) x context_parallel_size ({context_parallel_size}) = "
+            f"{model_size}"
         )
     data_parallel_size = world_size // model_size
     if virtual_pipeline_model_parallel_size is not None:
@@ -602,7 +604,8 @@ def initialize_model_parallel(
     # A distributed-optimizer instance: intra_edp consecutive expert model-parallel groups.
     model_groups = expert.get_ranks("tp-ep-pp")
     instances = [
-        [r for g in model_groups[i : i + intra_edp] for r in g] for i in range(0, len(model_groups), intra_edp)
+        [r for g in model_groups[i : i + intra_edp] for r in g]
+        for i in range(0, len(model_groups), intra_edp)
     ]
     make("intra-dist-opt", instances, "intra_dist_opt_instance")
 
@@ -1098,7 +1101,8 @@ def get_expert_data_parallel_group(
 def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False) -> dist.ProcessGroup:
     """Deprecated name of get_expert_data_parallel_group."""
     warnings.warn(
-        "get_data_modulo_expert_parallel_group is deprecated, please use get_expert_data_parallel_group instead.",
+        "get_data_modulo_expert_parallel_group is deprecated, please use get_expert_data_parallel_group "
+        "instead.",
         DeprecationWarning,
         stacklevel=2,
     )

@@ -39,6 +39,11 @@ _DEFAULT_GETTERS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+class ProcessGroupCollectionError(ValueError, AssertionError):
+    """A ``pg_collection`` lacks a group its user reads (Megatron-core asserts there, hence also an
+    AssertionError)."""
+
+
 class ProcessGroupCollection:
     """A set of named process groups; a field that was never set is absent (``hasattr`` is False).
 
@@ -224,6 +229,22 @@ class ProcessGroupCollection:
             )
         groups.update(intra_dp_cp_group_gloo=None, intra_expt_dp_group_gloo=None)
         return groups
+
+
+def resolve_pg_collection(
+    pg_collection: ProcessGroupCollection | None, fields: tuple[str, ...], user: str
+) -> ProcessGroupCollection:
+    """The groups ``fields`` that ``user`` reads: ``pg_collection``, checked to hold every one of
+    them (None stands for a group that is not used), or parallel_state's groups when it is None."""
+    if pg_collection is None:
+        return ProcessGroupCollection.use_mpu_process_groups(list(fields))
+    missing = [f for f in fields if not hasattr(pg_collection, f)]
+    if missing:
+        raise ProcessGroupCollectionError(
+            f"{user}: pg_collection lacks {missing}; it needs {list(fields)} (set a group to None "
+            "when there is no such group)"
+        )
+    return pg_collection
 
 
 def _required(pg_collection: ProcessGroupCollection, name: str, none_allowed: bool = False) -> Any:

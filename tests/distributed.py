@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -65,7 +65,7 @@ class _PortTaken(Exception):
 def _run_once(world_size: int, fn: Callable, args: tuple, timeout: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, results), daemon=True)
         for rank in range(world_size)

@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tests.test_gpt_training import _train_gpt  # noqa: E402
+from tests.conftest import load_train_gpt  # noqa: E402
 
 
 def _chosen(variable: str) -> list[int] | None:
@@ -30,7 +30,7 @@ def _die() -> None:
 
 
 if __name__ == "__main__":
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     at_step = _chosen("KILL_AT_STEP")
     if at_step is not None:
         original = train_gpt.step_microbatches

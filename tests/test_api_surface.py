@@ -225,7 +225,12 @@ TENSOR_PARALLEL_SIGNATURES = {
         "output_split_sizes",
         "use_global_buffer",
     ),
-    "reduce_scatter_to_sequence_parallel_region": ("input_", "group", "input_split_sizes", "use_global_buffer"),
+    "reduce_scatter_to_sequence_parallel_region": (
+        "input_",
+        "group",
+        "input_split_sizes",
+        "use_global_buffer",
+    ),
     "all_to_all": ("group", "input_", "output_split_sizes_", "input_split_sizes"),
     "all_to_all_sp2hp": ("input_", "group"),
     "all_to_all_hp2sp": ("input_", "group"),

@@ -4,11 +4,12 @@ the CPU twins, so the script itself is checked here (its figures are not GPU fig
 from __future__ import annotations
 
 import json
-import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+import pytest
+
+from tests.conftest import ROOT
 
 
 def test_gpu_benchmark_script_on_cpu(tmp_path):
@@ -26,8 +27,11 @@ def test_gpu_benchmark_script_on_cpu(tmp_path):
     assert list(rows) == ["bias_gelu fwd (tanh)", "bias_gelu bwd (tanh)", "bias_gelu fwd (erf)",
                           "bias_dropout_add fwd (p 0.1)", "bias_dropout_add fwd+bwd (p 0.1)",
                           "cross_entropy fwd+bwd"]
-    assert list(rows["cross_entropy fwd+bwd"]["variants"]) == ["megatron_ext", "megatron_ext overwrite_logits",
-                                                               "DTensor loss_parallel"]
+    assert list(rows["cross_entropy fwd+bwd"]["variants"]) == [
+        "megatron_ext",
+        "megatron_ext overwrite_logits",
+        "DTensor loss_parallel",
+    ]
     assert list(rows["bias_gelu fwd (erf)"]["variants"]) == ["megatron_ext", "torch F.gelu(y + b)"]
     bf16 = 2
     assert rows["bias_gelu fwd (tanh)"]["bytes"] == (2 * tokens * 4 * hidden + 4 * hidden) * bf16
@@ -50,6 +54,7 @@ def _run_script(name: str, *argv: str) -> None:
     assert done.returncode == 0, f"{name} exited with {done.returncode}:\n{done.stderr[-4000:]}"
 
 
+@pytest.mark.slow  # runs the benchmark script end to end
 def test_pipeline_bubble_benchmark_script(tmp_path):
     # The measured step cannot beat the simulated one (the model's costs are sleeps), and the
     # simulated steps are the closed forms: 1F1B (m + p - 1) 3 L c, ZB-H1 m 3 L c + (p - 1) L c.
@@ -71,6 +76,7 @@ def test_pipeline_bubble_benchmark_script(tmp_path):
         assert s["min_s"] * 1e3 >= sim[name] * 0.99, name
 
 
+@pytest.mark.slow  # runs the benchmark script end to end
 def test_attention_benchmark_script(tmp_path):
     out = tmp_path / "attention.json"
     _run_script("attention.py", "--without-megatron-core", "--seq", "64", "128", "--heads", "2",
@@ -82,6 +88,7 @@ def test_attention_benchmark_script(tmp_path):
         assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in rows.values())
 
 
+@pytest.mark.slow  # runs the benchmark script end to end
 def test_llama_kernels_benchmark_script(tmp_path):
     out = tmp_path / "llama_kernels.json"
     _run_script("llama_kernels.py", "--without-megatron-core", "--dtypes", "float32", "bfloat16",
@@ -116,13 +123,34 @@ def test_train_step_benchmark_script(tmp_path):
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         pytest.skip("the train-step benchmark compares against megatron-core, which is not installed")
     out = tmp_path / "train_step.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--hidden", "32", "--heads", "8",
-                    "--seq", "16", "--vocab", "64", "--layers", "2", "--reps", "1", "--json", str(out)],
-                   check=True, timeout=900, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "train_step.py"),
+            "--hidden",
+            "32",
+            "--heads",
+            "8",
+            "--seq",
+            "16",
+            "--vocab",
+            "64",
+            "--layers",
+            "2",
+            "--reps",
+            "1",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        timeout=900,
+        capture_output=True,
+    )
     results = json.loads(out.read_text())["results"]
     assert list(results) == ["gpt tp2pp2", "gpt dp4", "llama tp2pp2", "llama dp4"]
     for case, variants in results.items():
         assert list(variants) == ["megatron-core", "megatron_ext", "megatron_ext fused"], case
         for name, v in variants.items():
             assert len(v["losses"]) == 3 and v["losses"][-1] < v["losses"][0], (case, name, v["losses"])
-            assert v["max_loss_difference"] <= 1e-5, (case, name, v["losses"], variants["megatron-core"]["losses"])
+            reference = variants["megatron-core"]["losses"]
+            assert v["max_loss_difference"] <= 1e-5, (case, name, v["losses"], reference)

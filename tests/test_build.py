@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import megatron_ext
+from tests.conftest import has_kernel
 
 REGION_OPS = [
     "copy_to_tensor_model_parallel_region",
@@ -18,10 +19,6 @@ REGION_OPS = [
     "all_gather_last_dim_from_tensor_parallel_region",
     "reduce_scatter_last_dim_to_tensor_parallel_region",
 ]
-
-
-def _has_kernel(op: str, key: str) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_ext::{op}", key)
 
 
 def test_build_info_matches_torch():
@@ -38,15 +35,15 @@ def test_cuda_kernels_registered_when_compiled():
     info = megatron_ext.build_info()
     if os.environ.get("FORCE_CUDA") == "1":  # how CI builds: the CUDA sources must be in
         assert info["cuda_compiled"] and "8.0" in info["cuda_archs"]
-    assert _has_kernel("vocab_range_mask", "CUDA") == info["cuda_compiled"]
-    assert _has_kernel("vocab_range_mask", "CPU")
+    assert has_kernel("vocab_range_mask", "CUDA") == info["cuda_compiled"]
+    assert has_kernel("vocab_range_mask", "CPU")
 
 
 @pytest.mark.parametrize("op", REGION_OPS)
 def test_region_ops_have_backend_autograd_and_fake_kernels(op):
-    assert _has_kernel(op, "CompositeExplicitAutograd")
-    assert _has_kernel(op, "Autograd")
-    assert _has_kernel(op, "Meta")
+    assert has_kernel(op, "CompositeExplicitAutograd")
+    assert has_kernel(op, "Autograd")
+    assert has_kernel(op, "Meta")
 
 
 def test_vocab_range_mask_cpu():

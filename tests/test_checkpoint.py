@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -14,33 +13,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.conftest import ROOT, SMALL, checkpoint_args, checkpoint_run, load_train_gpt
 from tests.distributed import run_distributed
-from tests.test_gpt_training import SMALL, _train_gpt
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-STEPS = ["--steps", "4", "--dtype", "float64"]
-
-
-def _args(train_gpt, tp: int, pp: int, dp: int, *extra: str):
-    return train_gpt.parse_args(SMALL + STEPS + ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp), *extra])
-
-
-def _run(layout, *extra):
-    train_gpt = _train_gpt()
-    return train_gpt.train(_args(train_gpt, *layout, *extra))
-
+pytestmark = pytest.mark.slow  # trains the example GPT, saves and resumes at many layouts
 
 def _save_then_resume_worker(save_dir: str, layouts, dropout: str):
     """Trains 4 steps at tp 2 x pp 2 saving after step 2, then resumes that checkpoint at each of
     ``layouts`` (with this world size); returns the uninterrupted and the resumed losses."""
     full = (
-        _run((2, 2, 1), "--save", save_dir, "--save-interval", "2", "--dropout", dropout)
+        checkpoint_run((2, 2, 1), "--save", save_dir, "--save-interval", "2", "--dropout", dropout)
         if dist.get_world_size() == 4
         else None
     )
     ckpt = os.path.join(save_dir, "iter_0000002")
     resumed = {
-        layout: _run(layout[:3], "--load", ckpt, "--dropout", dropout, *layout[3:]) for layout in layouts
+        layout: checkpoint_run(layout[:3], "--load", ckpt, "--dropout", dropout, *layout[3:])
+        for layout in layouts
     }
     return full, {k: (v["start_step"], v["losses"]) for k, v in resumed.items()}
 
@@ -109,10 +98,10 @@ def test_same_layout_restores_rng_streams(tmp_path):
 def _chunked_worker(save_dir: str, chunks: tuple[str, ...]):
     """Trains 4 steps at pp 2 with two model chunks per rank (``chunks``: the interleaved or
     ZB-V's V layout) saving after step 2, then resumes that checkpoint with and without them."""
-    full = _run((1, 2, 1), *chunks, "--save", save_dir, "--save-interval", "2")
+    full = checkpoint_run((1, 2, 1), *chunks, "--save", save_dir, "--save-interval", "2")
     ckpt = os.path.join(save_dir, "iter_0000002")
     resumed = {
-        layout: _run(layout[:3], "--load", ckpt, *layout[3:])
+        layout: checkpoint_run(layout[:3], "--load", ckpt, *layout[3:])
         for layout in [(1, 2, 1, *chunks), (1, 2, 1), (2, 1, 1)]
     }
     return full["losses"], {k: (v["start_step"], v["losses"]) for k, v in resumed.items()}
@@ -204,12 +193,12 @@ def _killed_mid_save_worker(save_dir: str):
             os._exit(17)  # this rank's files are written; the checkpoint is not complete yet
 
     checkpoint._after_rank_wrote = die_in_second_save
-    _run((1, 2, 1), "--save", save_dir, "--save-interval", "2", "--timeout", "20")
+    checkpoint_run((1, 2, 1), "--save", save_dir, "--save-interval", "2", "--timeout", "20")
 
 
 def _load_worker(path: str, layout, *extra):
     try:
-        result = _run(layout, "--load", path, *extra)
+        result = checkpoint_run(layout, "--load", path, *extra)
     except Exception as e:  # noqa: BLE001  (the test compares every rank's error)
         return f"{type(e).__name__}: {e}"
     return result["start_step"], result["losses"]
@@ -238,7 +227,7 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint(saved_at_tp2_pp2, tmp_p
 
 
 def _other_optimizer_worker(ckpt: str):
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
 
     build = train_gpt.get_megatron_optimizer
 
@@ -252,7 +241,7 @@ def _other_optimizer_worker(ckpt: str):
 
     train_gpt.get_megatron_optimizer = momentum_only
     try:
-        train_gpt.train(_args(train_gpt, 1, 2, 1, "--load", ckpt))
+        train_gpt.train(checkpoint_args(train_gpt, 1, 2, 1, "--load", ckpt))
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
 
@@ -318,8 +307,8 @@ def _convert(*argv: str) -> str:
 
 
 def _serial_then_resume_worker(serial_dir: str, converted: str):
-    serial = _run((1, 1, 1), "--steps", "2", "--save", serial_dir)
-    resumed = _run((1, 1, 1), "--load", converted)
+    serial = checkpoint_run((1, 1, 1), "--steps", "2", "--save", serial_dir)
+    resumed = checkpoint_run((1, 1, 1), "--load", converted)
     return serial["losses"], (resumed["start_step"], resumed["losses"])
 
 
@@ -382,10 +371,10 @@ def test_global_names_of_interleaved_chunks():
 
 def _distributed_optimizer_worker(save_dir: str):
     dist_opt = "--use-distributed-optimizer"
-    full = _run((2, 1, 2), dist_opt, "--save", save_dir, "--save-interval", "2")
+    full = checkpoint_run((2, 1, 2), dist_opt, "--save", save_dir, "--save-interval", "2")
     ckpt = os.path.join(save_dir, "iter_0000002")
     resumed = {
-        layout: _run(layout[:3], "--load", ckpt, *layout[3:])
+        layout: checkpoint_run(layout[:3], "--load", ckpt, *layout[3:])
         for layout in [(2, 1, 2, dist_opt), (1, 2, 2, dist_opt), (1, 1, 4, dist_opt), (1, 4, 1)]
     }
     return full["losses"], {k: (v["start_step"], v["losses"]) for k, v in resumed.items()}
@@ -402,9 +391,9 @@ def test_distributed_optimizer_state_reshards(saved_at_tp2_pp2, tmp_path):
 
 
 def _mixed_precision_worker(save_dir: str, precision: str):
-    # --dtype float64 from STEPS is replaced: 16-bit parameters, float32 main parameters.
+    # --dtype float64 of CHECKPOINT_STEPS is replaced: 16-bit parameters, float32 main parameters.
     def run(layout, *extra):
-        train_gpt = _train_gpt()
+        train_gpt = load_train_gpt()
         args = train_gpt.parse_args(SMALL + ["--steps", "4", precision, "--use-distributed-optimizer",
                                              "--tp", str(layout[0]), "--pp", str(layout[1]),
                                              "--dp", str(layout[2]), *extra])

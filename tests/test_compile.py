@@ -14,9 +14,11 @@ from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
 from megatron_ext.model_parallel_config import ModelParallelConfig
 from megatron_ext.tensor_parallel.utils import group_args
+from tests.conftest import TIGHT, Comparisons, assert_comparisons, assert_opchecks_passed, opcheck_report
 from tests.distributed import run_distributed
 
-EXACT = dict(rtol=1e-10, atol=1e-12)
+pytestmark = pytest.mark.slow  # torch.compile and opcheck's AOT checks compile graphs
+
 # bf16 keeps 8 mantissa bits; a row-parallel output adds rounded partial sums of magnitude ~4.
 BF16 = dict(rtol=2e-2, atol=8e-2)
 REGIONS = (
@@ -103,7 +105,9 @@ def _run_module(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor, fn=No
     return out.detach(), x.grad, grads
 
 
-def _fullgraph_layer_worker(part: str) -> bool:
+def _fullgraph_layer_worker(part: str) -> list[tuple]:
+    """Compiled (fullgraph) against eager at TP 2 (recorded comparisons, made in the test)."""
+    compared = Comparisons()
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     layer = _layer(2)
     layer = layer.mlp if part == "mlp" else layer
@@ -112,27 +116,39 @@ def _fullgraph_layer_worker(part: str) -> bool:
     g = torch.randn(6, 2, 16, dtype=torch.float64, generator=gen)
     expected = _run_module(layer, x, g)
     got = _run_module(layer, x, g, torch.compile(layer, fullgraph=True))
-    assert_close(got[0], expected[0], **EXACT)
-    assert_close(got[1], expected[1], **EXACT)
+    compared.close(got[0], expected[0], **TIGHT)
+    compared.close(got[1], expected[1], **TIGHT)
     assert got[2].keys() == expected[2].keys()
     for name in expected[2]:
-        assert_close(got[2][name], expected[2][name], **EXACT, msg=name)
-    return True
+        compared.close(got[2][name], expected[2][name], **TIGHT, label=name)
+    return compared.made
+
+
+def _assert_each_rank(results: list) -> None:
+    for made in results:
+        assert_comparisons(made)
+    assert len({len(made) for made in results}) == 1
 
 
 def test_fullgraph_mlp_tp2():
-    assert run_distributed(2, _fullgraph_layer_worker, "mlp", timeout=900) == [True, True]
+    _assert_each_rank(run_distributed(2, _fullgraph_layer_worker, "mlp", timeout=900))
 
 
 def test_fullgraph_transformer_layer_tp2():
-    assert run_distributed(2, _fullgraph_layer_worker, "layer", timeout=900) == [True, True]
+    _assert_each_rank(run_distributed(2, _fullgraph_layer_worker, "layer", timeout=900))
 
 
 # --- opcheck -------------------------------------------------------------------------------------
 
 
-def _opcheck_worker(tp_sizes) -> bool:
+def _opcheck_worker(tp_sizes) -> list[tuple[str, dict]]:
+    """``torch.library.opcheck``'s report of each call (compared in the test)."""
     ops = torch.ops.megatron_ext
+    reports = []
+
+    def opcheck(label: str, op, args) -> None:
+        reports.append((label, opcheck_report(op, args)))
+
     for tp in tp_sizes:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
         n = tp
@@ -140,30 +156,40 @@ def _opcheck_worker(tp_sizes) -> bool:
         for requires_grad in (True, False):
             x = torch.randn(2 * n, 3 * n, dtype=torch.float64, requires_grad=requires_grad)
             for name in REGIONS:
-                torch.library.opcheck(getattr(ops, name).default, (x, *args))
+                opcheck(f"tp {tp} {name}", getattr(ops, name).default, (x, *args))
             for flag in (True, False):
-                torch.library.opcheck(ops.gather_from_sequence_parallel_region.default, (x, flag, *args))
+                opcheck(f"tp {tp} gather_from_sequence_parallel_region {flag}",
+                        ops.gather_from_sequence_parallel_region.default, (x, flag, *args))
             # A transposed input: outputs' strides must match the fakes'.
-            torch.library.opcheck(ops.reduce_from_tensor_model_parallel_region.default, (x.t(), *args))
+            opcheck(f"tp {tp} reduce_from transposed", ops.reduce_from_tensor_model_parallel_region.default,
+                    (x.t(), *args))
         w = torch.randn(5, 3 * n, dtype=torch.float64, requires_grad=True)
         b = torch.randn(5, dtype=torch.float64, requires_grad=True)
         linear = ops.linear_with_grad_accumulation_and_async_allreduce.default
         x = torch.randn(4 * n, 2, 3 * n, dtype=torch.float64, requires_grad=True)
-        torch.library.opcheck(linear, (x, w, b, False, n > 1, False, args[0], n))
-        torch.library.opcheck(linear, (x, w, None, False, False, n > 1, args[0], n))
+        opcheck(f"tp {tp} linear", linear, (x, w, b, False, n > 1, False, args[0], n))
+        opcheck(f"tp {tp} linear sequence-parallel", linear, (x, w, None, False, False, n > 1, args[0], n))
         ps.destroy_model_parallel()
     ids = torch.tensor([[1, 7, 3], [0, 4, 9]])
-    torch.library.opcheck(torch.ops.megatron_ext.vocab_range_mask.default, (ids, 2, 5))
-    torch.library.opcheck(torch.ops.megatron_ext.vocab_range_mask.default, (ids.t(), 2, 5))
-    return True
+    opcheck("vocab_range_mask", torch.ops.megatron_ext.vocab_range_mask.default, (ids, 2, 5))
+    opcheck("vocab_range_mask transposed", torch.ops.megatron_ext.vocab_range_mask.default, (ids.t(), 2, 5))
+    return reports
+
+
+def _assert_opchecks_pass(results: list, tp_sizes: list[int]) -> None:
+    # Per TP size: (regions + 2 sequence gathers + 1 transposed) x 2 requires_grad, 2 linears; then 2.
+    expected_calls = len(tp_sizes) * (2 * (len(REGIONS) + 3) + 2) + 2
+    for reports in results:
+        assert len(reports) == expected_calls
+        assert_opchecks_passed(reports)
 
 
 def test_opcheck_tp1():
-    assert run_distributed(1, _opcheck_worker, [1]) == [True]
+    _assert_opchecks_pass(run_distributed(1, _opcheck_worker, [1]), [1])
 
 
 def test_opcheck_tp2():
-    assert run_distributed(2, _opcheck_worker, [1, 2], timeout=900) == [True, True]
+    _assert_opchecks_pass(run_distributed(2, _opcheck_worker, [1, 2], timeout=900), [1, 2])
 
 
 # --- main_grad at backward time, autocast ----------------------------------------------------------
@@ -173,7 +199,8 @@ def _config(dtype=torch.float64, **kwargs) -> ModelParallelConfig:
     return ModelParallelConfig(params_dtype=dtype, use_cpu_initialization=True, **kwargs)
 
 
-def _main_grad_swap_worker() -> bool:
+def _main_grad_swap_worker() -> list[tuple]:
+    compared = Comparisons()
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     torch.manual_seed(0)
     layer = tp_.ColumnParallelLinear(
@@ -187,19 +214,21 @@ def _main_grad_swap_worker() -> bool:
     layer.weight.main_grad = new  # swapped between forward and backward, as a DDP buffer switch does
     g = torch.randn_like(out)
     out.backward(g)
-    assert_close(old, torch.zeros_like(old), rtol=0, atol=0)
+    compared.close(old, torch.zeros_like(old), rtol=0, atol=0)
     expected = 0.25 + g.reshape(-1, 3).t() @ x.detach().reshape(-1, 8)
-    assert_close(new, expected, **EXACT)
+    compared.close(new, expected, **TIGHT)
     assert layer.weight.grad is None
     out, _ = layer(x.detach())
     del layer.weight.main_grad  # gone by backward time
     with pytest.raises(ValueError, match="no main_grad attribute at backward time"):
         out.sum().backward()
-    return True
+    return compared.made
 
 
 def test_main_grad_read_at_backward_time():
-    assert run_distributed(2, _main_grad_swap_worker) == [True, True]
+    results = run_distributed(2, _main_grad_swap_worker)
+    assert all(len(made) == 2 for made in results)
+    _assert_each_rank(results)
 
 
 def _autocast_run(module, x, g):
@@ -207,7 +236,8 @@ def _autocast_run(module, x, g):
         return _run_module(module, x, g)
 
 
-def _autocast_worker() -> bool:
+def _autocast_worker() -> list[tuple]:
+    compared = Comparisons()
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(6, 2, 16, generator=gen)
     g_full = torch.randn(6, 2, 16, generator=gen)
@@ -245,13 +275,13 @@ def _autocast_worker() -> bool:
     for name in ("column", "row", "layer", "attention", "mlp", "embedding"):
         serial, parallel = results[1, name], results[2, name]
         assert parallel[0].dtype == serial[0].dtype, name
-        assert_close(parallel[0].float(), serial[0].float(), **BF16, msg=name)
+        compared.close(parallel[0].float(), serial[0].float(), **BF16, label=name)
         if name == "embedding":
-            assert_close(parallel[2], serial[2].chunk(n, 0)[r], **BF16)
+            compared.close(parallel[2], serial[2].chunk(n, 0)[r], **BF16)
             continue
-        assert_close(parallel[1], serial[1], **BF16, msg=name)
-    return True
+        compared.close(parallel[1], serial[1], **BF16, label=name)
+    return compared.made
 
 
 def test_layers_under_autocast_match_serial_bf16():
-    assert run_distributed(2, _autocast_worker, timeout=600) == [True, True]
+    _assert_each_rank(run_distributed(2, _autocast_worker, timeout=600))

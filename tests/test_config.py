@@ -335,7 +335,9 @@ def test_unimplemented_refused_when_set(field, value):
 
 
 def test_implemented_and_inert_fields_accepted():
-    noop = lambda *a, **k: None
+    def noop(*args, **kwargs):
+        return None
+
     config = _small(
         # Fields other parts of megatron_ext implement.
         sequence_parallel=True,

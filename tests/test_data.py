@@ -40,17 +40,26 @@ def _data_worker() -> None:
     # A subset of keys, in another order; float data.
     floats = {"a": torch.full((2, 2), float(source)), "b": torch.arange(3.0)}
     got = tp_.broadcast_data(["b", "a"], floats if is_source else None, torch.float32)
-    assert torch.equal(got["a"], torch.full((2, 2), float(source))) and torch.equal(got["b"], torch.arange(3.0))
+    assert torch.equal(got["a"], torch.full((2, 2), float(source))) and torch.equal(
+        got["b"], torch.arange(3.0)
+    )
 
     # Bad data on the source raises on every rank of the group instead of hanging the others.
     bad = {"text": torch.zeros(2, 2, dtype=torch.int32)}
-    with pytest.raises(ValueError, match=r"data\['text'\] has dtype torch.int32, expected torch.int64" if is_source
-                       else "rank 0 \\(the source\\) rejected its data"):
+    with pytest.raises(
+        ValueError,
+        match=r"data\['text'\] has dtype torch.int32, expected torch.int64"
+        if is_source
+        else "rank 0 \\(the source\\) rejected its data",
+    ):
         tp_.broadcast_data(["text"], bad if is_source else None, torch.int64)
     with pytest.raises(ValueError, match="key 'labels' is missing" if is_source else "rejected its data"):
-        tp_.broadcast_data(["text", "labels"], {"text": torch.zeros(1, dtype=torch.long)} if is_source else None,
-                           torch.int64)
-    with pytest.raises(ValueError, match="data is None on tensor-parallel rank 0" if is_source else "rejected"):
+        tp_.broadcast_data(
+            ["text", "labels"], {"text": torch.zeros(1, dtype=torch.long)} if is_source else None, torch.int64
+        )
+    with pytest.raises(
+        ValueError, match="data is None on tensor-parallel rank 0" if is_source else "rejected"
+    ):
         tp_.broadcast_data(["text"], None, torch.int64)
 
     # The group still works after the errors.

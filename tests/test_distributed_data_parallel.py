@@ -6,8 +6,6 @@ buckets still matches the serial losses."""
 from __future__ import annotations
 
 import copy
-import importlib.util
-import pathlib
 
 import pytest
 import torch
@@ -15,9 +13,9 @@ import torch.distributed as dist
 
 from megatron_ext import parallel_state as ps
 from megatron_ext.distributed import DistributedDataParallel, finalize_model_grads
+from tests.conftest import SMALL_GPT, load_train_gpt
 from tests.distributed import run_distributed
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 DIMS = [3, 5, 4, 6, 2]
 ATOL = 1e-12
 
@@ -56,7 +54,9 @@ def _data(model: Toy, n: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(4, model.in_features(), dtype=torch.float64, generator=g) for _ in range(n)]
 
 
-def _local_grads(model: torch.nn.Module, batches: list[torch.Tensor], use_extra: bool = False) -> list[torch.Tensor]:
+def _local_grads(
+    model: torch.nn.Module, batches: list[torch.Tensor], use_extra: bool = False
+) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
     for x in batches:
         model(x, use_extra).square().mean().backward()
@@ -341,15 +341,11 @@ def test_bad_input():
 # The GPT example with buckets small enough that several start during each last backward ------
 
 
-SMALL = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--micro-batch-size", "2",
-         "--global-batch-size", "8", "--steps", "4", "--lr", "1e-2", "--no-progress", "--plot", "",
-         "--dtype", "float64", "--grad-bucket-bytes", "4096"]
+BUCKETED = SMALL_GPT + ["--steps", "4", "--dtype", "float64", "--grad-bucket-bytes", "4096"]
 
 
 def _train_worker(runs):
-    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
-    train_gpt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_gpt)
+    train_gpt = load_train_gpt()
     started_in_backward: list[tuple[int, int]] = []  # (buckets started, buckets) per step
     finish = DistributedDataParallel.finish_grad_sync
 
@@ -361,11 +357,12 @@ def _train_worker(runs):
     out = {}
     for run in runs:
         started_in_backward.clear()
-        losses = train_gpt.train(train_gpt.parse_args(SMALL + list(run)))["losses"]
+        losses = train_gpt.train(train_gpt.parse_args(BUCKETED + list(run)))["losses"]
         out[run] = (losses, list(started_in_backward))
     return out
 
 
+@pytest.mark.slow  # trains the example GPT
 def test_gpt_small_buckets_match_serial():
     (serial,) = run_distributed(1, _train_worker, [("--tp", "1", "--pp", "1")])
     runs = [
@@ -456,7 +453,10 @@ def _finalize_tokens_worker() -> None:
     gen = torch.Generator().manual_seed(0)
     model = torch.nn.Linear(3, 2).double()
     # Every rank draws every rank's gradients, so each can form the expected result itself.
-    grads = [[torch.randn(p.shape, dtype=torch.float64, generator=gen) for p in model.parameters()] for _ in range(2)]
+    grads = [
+        [torch.randn(p.shape, dtype=torch.float64, generator=gen) for p in model.parameters()]
+        for _ in range(2)
+    ]
     tokens = [5, 3]
 
     def check(expected_divisor: float | None, **kwargs) -> None:
@@ -471,8 +471,14 @@ def _finalize_tokens_worker() -> None:
     # Per-token loss: the data-parallel sum over the global token count.
     check(float(sum(tokens)), num_tokens=torch.tensor(tokens[rank]))
     # The same groups passed explicitly.
-    check(float(sum(tokens)), num_tokens=torch.tensor(tokens[rank]), pg_collection=ProcessGroupCollection.use_mpu_process_groups())
-    partial = ProcessGroupCollection(tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group())
+    check(
+        float(sum(tokens)),
+        num_tokens=torch.tensor(tokens[rank]),
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+    partial = ProcessGroupCollection(
+        tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group()
+    )
     with pytest.raises(AssertionError, match=r"pg_collection lacks \['embd', 'pos_embd', 'dp_cp'\]"):
         finalize_model_grads([model], pg_collection=partial)
 

@@ -15,10 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_distributed
-from tests.test_gpt_training import SMALL, _train_gpt
+from tests.conftest import ROOT, SMALL, load_train_gpt
+from tests.distributed import free_port, run_distributed
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # kills, stops and restarts training runs
+
 TINY = SMALL + ["--layers", "2", "--dtype", "float64", "--tp", "1", "--pp", "2"]
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -34,7 +35,7 @@ def _fake_checkpoint(save_dir: pathlib.Path, iteration: int, track: bool = True)
 
 
 def test_checkpoint_paths_and_arguments_are_checked_before_the_process_group(tmp_path):
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     saves = tmp_path / "saves"  # holds iterations 10 and 20, the tracker names 20
     _fake_checkpoint(saves, 10)
     _fake_checkpoint(saves, 20)
@@ -46,16 +47,25 @@ def test_checkpoint_paths_and_arguments_are_checked_before_the_process_group(tmp
         train_gpt.check_args(train_gpt.parse_args(TINY + list(argv)), 2)
 
     refused = {
-        ("--load", missing): f"--load {missing!r} does not exist; to train from scratch, name it as --save too",
+        (
+            "--load",
+            missing,
+        ): f"--load {missing!r} does not exist; to train from scratch, name it as --save too",
         ("--load", file): f"--load {file!r} is not a directory; expected a checkpoint or a --save directory",
-        ("--load", empty): f"--load {empty!r} holds no checkpoint; to train from scratch, name it as --save too "
-                           "(a run that resumes from its own saves) or pass --allow-fresh-start",
+        (
+            "--load",
+            empty,
+        ): f"--load {empty!r} holds no checkpoint; to train from scratch, name it as --save too "
+        "(a run that resumes from its own saves) or pass --allow-fresh-start",
         ("--load", missing, "--allow-fresh-start"): "does not exist",
-        ("--save", str(saves)): f"--save {str(saves)!r} holds iteration 20, newer than the iteration 0 this run "
-                                f"starts from: its saves would overwrite newer checkpoints. Resume them with "
-                                f"--load {saves}, choose another --save directory, or pass --allow-overwrite",
+        (
+            "--save",
+            str(saves),
+        ): f"--save {str(saves)!r} holds iteration 20, newer than the iteration 0 this run "
+        f"starts from: its saves would overwrite newer checkpoints. Resume them with "
+        f"--load {saves}, choose another --save directory, or pass --allow-overwrite",
         ("--load", str(saves / "iter_0000010"), "--save", str(saves)): "holds iteration 20, newer than the "
-                                                                         "iteration 10",
+        "iteration 10",
         ("--weight-decay", "-0.1"): "--weight-decay must be >= 0, got -0.1",
         ("--data", empty): f"--data {empty!r} is a directory; expected a text file",
         ("--keep-last", "0", "--save", empty): "--keep-last 0 needs --save and must be >= 1",
@@ -88,16 +98,22 @@ def test_checkpoint_paths_and_arguments_are_checked_before_the_process_group(tmp
                                  (["--load", bad], 1, "error: " + os.path.join(bad, TRACKER)),
                                  (["--tp", "2", "--pp", "2", "--heads", "3"], 4,
                                   "error: --heads 3 is not divisible by --tp 2")):
-        done = subprocess.run([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--tp", "1", "--pp", "1",
-                               *argv], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": str(world)})
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--tp", "1", "--pp", "1", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": str(world)},
+        )
         assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
     # the smaller messages
     corpus = tmp_path / "short.txt"
     corpus.write_bytes(b"0123456789")
-    with pytest.raises(ValueError, match=r"the corpus has 10 bytes; at least 18 are needed \(--seq-len \+ 2\)"):
+    with pytest.raises(
+        ValueError, match=r"the corpus has 10 bytes; at least 18 are needed \(--seq-len \+ 2\)"
+    ):
         train_gpt.load_corpus(str(corpus), 16 + 2)
     args = train_gpt.parse_args(TINY + ["--steps", "1"])
     one_step = {"losses": [5.5], "tokens_per_s": [123.4], "start_step": 0}
@@ -105,7 +121,7 @@ def test_checkpoint_paths_and_arguments_are_checked_before_the_process_group(tmp
 
 
 def _run(*argv: str) -> dict:
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     return train_gpt.train(train_gpt.parse_args(TINY + list(argv)))
 
 
@@ -134,9 +150,11 @@ def _save_guards_worker(save_dir: str) -> dict:
     dist.barrier()
     # a fresh run into the same directory: refused before training, then by the save itself
     out["fresh"] = _error(_run, "--steps", "2", "--save", save_dir)
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     train_gpt.check_checkpoint_paths = lambda args: None
-    out["library"] = _error(train_gpt.train, train_gpt.parse_args(TINY + ["--steps", "2", "--save", save_dir]))
+    out["library"] = _error(
+        train_gpt.train, train_gpt.parse_args(TINY + ["--steps", "2", "--save", save_dir])
+    )
     out["after_refusals"] = _listing(save_dir)
     dist.barrier()
 
@@ -204,7 +222,9 @@ def test_save_guards_full_disk_and_pruning(tmp_path):
         assert out[key].startswith(
             f"CheckpointingException: cannot save checkpoint {os.path.join(save_dir, 'iter_0000005')!r}: "
         ), out[key]
-        assert where in out[key] and f"(removed {tmp!r}; iteration 4 is still the newest checkpoint)" in out[key]
+        assert (
+            where in out[key] and f"(removed {tmp!r}; iteration 4 is still the newest checkpoint)" in out[key]
+        )
     start, losses = out["resumed"]
     assert start == 4 and len(losses) == 1
     assert out["after_resume"] == ["iter_0000004", "iter_0000005", TRACKER, "tracker 5"]
@@ -263,11 +283,23 @@ def test_checkpoint_of_another_model_is_refused_naming_the_field(tmp_path):
     with open(tmp_path / "run" / "iter_0000002" / "checkpoint.json") as f:
         config = json.load(f)["model_config"]
     assert config == {
-        "num_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "num_query_groups": 2, "kv_channels": 16,
-        "ffn_hidden_size": 128, "vocab_size": 256, "max_sequence_length": 16, "normalization": "LayerNorm",
-        "activation": "gelu", "gated_linear_unit": False, "add_bias_linear": True, "qk_layernorm": False,
-        "rotary_interleaved": False, "position_embedding_type": "learned_absolute",
-        "share_embeddings_and_output_weights": True, "params_dtype": "float64",
+        "num_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "num_query_groups": 2,
+        "kv_channels": 16,
+        "ffn_hidden_size": 128,
+        "vocab_size": 256,
+        "max_sequence_length": 16,
+        "normalization": "LayerNorm",
+        "activation": "gelu",
+        "gated_linear_unit": False,
+        "add_bias_linear": True,
+        "qk_layernorm": False,
+        "rotary_interleaved": False,
+        "position_embedding_type": "learned_absolute",
+        "share_embeddings_and_output_weights": True,
+        "params_dtype": "float64",
     }
 
 
@@ -279,14 +311,6 @@ def _reference_worker() -> list[float]:
 def uninterrupted() -> list[float]:
     (losses, _) = run_distributed(2, _reference_worker)
     return losses
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("nnodes", [1, 2])
@@ -303,15 +327,17 @@ def test_torchrun_restarts_killed_workers_from_the_latest_checkpoint(tmp_path, u
     if nnodes == 1:
         launchers = [launcher + ["--standalone", "--nproc-per-node", "2"]]
     else:
-        endpoint = f"127.0.0.1:{_free_port()}"
+        endpoint = f"127.0.0.1:{free_port()}"
         launchers = [launcher + ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                                  "--rdzv-endpoint", endpoint, "--rdzv-id", "faults"]] * 2
     script = [str(ROOT / "tests" / "elastic_train_gpt.py"), *TINY, "--steps", "8", "--save", save_dir,
               "--load", save_dir, "--save-interval", "2", "--log-json", log, "--timeout", "30"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), **kills}
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-    procs = [subprocess.Popen(cmd + script, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for cmd in launchers]
+    procs = [
+        subprocess.Popen(cmd + script, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for cmd in launchers
+    ]
     outputs = [p.communicate(timeout=240) for p in procs]
     stdout, stderr = "".join(o for o, _ in outputs), "".join(e for _, e in outputs)
     assert all(p.returncode == 0 for p in procs), stdout[-3000:] + stderr[-3000:]
@@ -331,7 +357,13 @@ def test_torchrun_restarts_killed_workers_from_the_latest_checkpoint(tmp_path, u
     for attempt in steps:
         torch.testing.assert_close(torch.tensor(list(attempt.values())),
                                    torch.tensor([uninterrupted[s - 1] for s in attempt]), rtol=1e-12, atol=0)
-    assert sorted(os.listdir(save_dir)) == ["iter_0000002", "iter_0000004", "iter_0000006", "iter_0000008", TRACKER]
+    assert sorted(os.listdir(save_dir)) == [
+        "iter_0000002",
+        "iter_0000004",
+        "iter_0000006",
+        "iter_0000008",
+        TRACKER,
+    ]
 
 
 def _nonfinite_worker(save_dir: str) -> dict:
@@ -339,7 +371,7 @@ def _nonfinite_worker(save_dir: str) -> dict:
     data-parallel reduction, inside the fp16 optimizer's step after its tenth update)."""
 
     def run(layout: tuple[int, int, int], *argv: str, poison: str = "loss") -> dict:
-        train_gpt = _train_gpt()
+        train_gpt = load_train_gpt()
         steps = []
         if dist.get_rank() == 1 and poison == "loss":
             step_microbatches, loss_func = train_gpt.step_microbatches, train_gpt.loss_func
@@ -373,8 +405,9 @@ def _nonfinite_worker(save_dir: str) -> dict:
 
         train_gpt.get_megatron_optimizer = keep
         tp, pp, dp = layout
-        args = train_gpt.parse_args(SMALL + ["--layers", "2", "--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
-                                             *argv])
+        args = train_gpt.parse_args(
+            SMALL + ["--layers", "2", "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), *argv]
+        )
         try:
             result = train_gpt.train(args)
         except FloatingPointError as e:
@@ -415,15 +448,16 @@ def test_nonfinite_loss_stops_or_skips_on_every_rank(tmp_path):
 
 
 def _largest_layout_worker(precisions: list[list[str]]) -> list[list[float]]:
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     everything = ["--tp", "2", "--pp", "2", "--dp", "2", "--virtual-pipeline", "2", "--sequence-parallel",
                   "--use-distributed-optimizer", "--overlap-param-gather", "--steps", "20", "--timeout", "60"]
     return [train_gpt.train(train_gpt.parse_args(SMALL + everything + p))["losses"] for p in precisions]
 
 
 def _serial_worker() -> list[float]:
-    return _train_gpt().train(_train_gpt().parse_args(SMALL + ["--tp", "1", "--pp", "1", "--steps", "20",
-                                                               "--dtype", "float64"]))["losses"]
+    train_gpt = load_train_gpt()
+    args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "1", "--steps", "20", "--dtype", "float64"])
+    return train_gpt.train(args)["losses"]
 
 
 def test_largest_layout_runs_under_load():
@@ -457,7 +491,7 @@ def _faulty_rank(rank: int, port: int, layout: str, signal_name: str, marks: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=FAULT_TIMEOUT))
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     if rank == 1:
         step_microbatches = train_gpt.step_microbatches
 
@@ -491,11 +525,9 @@ def test_a_dead_or_stopped_rank_is_reported_with_the_collective_group_and_peer(t
 
     import torch.multiprocessing as mp
 
-    from tests.distributed import _free_port
-
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_faulty_rank, args=(r, port, layout, signal_name, str(tmp_path), results))
              for r in range(2)]
     for p in procs:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import socket
 import subprocess
 import sys
@@ -26,9 +25,9 @@ from torch.testing import assert_close
 import megatron_ext
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel
+from tests.conftest import ROOT, has_kernel
 
 HAS_GPU = torch.cuda.is_available()
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")]
 
 ops = torch.ops.megatron_ext
@@ -51,7 +50,7 @@ def test_extension_has_its_cuda_kernels():
     for op in ("bias_gelu_forward", "bias_dropout_add_forward", "vocab_parallel_cross_entropy_row_stats",
                "rms_norm_forward", "rms_norm_backward", "rotary_pos_emb_forward", "rotary_pos_emb_backward",
                "swiglu_forward", "swiglu_backward"):
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_ext::{op}", "CUDA"), op
+        assert has_kernel(op, "CUDA"), op
 
 
 # Width 200: 16-byte packs in every dtype; 201: the element-wise kernels.
@@ -306,7 +305,10 @@ def _run_train_gpt(device: str, tmp_path) -> list[float]:
            str(ROOT / "examples" / "train_gpt.py"), "--device", device, "--tp", "1", "--pp", "1",
            "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--micro-batch-size", "4",
            "--global-batch-size", "8", "--steps", "6", "--no-progress", "--plot", "", "--log-json", str(log)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [record["loss"] for record in map(json.loads, log.read_text().splitlines()) if "loss" in record]

@@ -13,10 +13,10 @@ import megatron_ext  # noqa: F401
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel
 from megatron_ext.fusions import bias_gelu, get_bias_dropout_add
+from tests.conftest import EXACT, Comparisons, assert_comparisons, grads_of, has_kernel
 from tests.distributed import run_distributed
 
 ops = torch.ops.megatron_ext
-EXACT = dict(rtol=1e-12, atol=1e-12)
 LOOSE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
@@ -27,10 +27,6 @@ def _inputs(dtype: torch.dtype, shape=(5, 3, 24), seed: int = 0):
     r = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
     grad = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
     return x, b, r, grad
-
-
-def _grads(out: torch.Tensor, grad: torch.Tensor, *inputs: torch.Tensor) -> list[torch.Tensor]:
-    return list(torch.autograd.grad(out, inputs, grad))
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
@@ -45,7 +41,7 @@ def test_bias_gelu_equals_unfused(approximate, dtype):
     tol = EXACT if dtype == torch.float64 else LOOSE[dtype]
     assert fused.dtype == dtype
     assert_close(fused.double(), ref, **tol)
-    for got, want in zip(_grads(fused, grad, x, b), _grads(ref, grad.double(), x64, b64)):
+    for got, want in zip(grads_of(fused, grad, x, b), grads_of(ref, grad.double(), x64, b64)):
         assert got.dtype == dtype
         # The bias gradient sums 15 rows: its rounding in 16 bits grows with the sum.
         assert_close(got.double(), want, **(tol if dtype != torch.bfloat16 else dict(rtol=4e-2, atol=6e-2)))
@@ -80,7 +76,7 @@ def test_bias_dropout_add_equals_unfused(dtype, with_bias):
     tol = EXACT if dtype == torch.float64 else LOOSE[dtype]
     assert_close(fused.double(), ref, **tol)
     inputs, refs = ([x, b, r], [x64, b64, r64]) if with_bias else ([x, r], [x64, r64])
-    for got, want in zip(_grads(fused, grad, *inputs), _grads(ref, grad.double(), *refs)):
+    for got, want in zip(grads_of(fused, grad, *inputs), grads_of(ref, grad.double(), *refs)):
         assert_close(got.double(), want, **(tol if dtype != torch.bfloat16 else dict(rtol=4e-2, atol=6e-2)))
 
     # The generator moved on: the next call draws another mask.
@@ -96,7 +92,7 @@ def test_bias_dropout_add_without_dropout_is_the_sum_and_draws_nothing(training,
     assert torch.equal(torch.get_rng_state(), state)
     unfused = get_bias_dropout_add(training, False)((x, b), r, prob)
     assert_close(fused, unfused, **EXACT)
-    for got, want in zip(_grads(fused, grad, x, b, r), _grads(unfused, grad, x, b, r)):
+    for got, want in zip(grads_of(fused, grad, x, b, r), grads_of(unfused, grad, x, b, r)):
         assert_close(got, want, **EXACT)
 
 
@@ -242,46 +238,50 @@ def _shard_of(name: str, full: torch.Tensor, local: torch.Tensor, tp: int, rank:
     return full.chunk(tp, dim)[rank]
 
 
-def _layer_flags_worker() -> bool:
+def _layer_flags_worker() -> list[tuple]:
+    """Fusion flags on against off, serial against TP 2 (recorded comparisons, made in the test)."""
+    compared = Comparisons()
     exact = dict(rtol=1e-10, atol=1e-12)
     ps.initialize_model_parallel(1)
     _weight_grad_checks(ps.get_tensor_model_parallel_group().group_name)
     ref_loss, ref_grads = _run(_gpt(1, fused=False))
     loss, grads = _run(_gpt(1, fused=True))
-    assert_close(loss, ref_loss, **exact)
+    compared.close(loss, ref_loss, **exact)
     for name, grad in grads.items():
-        assert_close(grad, ref_grads[name], **exact, msg=name)
+        compared.close(grad, ref_grads[name], **exact, label=name)
     # With dropout on, the fused masks come from the default generator, which every layout seeds
     # alike: serial with and without recomputation, then tensor parallel, agree.
     drop_loss, drop_grads = _run(_gpt(1, fused=True, hidden_dropout=0.2))
     assert (drop_loss - ref_loss).abs().max() > 1e-3  # dropout did change the loss
     re_loss, re_grads = _run(_gpt(1, fused=True, hidden_dropout=0.2, recompute=True))
-    assert_close(re_loss, drop_loss, **exact)
+    compared.close(re_loss, drop_loss, **exact)
     for name, grad in re_grads.items():
-        assert_close(grad, drop_grads[name], **exact, msg=name)
+        compared.close(grad, drop_grads[name], **exact, label=name)
     ps.destroy_model_parallel()
 
     ps.initialize_model_parallel(2)
     rank = ps.get_tensor_model_parallel_rank()
     for dropout, (want_loss, want_grads) in ((0.0, (ref_loss, ref_grads)), (0.2, (drop_loss, drop_grads))):
         loss, grads = _run(_gpt(2, fused=True, hidden_dropout=dropout))
-        assert_close(loss, want_loss, **exact)
+        compared.close(loss, want_loss, **exact)
         for name, grad in grads.items():
-            assert_close(grad, _shard_of(name, want_grads[name], grad, 2, rank), **exact, msg=name)
+            compared.close(grad, _shard_of(name, want_grads[name], grad, 2, rank), **exact, label=name)
     ps.destroy_model_parallel()
-    return True
+    return compared.made
 
 
 def test_transformer_layer_fusion_flags_on_equal_off_and_parallel_equals_serial():
-    assert run_distributed(2, _layer_flags_worker) == [True, True]
+    results = run_distributed(2, _layer_flags_worker)
+    for made in results:
+        assert_comparisons(made)
+    assert len({len(made) for made in results}) == 1
 
 
 def test_kernels_registered_for_every_backend_built():
     cuda = megatron_ext.build_info()["cuda_compiled"]
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
     for op in ("bias_gelu_forward", "bias_gelu_backward", "bias_dropout_add_forward", "dropout_backward"):
-        assert has(f"megatron_ext::{op}", "CPU") and has(f"megatron_ext::{op}", "Meta"), op
-        assert has(f"megatron_ext::{op}", "CUDA") == cuda, op
+        assert has_kernel(op, "CPU") and has_kernel(op, "Meta"), op
+        assert has_kernel(op, "CUDA") == cuda, op
     for op in ("bias_gelu", "bias_dropout_add"):
         for key in ("Autograd", "CompositeExplicitAutograd", "Meta"):
-            assert has(f"megatron_ext::{op}", key), (op, key)
+            assert has_kernel(op, key), (op, key)

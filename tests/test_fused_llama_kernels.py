@@ -27,6 +27,7 @@ from megatron_ext.fusions import (
     fused_rms_norm,
     swiglu,
 )
+from tests.conftest import grads_of, has_kernel
 
 ops = torch.ops.megatron_ext
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
@@ -40,10 +41,6 @@ def _randn(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0,
            scale: float = 1.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
-
-
-def _grads(out: torch.Tensor, grad: torch.Tensor, *inputs: torch.Tensor) -> list[torch.Tensor]:
-    return list(torch.autograd.grad(out, inputs, grad))
 
 
 def _leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -71,12 +68,12 @@ def test_rms_norm_equals_torch(dtype, shape):
     grad = _randn(*shape, dtype=dtype, seed=3)
     out = fused_rms_norm(x, w, eps)
     assert out.dtype == dtype and out.shape == x.shape
-    grads = _grads(out, grad, x, w)
+    grads = grads_of(out, grad, x, w)
     # The reference in the accumulation dtype from the same (rounded) inputs.
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     x_ref, w_ref = _leaf(x, acc), _leaf(w, acc)
     ref = F.rms_norm(x_ref, (h,), w_ref, eps)
-    ref_grads = _grads(ref, grad.to(acc), x_ref, w_ref)
+    ref_grads = grads_of(ref, grad.to(acc), x_ref, w_ref)
     if dtype == torch.float64:
         # Only the row sums' order differs from torch's: the output within 4 ulp, the gradients
         # (whose terms partly cancel) within 1e-14 of their scale.
@@ -135,8 +132,8 @@ def test_rms_norm_non_contiguous_input():
     x_ref, w_ref = _leaf(x.detach().contiguous()), _leaf(w)
     ref = F.rms_norm(x_ref, (33,), w_ref, 1e-6)
     assert_close(out, ref, rtol=1e-15, atol=0)
-    gx, gw = _grads(out, grad, x, w)
-    rx, rw = _grads(ref, grad, x_ref, w_ref)
+    gx, gw = grads_of(out, grad, x, w)
+    rx, rw = grads_of(ref, grad, x_ref, w_ref)
     assert_close(gx, rx, rtol=1e-14, atol=1e-14)
     assert_close(gw, rw, rtol=1e-14, atol=1e-14)
 
@@ -181,19 +178,19 @@ def test_rotary_equals_megatron_chain(dtype, shape, rot_dim, interleaved):
     grad = _randn(*shape, dtype=dtype, seed=21)
     out = fused_apply_rotary_pos_emb(t, freqs, rotary_interleaved=interleaved)
     assert out.dtype == dtype and out.shape == t.shape and out.is_contiguous()
-    (got_grad,) = _grads(out, grad, t)
+    (got_grad,) = grads_of(out, grad, t)
     if dtype in (torch.float64, torch.float32):
         t_ref = _leaf(t)
         ref = _rope_chain(t_ref, freqs, interleaved)
         _assert_equal(out, ref, "forward")
-        _assert_equal(got_grad, _grads(ref, grad, t_ref)[0], "backward")
+        _assert_equal(got_grad, grads_of(ref, grad, t_ref)[0], "backward")
     else:
         t32 = _leaf(t, torch.float32)
         cos = torch.cos(freqs).to(dtype).float()
         sin = torch.sin(freqs).to(dtype).float()
         ref = torch.cat((_rotate(t32[..., :rot_dim], cos, sin, interleaved), t32[..., rot_dim:]), dim=-1)
         assert_close(out.float(), ref, **BF16_HALF_ULP)
-        (want,) = _grads(ref, grad.float(), t32)
+        (want,) = grads_of(ref, grad.float(), t32)
         assert_close(got_grad.float(), want, **BF16_HALF_ULP)
 
 
@@ -211,7 +208,7 @@ def test_rotary_reads_strided_heads(interleaved):
         ref = _rope_chain(t, freqs, interleaved)
         _assert_equal(out, ref, "forward")
         leaf = mixed if t.stride(3) == 1 else transposed
-        _assert_equal(_grads(out, grad, leaf)[0], _grads(ref, grad, leaf)[0], "backward")
+        _assert_equal(grads_of(out, grad, leaf)[0], grads_of(ref, grad, leaf)[0], "backward")
 
 
 def test_rotary_megatron_keyword_and_float64_angles():
@@ -247,11 +244,11 @@ def test_swiglu_equals_megatron_chain(dtype, shape, with_bias):
     inputs = (y, b) if with_bias else (y,)
     out = bias_swiglu(y, b)
     assert out.dtype == dtype and out.shape == grad.shape
-    got = _grads(out, grad, *inputs)
+    got = grads_of(out, grad, *inputs)
     if dtype in (torch.float64, torch.float32):
         refs = [_leaf(t) for t in inputs]
         ref = _swiglu_chain(refs[0], refs[1] if with_bias else None)
-        want = _grads(ref, grad, *refs)
+        want = grads_of(ref, grad, *refs)
         if SAME_ISA:
             _assert_equal(out, ref, "forward")
             for name, g, w in zip(("y", "bias"), got, want):
@@ -264,7 +261,7 @@ def test_swiglu_equals_megatron_chain(dtype, shape, with_bias):
     else:
         refs = [_leaf(t, torch.float32) for t in inputs]
         ref = _swiglu_chain(refs[0], refs[1] if with_bias else None)
-        want = _grads(ref, grad.float(), *refs)
+        want = grads_of(ref, grad.float(), *refs)
         assert_close(out.float(), ref, **BF16_HALF_ULP)
         assert_close(got[0].float(), want[0], **BF16_HALF_ULP)
         if with_bias:  # a sum over rows of gradients each rounded to bfloat16 (the bias's gradient is y's)
@@ -287,7 +284,7 @@ def test_swiglu_names_and_non_contiguous_input():
     grad = _randn(6, 4, 24, seed=36)
     tol = dict(rtol=0, atol=0) if SAME_ISA else dict(rtol=4e-15, atol=4e-15)
     assert_close(out, ref, **tol)
-    assert_close(_grads(out, grad, strided)[0], _grads(ref, grad, ref_leaf)[0], **tol)
+    assert_close(grads_of(out, grad, strided)[0], grads_of(ref, grad, ref_leaf)[0], **tol)
 
 
 # --- every op: opcheck, torch.compile, instruction sets, refusals ----------------------------
@@ -326,6 +323,7 @@ def _llama_block(x, w, freqs, y, b):
     return q.sum() + bias_swiglu(y, b).square().sum() + swiglu(y).sum()
 
 
+@pytest.mark.slow  # compiles with inductor
 def test_compiles_with_fullgraph():
     torch._dynamo.reset()
     x, w = _randn(4, 2, 16, seed=46), _randn(16, seed=47)
@@ -422,12 +420,11 @@ def test_bad_input_is_refused():
 
 def test_kernels_registered_for_every_backend_built():
     cuda = megatron_ext.build_info()["cuda_compiled"]
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
     kernels = ("rms_norm_forward", "rms_norm_backward", "rotary_pos_emb_forward", "rotary_pos_emb_backward",
                "swiglu_forward", "swiglu_backward")
     for op in kernels:
-        assert has(f"megatron_ext::{op}", "CPU") and has(f"megatron_ext::{op}", "Meta"), op
-        assert has(f"megatron_ext::{op}", "CUDA") == cuda, op
+        assert has_kernel(op, "CPU") and has_kernel(op, "Meta"), op
+        assert has_kernel(op, "CUDA") == cuda, op
     for op in ("rms_norm", "rotary_pos_emb", "swiglu"):
         for key in ("Autograd", "CompositeExplicitAutograd", "Meta"):
-            assert has(f"megatron_ext::{op}", key), (op, key)
+            assert has_kernel(op, key), (op, key)

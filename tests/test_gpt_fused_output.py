@@ -5,23 +5,30 @@ untied output layer, for a mean loss and a loss-masked one."""
 from __future__ import annotations
 
 import torch
-from torch.testing import assert_close
 
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel
 from megatron_ext.models import GPTModel
 from megatron_ext.transformer import TransformerConfig
+from tests.conftest import TIGHT, Comparisons, assert_comparisons
 from tests.distributed import run_distributed
 
 VOCAB, SEQ, BATCH, SEED = 64, 8, 3, 7
-EXACT = dict(rtol=1e-10, atol=1e-12)
 
 
 def _model(tp: int, fused: bool, sequence_parallel: bool, **kwargs) -> GPTModel:
     config = TransformerConfig(
-        tensor_model_parallel_size=tp, num_layers=2, hidden_size=16, num_attention_heads=4, hidden_dropout=0.0,
-        attention_dropout=0.0, params_dtype=torch.float64, pipeline_dtype=torch.float64,
-        use_cpu_initialization=True, sequence_parallel=sequence_parallel, fused_output_cross_entropy=fused,
+        tensor_model_parallel_size=tp,
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float64,
+        pipeline_dtype=torch.float64,
+        use_cpu_initialization=True,
+        sequence_parallel=sequence_parallel,
+        fused_output_cross_entropy=fused,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
     return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, init_seed=SEED, **kwargs)
@@ -49,7 +56,9 @@ def _loss_and_grads(model: GPTModel, masked: bool):
     return losses.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
-def _worker() -> bool:
+def _worker() -> list[tuple]:
+    """Fused against unfused output layer + loss (recorded comparisons, made in the test)."""
+    compared = Comparisons()
     for tp, sequence_parallel in ((1, False), (2, False), (2, True)):
         ps.initialize_model_parallel(tp)
         for tied in (True, False):
@@ -59,14 +68,17 @@ def _worker() -> bool:
                 fused = _model(tp, True, sequence_parallel, share_embeddings_and_output_weights=tied)
                 loss, grads = _loss_and_grads(fused, masked)
                 where = f"tp={tp} sp={sequence_parallel} tied={tied} masked={masked}"
-                assert_close(loss, ref_loss, **EXACT, msg=lambda m: f"{where}: {m}")
+                compared.close(loss, ref_loss, **TIGHT, label=where)
                 assert grads.keys() == ref_grads.keys()
                 for name, grad in grads.items():
                     assert grad is not None, f"{where}: {name} has no gradient"
-                    assert_close(grad, ref_grads[name], **EXACT, msg=lambda m: f"{where} {name}: {m}")
+                    compared.close(grad, ref_grads[name], **TIGHT, label=f"{where} {name}")
         ps.destroy_model_parallel()
-    return True
+    return compared.made
 
 
 def test_fused_output_cross_entropy_equals_unfused():
-    assert run_distributed(2, _worker) == [True, True]
+    results = run_distributed(2, _worker)
+    for made in results:
+        assert_comparisons(made)
+    assert len({len(made) for made in results}) == 1

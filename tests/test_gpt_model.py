@@ -13,10 +13,10 @@ from megatron_ext import tensor_parallel
 from megatron_ext.distributed import finalize_model_grads
 from megatron_ext.models import GPTModel
 from megatron_ext.transformer import TransformerConfig
+from tests.conftest import TIGHT, Comparisons, assert_comparisons, float64
 from tests.distributed import run_distributed
 
 VOCAB, SEQ, BATCH, SEED = 64, 8, 3, 7
-EXACT = dict(rtol=1e-10, atol=1e-12)
 
 
 def _model(tp: int, pp: int = 1, **kwargs) -> GPTModel:
@@ -44,7 +44,9 @@ class _Wrapper(torch.nn.Module):
         self.module = module
 
 
-def _tensor_parallel_worker() -> bool:
+def _tensor_parallel_worker() -> list[tuple]:
+    """The GPT at TP 2 against the serial one (recorded comparisons, made in the test)."""
+    compared = Comparisons()
     tokens, positions, labels = _batch()
     ps.initialize_model_parallel(1)
     serial = _model(1)
@@ -60,11 +62,12 @@ def _tensor_parallel_worker() -> bool:
         model = _model(2, parallel_output=parallel_output)
         logits = model(tokens, positions)
         expected = ref_logits.chunk(2, -1)[r] if parallel_output else ref_logits
-        assert_close(logits, expected, **EXACT)
+        compared.close(logits, expected, **TIGHT, label=f"logits, parallel_output={parallel_output}")
         loss = model(tokens, positions, labels=labels)  # vocab-parallel whatever parallel_output says
-        assert_close(loss, ref_loss, **EXACT)
+        compared.close(loss, ref_loss, **TIGHT, label=f"loss, parallel_output={parallel_output}")
         loss.sum().backward()
-        assert_close(model.embedding.word_embeddings.weight.grad, ref_grad.chunk(2, 0)[r], **EXACT)
+        compared.close(model.embedding.word_embeddings.weight.grad, ref_grad.chunk(2, 0)[r], **TIGHT,
+                       label=f"embedding gradient, parallel_output={parallel_output}")
 
     for bad in (VOCAB, -1):
         ids = tokens.clone()
@@ -72,31 +75,39 @@ def _tensor_parallel_worker() -> bool:
         with pytest.raises(ValueError, match=rf"token id {bad} is outside \[0, {VOCAB}\)"):
             model(ids, positions)
     ps.destroy_model_parallel()
-    return True
+    return compared.made
 
 
-def _tied_embedding_worker() -> bool:
+def _tied_embedding_worker() -> dict:
     ps.initialize_model_parallel(1, 2)
     first = ps.is_pipeline_first_stage()
     model = _model(1, 2)
     weight = model.shared_embedding_or_output_weight()
     gathered = [torch.empty_like(weight) for _ in range(2)]
     dist.all_gather(gathered, weight.detach())
-    assert_close(gathered[0], gathered[1], rtol=0, atol=0)  # the last stage's copy starts equal
     # Each stage's own gradient; after finalisation both hold their sum, found through a wrapper.
     weight.grad = torch.full_like(weight, 1.0 if first else 2.0)
     finalize_model_grads([_Wrapper(model)])
-    assert torch.all(weight.grad == 3.0)
+    got = {"first_stage": first, "gathered": [g.tolist() for g in gathered], "grad": weight.grad.tolist()}
     ps.destroy_model_parallel()
-    return True
+    return got
 
 
 def test_tensor_parallel_gpt_equals_serial():
-    assert run_distributed(2, _tensor_parallel_worker) == [True, True]
+    results = run_distributed(2, _tensor_parallel_worker)
+    for made in results:
+        assert len(made) == 6
+        assert_comparisons(made)
 
 
 def test_tied_embedding_across_stages():
-    assert run_distributed(2, _tied_embedding_worker) == [True, True]
+    results = run_distributed(2, _tied_embedding_worker)
+    assert [got["first_stage"] for got in results] == [True, False]
+    for got in results:
+        first, last = got["gathered"]
+        assert_close(float64(first), float64(last), rtol=0, atol=0)  # the last stage's copy starts equal
+        grad = float64(got["grad"])
+        assert_close(grad, torch.full_like(grad, 3.0), rtol=0, atol=0)  # the two stages' sum
 
 
 def _attention_worker() -> None:
@@ -127,7 +138,7 @@ def _attention_worker() -> None:
             results[(backend, mask is None)] = (out.detach(), inp.grad, weight_grad)
     for no_mask in (True, False):
         for fused, unfused in zip(results[("auto", no_mask)], results[("unfused", no_mask)]):
-            assert_close(fused, unfused, **EXACT)
+            assert_close(fused, unfused, **TIGHT)
     assert not torch.allclose(results[("auto", True)][0], results[("auto", False)][0])
     # Dropout inside SDPA draws from the tracker's stream: the same stream, the same output.
     config = TransformerConfig(

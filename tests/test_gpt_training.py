@@ -3,48 +3,17 @@ the serial run: within 1e-9 relative in float64 and 1e-5 in float32, with both s
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import pathlib
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state as ps
+from tests.conftest import SMALL, assert_losses_match, load_train_gpt, train_layouts
 from tests.distributed import run_distributed
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-SMALL = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--micro-batch-size", "2",
-         "--global-batch-size", "8", "--steps", "5", "--lr", "1e-2", "--no-progress", "--plot", ""]
-
-
-def _train_gpt():
-    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _layouts_worker(layouts, dtypes, schedules, extra):
-    train_gpt = _train_gpt()
-    out = {}
-    for tp, pp, dp in layouts:
-        for dtype in dtypes:
-            for schedule in schedules if pp > 1 else schedules[:1]:
-                args = train_gpt.parse_args(SMALL + ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
-                                                     "--dtype", dtype, "--schedule", schedule] + extra)
-                out[(tp, pp, dp, dtype, schedule)] = train_gpt.train(args)["losses"]
-    return out
-
-
-def _compare(reference: dict, results: dict):
-    for (tp, pp, dp, dtype, schedule), losses in results.items():
-        ref = torch.tensor(reference[(1, 1, 1, dtype, "1f1b")], dtype=torch.float64)
-        got = torch.tensor(losses, dtype=torch.float64)
-        rtol = 1e-9 if dtype == "float64" else 1e-5
-        torch.testing.assert_close(got, ref, rtol=rtol, atol=0, msg=lambda m: f"{(tp, pp, dp, dtype, schedule)}: {m}")
-
+pytestmark = pytest.mark.slow  # trains the example GPT at many layouts
 
 DTYPES = ["float64", "float32"]
 SCHEDULES = ["1f1b", "gpipe"]
@@ -52,7 +21,7 @@ SCHEDULES = ["1f1b", "gpipe"]
 
 @pytest.fixture(scope="module")
 def serial_losses():
-    (ref,) = run_distributed(1, _layouts_worker, [(1, 1, 1)], DTYPES, SCHEDULES, [])
+    (ref,) = run_distributed(1, train_layouts, [(1, 1, 1)], DTYPES, SCHEDULES, [])
     losses = ref[(1, 1, 1, "float64", "1f1b")]
     assert len(losses) == 5 and losses[-1] < losses[0]  # it trains
     return ref
@@ -67,17 +36,19 @@ def serial_losses():
     ],
 )
 def test_layouts_match_serial(serial_losses, world, layouts):
-    results = run_distributed(world, _layouts_worker, layouts, DTYPES, SCHEDULES, [])
+    results = run_distributed(world, train_layouts, layouts, DTYPES, SCHEDULES, [])
     for rank_result in results:  # every rank reports the global loss
         assert rank_result == results[0]
-    _compare(serial_losses, results[0])
+    assert_losses_match(serial_losses, results[0])
 
 
 def test_recompute_and_dropout(serial_losses):
     # Recomputation replays the forward's RNG states, so with dropout the losses equal those of
     # the run without recomputation; without dropout both equal the serial losses.
     plain, recomputed = (
-        run_distributed(4, _layouts_worker, [(2, 2, 1)], ["float64"], ["1f1b"], extra)[0][(2, 2, 1, "float64", "1f1b")]
+        run_distributed(4, train_layouts, [(2, 2, 1)], ["float64"], ["1f1b"], extra)[0][
+            (2, 2, 1, "float64", "1f1b")
+        ]
         for extra in (["--dropout", "0.1"], ["--dropout", "0.1", "--recompute"])
     )
     torch.testing.assert_close(torch.tensor(recomputed), torch.tensor(plain), rtol=1e-12, atol=0)
@@ -92,17 +63,17 @@ def test_virtual_pipeline_layouts_match_serial(serial_losses):
     # serial losses; the tied embedding lives in chunk 0 of the first stage and the last chunk of
     # the last stage.
     vp = ["--virtual-pipeline", "2"]
-    results = run_distributed(4, _layouts_worker, [(2, 2, 1), (1, 2, 2)], ["float64"], SCHEDULES, vp)
+    results = run_distributed(4, train_layouts, [(2, 2, 1), (1, 2, 2)], ["float64"], SCHEDULES, vp)
     for rank_result in results:
         assert rank_result == results[0]
-    _compare(serial_losses, results[0])
+    assert_losses_match(serial_losses, results[0])
     # Four stages of two chunks each (8 layers; 4 micro-batches) and three chunks of two stages.
     deep = ["--layers", "12"]
-    (reference,) = run_distributed(1, _layouts_worker, [(1, 1, 1)], ["float64"], ["1f1b"], deep)
+    (reference,) = run_distributed(1, train_layouts, [(1, 1, 1)], ["float64"], ["1f1b"], deep)
     for layouts, chunks in (([(1, 4, 1)], "3"), ([(1, 2, 2)], "3")):
-        results = run_distributed(4, _layouts_worker, layouts, ["float64"], ["1f1b"],
+        results = run_distributed(4, train_layouts, layouts, ["float64"], ["1f1b"],
                                   deep + ["--virtual-pipeline", chunks])
-        _compare(reference, results[0])
+        assert_losses_match(reference, results[0])
 
 
 # --- zero-bubble schedules ------------------------------------------------------------------------
@@ -113,50 +84,113 @@ def test_zero_bubble_schedules_match_serial(serial_losses):
     # and the loss) train to the serial losses, also with sequence parallelism, the distributed
     # optimizer and recomputation, whose weight gradients all wait for the W halves.
     zero_bubble = ["zb-h1", "zb-v"]
-    results = run_distributed(4, _layouts_worker, [(2, 2, 1)], ["float64"], zero_bubble, [])
+    results = run_distributed(4, train_layouts, [(2, 2, 1)], ["float64"], zero_bubble, [])
     for rank_result in results:
         assert rank_result == results[0]
-    _compare(serial_losses, results[0])
-    dp2 = run_distributed(4, _layouts_worker, [(1, 2, 2)], ["float64"], ["zb-h1"], [])
-    _compare(serial_losses, dp2[0])
+    assert_losses_match(serial_losses, results[0])
+    dp2 = run_distributed(4, train_layouts, [(1, 2, 2)], ["float64"], ["zb-h1"], [])
+    assert_losses_match(serial_losses, dp2[0])
     extra = ["--sequence-parallel", "--use-distributed-optimizer", "--recompute"]
-    combined = run_distributed(4, _layouts_worker, [(2, 2, 1)], ["float64"], zero_bubble, extra)
-    _compare(serial_losses, combined[0])
+    combined = run_distributed(4, train_layouts, [(2, 2, 1)], ["float64"], zero_bubble, extra)
+    assert_losses_match(serial_losses, combined[0])
 
 
 @pytest.mark.parametrize(
     "argv,world,message",
     [
-        (["--pp", "2", "--layers", "6", "--virtual-pipeline", "2"], 2,
-         "--layers 6 is not divisible by --pp x --virtual-pipeline = 2 x 2"),
-        (["--pp", "1", "--virtual-pipeline", "2"], 1, "--virtual-pipeline 2 needs a value >= 1 and --pp >= 2"),
+        (
+            ["--pp", "2", "--layers", "6", "--virtual-pipeline", "2"],
+            2,
+            "--layers 6 is not divisible by --pp x --virtual-pipeline = 2 x 2",
+        ),
+        (
+            ["--pp", "1", "--virtual-pipeline", "2"],
+            1,
+            "--virtual-pipeline 2 needs a value >= 1 and --pp >= 2",
+        ),
         (["--tp", "2", "--heads", "3", "--hidden", "48"], 2, "--heads 3 is not divisible by --tp 2"),
         (["--pp", "2", "--layers", "3"], 2, "--layers 3 is not divisible by --pp 2"),
         (["--pp", "1", "--schedule", "zb-h1"], 1, "--schedule zb-h1 needs --pp >= 2"),
-        (["--pp", "2", "--schedule", "zb-v", "--virtual-pipeline", "3", "--layers", "6"], 2,
-         "--schedule zb-v runs 2 model chunks per rank, got --virtual-pipeline 3"),
-        (["--pp", "2", "--schedule", "zb-v", "--global-batch-size", "4"], 2,
-         "--schedule zb-v needs at least 2 x --pp - 1 = 3 micro-batches per step, got"),
-        (["--dp", "2", "--global-batch-size", "6", "--micro-batch-size", "2"], 2,
-         "--global-batch-size 6 is not divisible by --micro-batch-size x dp = 2 x 2"),
+        (
+            ["--pp", "2", "--schedule", "zb-v", "--virtual-pipeline", "3", "--layers", "6"],
+            2,
+            "--schedule zb-v runs 2 model chunks per rank, got --virtual-pipeline 3",
+        ),
+        (
+            ["--pp", "2", "--schedule", "zb-v", "--global-batch-size", "4"],
+            2,
+            "--schedule zb-v needs at least 2 x --pp - 1 = 3 micro-batches per step, got",
+        ),
+        (
+            ["--dp", "2", "--global-batch-size", "6", "--micro-batch-size", "2"],
+            2,
+            "--global-batch-size 6 is not divisible by --micro-batch-size x dp = 2 x 2",
+        ),
         (["--tp", "2", "--pp", "2", "--dp", "1"], 8, "world size 8 != tp x pp x dp = 2 x 2 x 1"),
         (["--tp", "3", "--pp", "1"], 4, "world size 4 is not divisible by tp x pp = 3"),
         (["--tp", "1", "--pp", "1", "--data", "/nonexistent/corpus.txt"], 1, "no such file"),
-        (["--tp", "2", "--pp", "1", "--hidden", "30", "--heads", "4"], 2, "--hidden 30 is not divisible by --heads 4"),
+        (
+            ["--tp", "2", "--pp", "1", "--hidden", "30", "--heads", "4"],
+            2,
+            "--hidden 30 is not divisible by --heads 4",
+        ),
         (["--timeout", "0"], 1, "--timeout must be positive, got 0.0"),
-        (["--arch", "llama", "--num-query-groups", "3"], 1, "--num-query-groups 3 must be a positive divisor of --heads 4"),
-        (["--arch", "llama", "--tp", "4", "--pp", "1", "--heads", "8", "--num-query-groups", "6", "--hidden", "48"], 4,
-         "--num-query-groups 6 must be a positive divisor of --heads 8"),
-        (["--arch", "llama", "--tp", "4", "--pp", "1", "--heads", "12", "--num-query-groups", "6", "--hidden", "48"],
-         4, "--num-query-groups 6 must be a multiple or a divisor of --tp 4"),
-        (["--arch", "llama", "--ffn-hidden", "30", "--tp", "4", "--pp", "1"], 4,
-         "--ffn-hidden 30 must be >= 1 and divisible by --tp 4"),
-        (["--export-hf", "/tmp/out"], 1, "--export-hf writes Llama-shaped models: use --arch llama or --load-hf"),
+        (
+            ["--arch", "llama", "--num-query-groups", "3"],
+            1,
+            "--num-query-groups 3 must be a positive divisor of --heads 4",
+        ),
+        (
+            [
+                "--arch",
+                "llama",
+                "--tp",
+                "4",
+                "--pp",
+                "1",
+                "--heads",
+                "8",
+                "--num-query-groups",
+                "6",
+                "--hidden",
+                "48",
+            ],
+            4,
+            "--num-query-groups 6 must be a positive divisor of --heads 8",
+        ),
+        (
+            [
+                "--arch",
+                "llama",
+                "--tp",
+                "4",
+                "--pp",
+                "1",
+                "--heads",
+                "12",
+                "--num-query-groups",
+                "6",
+                "--hidden",
+                "48",
+            ],
+            4,
+            "--num-query-groups 6 must be a multiple or a divisor of --tp 4",
+        ),
+        (
+            ["--arch", "llama", "--ffn-hidden", "30", "--tp", "4", "--pp", "1"],
+            4,
+            "--ffn-hidden 30 must be >= 1 and divisible by --tp 4",
+        ),
+        (
+            ["--export-hf", "/tmp/out"],
+            1,
+            "--export-hf writes Llama-shaped models: use --arch llama or --load-hf",
+        ),
         (["--load-hf", "/nonexistent/model"], 1, "--load-hf '/nonexistent/model' holds no config.json"),
     ],
 )
 def test_bad_arguments_raise_before_training(argv, world, message):
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "1"] + argv)
     with pytest.raises(ValueError, match=message.replace("+", r"\+")):
         train_gpt.check_args(args, world)
@@ -164,7 +198,7 @@ def test_bad_arguments_raise_before_training(argv, world, message):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_device_cuda_without_a_gpu_is_refused():
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "1", "--device", "cuda"])
     with pytest.raises(ValueError, match="--device cuda: this torch sees no CUDA GPU"):
         train_gpt.check_args(args, 1)
@@ -173,7 +207,7 @@ def test_device_cuda_without_a_gpu_is_refused():
 
 
 def test_timeout_default_follows_the_device():
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "1", "--device", "cpu"])
     train_gpt.check_args(args, 1)
     assert args.timeout == 120.0
@@ -187,7 +221,7 @@ def test_timeout_default_follows_the_device():
 
 
 def _bad_arguments_worker(cases):
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     messages = []
     for argv in cases:
         with pytest.raises(ValueError) as error:
@@ -198,7 +232,10 @@ def _bad_arguments_worker(cases):
 
 
 def test_bad_arguments_raise_on_every_rank():
-    cases = [["--tp", "2", "--pp", "1", "--heads", "3", "--hidden", "48"], ["--tp", "1", "--pp", "2", "--layers", "3"]]
+    cases = [
+        ["--tp", "2", "--pp", "1", "--heads", "3", "--hidden", "48"],
+        ["--tp", "1", "--pp", "2", "--layers", "3"],
+    ]
     messages = run_distributed(2, _bad_arguments_worker, cases)
     assert messages[0] == messages[1]
     assert "--heads 3 is not divisible by --tp 2" in messages[0][0]
@@ -206,7 +243,7 @@ def test_bad_arguments_raise_on_every_rank():
 
 
 def _dying_rank_worker():
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "2", "--steps", "50", "--timeout", "20"])
     if dist.get_rank() == 1:
         original = train_gpt.step_microbatches
@@ -240,16 +277,16 @@ def test_a_dying_rank_makes_the_others_fail_not_hang():
     ],
 )
 def test_sequence_parallel_layouts_match_serial(serial_losses, world, layouts, dtypes):
-    results = run_distributed(world, _layouts_worker, layouts, dtypes, SCHEDULES, ["--sequence-parallel"])
+    results = run_distributed(world, train_layouts, layouts, dtypes, SCHEDULES, ["--sequence-parallel"])
     for rank_result in results:
         assert rank_result == results[0]
-    _compare(serial_losses, results[0])
+    assert_losses_match(serial_losses, results[0])
 
 
 def test_sequence_parallel_recompute_and_dropout():
     sp = ["--sequence-parallel", "--dropout", "0.1"]
     plain, recomputed = (
-        run_distributed(4, _layouts_worker, [(2, 2, 1)], ["float64"], ["1f1b"], sp + extra)[0][
+        run_distributed(4, train_layouts, [(2, 2, 1)], ["float64"], ["1f1b"], sp + extra)[0][
             (2, 2, 1, "float64", "1f1b")
         ]
         for extra in ([], ["--recompute"])

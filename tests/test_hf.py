@@ -17,22 +17,34 @@ from megatron_ext.models import GPTModel
 from megatron_ext.models.hf import config_from_hf, export_hf_state_dict, load_hf_state_dict
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # end-to-end runs from Hugging Face weights
+
 transformers = pytest.importorskip("transformers")
 
 BATCH, SEQ = 2, 10
 
 
 def _hf_config(model_type: str = "llama", **overrides):
-    kwargs = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5,
-                  rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    kwargs = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    )
     kwargs.update(overrides)
     return transformers.AutoConfig.for_model(model_type, **kwargs)
 
 
 def _hf_model(config, seed: int = 0):
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa", dtype=torch.float64
+    )
     with torch.no_grad():  # the norms start at ones: make them tell the layers apart
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -147,7 +159,10 @@ def test_hf_weights_give_transformers_logits(world):
         cases.append(({}, LAYOUTS, False))
     compared = _compared(run_distributed(world, _load_worker, cases))
     for case, (hf_kwargs, _, float64_norm) in enumerate(cases):
-        assert set(compared[case]) == set(fits if case == 0 or not float64_norm else fits[:1]), (case, compared)
+        assert set(compared[case]) == set(fits if case == 0 or not float64_norm else fits[:1]), (
+            case,
+            compared,
+        )
         for layout, err in compared[case].items():
             if float64_norm:
                 assert err < 1e-9, (hf_kwargs, layout, err)
@@ -179,13 +194,17 @@ def _directory_worker(path: str) -> list[str]:
 def test_safetensors_directory_and_refusals(tmp_path):
     # Every rank raises the same error, naming the rank that found it and the tensor.
     _hf_model(_hf_config()).save_pretrained(tmp_path, max_shard_size="20KB")
-    assert len(list(tmp_path.glob("*.safetensors"))) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    assert (
+        len(list(tmp_path.glob("*.safetensors"))) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    )
     first, second = run_distributed(2, _directory_worker, str(tmp_path))
     assert first == second
     missing, extra, nothing = first
     assert missing == ("load_hf_state_dict: rank 1: the Hugging Face state dict has no "
                        "'model.layers.3.mlp.up_proj.weight' (for decoder.layers.1.mlp.dense_h_to_4h.weight)")
-    assert "rank 0: tensors the model has no place for, e.g. ['model.layers.0.self_attn.o_proj.bias']" in extra
+    assert (
+        "rank 0: tensors the model has no place for, e.g. ['model.layers.0.self_attn.o_proj.bias']" in extra
+    )
     assert "nothing': no such file or directory of safetensors files" in nothing
 
 
@@ -197,25 +216,29 @@ TINY = ["--arch", "llama", "--num-query-groups", "2", "--layers", "4", "--hidden
 
 
 def _example_worker(export_dir: str) -> dict:
-    from tests.test_gpt_training import _train_gpt
+    from tests.conftest import load_train_gpt
 
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
 
     def run(*argv):
         return train_gpt.train(train_gpt.parse_args(TINY + list(argv)))["losses"]
 
     trained = run("--tp", "2", "--pp", "2", "--steps", "2", "--export-hf", export_dir)
     # The exported weights, trained two steps, evaluated on step 1's batch (lr 0: no update).
-    loaded = {layout: run("--tp", layout[0], "--pp", layout[1], "--steps", "1", "--lr", "0", "--load-hf", export_dir)
-              for layout in (("1", "2"), ("4", "1"))}
+    loaded = {
+        layout: run(
+            "--tp", layout[0], "--pp", layout[1], "--steps", "1", "--lr", "0", "--load-hf", export_dir
+        )
+        for layout in (("1", "2"), ("4", "1"))
+    }
     return {"trained": trained, "loaded": loaded}
 
 
 def _transformers_loss_worker(export_dir: str) -> float:
     """transformers' mean loss of the exported model on the example's first global batch."""
-    from tests.test_gpt_training import _train_gpt
+    from tests.conftest import load_train_gpt
 
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     args = train_gpt.parse_args(TINY + ["--tp", "1", "--pp", "1", "--dp", "1"])
     ps.initialize_model_parallel(1)
     batches = train_gpt.step_microbatches(train_gpt.load_corpus(None, args.seq_len + 2), 0, args)
@@ -223,8 +246,10 @@ def _transformers_loss_worker(export_dir: str) -> float:
     model = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float64).eval()
     type(model.model.norm).forward = _rms_norm_in_input_dtype
     with torch.no_grad():
-        losses = [torch.nn.functional.cross_entropy(model(b["tokens"]).logits.flatten(0, 1), b["labels"].flatten())
-                  for b in batches]
+        losses = [
+            torch.nn.functional.cross_entropy(model(b["tokens"]).logits.flatten(0, 1), b["labels"].flatten())
+            for b in batches
+        ]
     return torch.stack(losses).mean().item()
 
 

@@ -11,9 +11,9 @@ from torch.testing import assert_close
 from megatron_ext import ModelParallelConfig
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
+from tests.conftest import TIGHT, has_kernel
 from tests.distributed import run_distributed
 
-TIGHT = dict(rtol=1e-10, atol=1e-12)
 SEQ, BATCH, HIDDEN, OUT, VOCAB, EMBED = 8, 3, 24, 24, 16, 6
 WEIGHT_SEED = 1234
 
@@ -41,7 +41,9 @@ def _rand(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def _set_bias(layer: torch.nn.Module, full: torch.Tensor, n: int, rank: int, stride: int, column: bool) -> None:
+def _set_bias(
+    layer: torch.nn.Module, full: torch.Tensor, n: int, rank: int, stride: int, column: bool
+) -> None:
     with torch.no_grad():
         layer.bias.copy_(_shard(full, 0, n, rank, stride) if column else full)
 
@@ -50,8 +52,14 @@ def _column(n: int, rank: int, *, bias: bool, skip_bias_add: bool, gather_output
             sequence_parallel: bool) -> None:
     torch.manual_seed(WEIGHT_SEED)
     layer = tp_.ColumnParallelLinear(
-        HIDDEN, OUT, config=_config(sequence_parallel=sequence_parallel), init_method=torch.nn.init.xavier_normal_,
-        bias=bias, gather_output=gather_output, stride=stride, keep_master_weight_for_test=True,
+        HIDDEN,
+        OUT,
+        config=_config(sequence_parallel=sequence_parallel),
+        init_method=torch.nn.init.xavier_normal_,
+        bias=bias,
+        gather_output=gather_output,
+        stride=stride,
+        keep_master_weight_for_test=True,
         skip_bias_add=skip_bias_add,
     )
     w = _master(OUT, HIDDEN)
@@ -99,8 +107,14 @@ def _row(n: int, rank: int, *, bias: bool, skip_bias_add: bool, input_is_paralle
          sequence_parallel: bool) -> None:
     torch.manual_seed(WEIGHT_SEED)
     layer = tp_.RowParallelLinear(
-        HIDDEN, OUT, config=_config(sequence_parallel=sequence_parallel), init_method=torch.nn.init.xavier_normal_,
-        bias=bias, input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add, stride=stride,
+        HIDDEN,
+        OUT,
+        config=_config(sequence_parallel=sequence_parallel),
+        init_method=torch.nn.init.xavier_normal_,
+        bias=bias,
+        input_is_parallel=input_is_parallel,
+        skip_bias_add=skip_bias_add,
+        stride=stride,
         keep_master_weight_for_test=True,
     )
     w = _master(OUT, HIDDEN)
@@ -137,7 +151,10 @@ def _row(n: int, rank: int, *, bias: bool, skip_bias_add: bool, input_is_paralle
 def _embedding(n: int, rank: int, *, reduce_scatter_embeddings: bool, deterministic_mode: bool) -> None:
     torch.manual_seed(WEIGHT_SEED)
     layer = tp_.VocabParallelEmbedding(
-        VOCAB, EMBED, init_method=torch.nn.init.xavier_normal_, config=_config(deterministic_mode=deterministic_mode),
+        VOCAB,
+        EMBED,
+        init_method=torch.nn.init.xavier_normal_,
+        config=_config(deterministic_mode=deterministic_mode),
         reduce_scatter_embeddings=reduce_scatter_embeddings,
     )
     w = _master(VOCAB, EMBED)
@@ -156,7 +173,9 @@ def _embedding(n: int, rank: int, *, reduce_scatter_embeddings: bool, determinis
         assert_close(out, ref, **TIGHT)
         g_bsh = g_full.transpose(0, 1).contiguous()
         out.backward(g_bsh)
-    dw_ref = torch.zeros(VOCAB, EMBED, dtype=torch.float64).index_add_(0, ids.reshape(-1), g_bsh.reshape(-1, EMBED))
+    dw_ref = torch.zeros(VOCAB, EMBED, dtype=torch.float64).index_add_(
+        0, ids.reshape(-1), g_bsh.reshape(-1, EMBED)
+    )
     assert_close(layer.weight.grad, dw_ref.chunk(n, 0)[rank], **TIGHT)
 
 
@@ -172,7 +191,12 @@ def _async_linear(n: int, rank: int) -> None:
         sp = sequence_parallel and n > 1
         x = (x_full.chunk(n, 0)[rank] if sp else x_full).clone().requires_grad_(True)
         out = tp_.linear_with_grad_accumulation_and_async_allreduce(
-            x, w, b, gradient_accumulation_fusion=False, allreduce_dgrad=n > 1 and not sp, sequence_parallel=sp
+            x,
+            w,
+            b,
+            gradient_accumulation_fusion=False,
+            allreduce_dgrad=n > 1 and not sp,
+            sequence_parallel=sp,
         )
         assert out.grad_fn is not None
         assert not isinstance(out.grad_fn, torch.autograd.function.BackwardCFunction)
@@ -219,16 +243,36 @@ def _async_linear(n: int, rank: int) -> None:
 def _errors(n: int) -> None:
     init = torch.nn.init.xavier_normal_
     if n > 1:
-        with pytest.raises(ValueError, match=rf"output_size=9 is not divisible by the tensor-model-parallel size {n}"):
+        with pytest.raises(
+            ValueError, match=rf"output_size=9 is not divisible by the tensor-model-parallel size {n}"
+        ):
             tp_.ColumnParallelLinear(HIDDEN, 9, config=_config(), init_method=init)
-        with pytest.raises(ValueError, match=rf"input_size=9 is not divisible by the tensor-model-parallel size {n}"):
-            tp_.RowParallelLinear(9, OUT, config=_config(), init_method=init, bias=True, input_is_parallel=True,
-                                  skip_bias_add=False)
-        with pytest.raises(ValueError, match=rf"num_embeddings=15 is not divisible by the tensor-model-parallel size {n}"):
+        with pytest.raises(
+            ValueError, match=rf"input_size=9 is not divisible by the tensor-model-parallel size {n}"
+        ):
+            tp_.RowParallelLinear(
+                9,
+                OUT,
+                config=_config(),
+                init_method=init,
+                bias=True,
+                input_is_parallel=True,
+                skip_bias_add=False,
+            )
+        with pytest.raises(
+            ValueError, match=rf"num_embeddings=15 is not divisible by the tensor-model-parallel size {n}"
+        ):
             tp_.VocabParallelEmbedding(15, EMBED, init_method=init, config=_config())
         with pytest.raises(ValueError, match="sequence parallelism needs input_is_parallel=True"):
-            tp_.RowParallelLinear(HIDDEN, OUT, config=_config(sequence_parallel=True), init_method=init, bias=True,
-                                  input_is_parallel=False, skip_bias_add=False)
+            tp_.RowParallelLinear(
+                HIDDEN,
+                OUT,
+                config=_config(sequence_parallel=True),
+                init_method=init,
+                bias=True,
+                input_is_parallel=False,
+                skip_bias_add=False,
+            )
     with pytest.raises(ValueError, match=r"not divisible by stride=5"):
         tp_.ColumnParallelLinear(HIDDEN, OUT, config=_config(), init_method=init, stride=5)
     for build in (
@@ -242,7 +286,9 @@ def _errors(n: int) -> None:
     with pytest.raises(TypeError, match="config must be a configuration object with .* got dict"):
         tp_.ColumnParallelLinear(HIDDEN, OUT, config={}, init_method=init)
 
-    skip = tp_.ColumnParallelLinear(HIDDEN, OUT, config=_config(), init_method=None, skip_weight_param_allocation=True)
+    skip = tp_.ColumnParallelLinear(
+        HIDDEN, OUT, config=_config(), init_method=None, skip_weight_param_allocation=True
+    )
     assert skip.weight is None
     with pytest.raises(RuntimeError, match="skip_weight_param_allocation=True"):
         skip(torch.zeros(2, HIDDEN, dtype=torch.float64))
@@ -283,12 +329,60 @@ def _layers_worker() -> None:
                         sequence_parallel=False)
                 _row(n, tp_rank, bias=bias, skip_bias_add=skip_bias_add, input_is_parallel=True, stride=1,
                      sequence_parallel=False)
-            _column(n, tp_rank, bias=True, skip_bias_add=False, gather_output=True, stride=1, sequence_parallel=False)
-            _column(n, tp_rank, bias=True, skip_bias_add=False, gather_output=False, stride=3, sequence_parallel=False)
-            _column(n, tp_rank, bias=True, skip_bias_add=False, gather_output=False, stride=3, sequence_parallel=True)
-            _row(n, tp_rank, bias=True, skip_bias_add=False, input_is_parallel=False, stride=1, sequence_parallel=False)
-            _row(n, tp_rank, bias=True, skip_bias_add=False, input_is_parallel=True, stride=2, sequence_parallel=False)
-            _row(n, tp_rank, bias=True, skip_bias_add=False, input_is_parallel=True, stride=1, sequence_parallel=True)
+            _column(
+                n,
+                tp_rank,
+                bias=True,
+                skip_bias_add=False,
+                gather_output=True,
+                stride=1,
+                sequence_parallel=False,
+            )
+            _column(
+                n,
+                tp_rank,
+                bias=True,
+                skip_bias_add=False,
+                gather_output=False,
+                stride=3,
+                sequence_parallel=False,
+            )
+            _column(
+                n,
+                tp_rank,
+                bias=True,
+                skip_bias_add=False,
+                gather_output=False,
+                stride=3,
+                sequence_parallel=True,
+            )
+            _row(
+                n,
+                tp_rank,
+                bias=True,
+                skip_bias_add=False,
+                input_is_parallel=False,
+                stride=1,
+                sequence_parallel=False,
+            )
+            _row(
+                n,
+                tp_rank,
+                bias=True,
+                skip_bias_add=False,
+                input_is_parallel=True,
+                stride=2,
+                sequence_parallel=False,
+            )
+            _row(
+                n,
+                tp_rank,
+                bias=True,
+                skip_bias_add=False,
+                input_is_parallel=True,
+                stride=1,
+                sequence_parallel=True,
+            )
             for rs in (False, True):
                 _embedding(n, tp_rank, reduce_scatter_embeddings=rs, deterministic_mode=False)
             _embedding(n, tp_rank, reduce_scatter_embeddings=False, deterministic_mode=True)
@@ -308,7 +402,9 @@ def test_model_parallel_config():
     assert config.virtual_pipeline_model_parallel_size is None and config.sequence_parallel is False
     assert config.params_dtype == torch.float32 and config.perform_initialization is True
     assert config.use_cpu_initialization is False and config.gradient_accumulation_fusion is False
-    assert config.async_tensor_model_parallel_allreduce is True and config.pipeline_dtype is None  # Megatron-core default
+    assert (
+        config.async_tensor_model_parallel_allreduce is True and config.pipeline_dtype is None
+    )  # Megatron-core default
     assert config.hidden_size is None and config.deterministic_mode is False
     assert config.variable_seq_lengths is False and config.batch_p2p_comm is True
     assert config.deallocate_pipeline_outputs is False
@@ -330,12 +426,8 @@ def test_model_parallel_config():
 def test_linear_fake_kernel_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(
-        "megatron_ext::linear_with_grad_accumulation_and_async_allreduce", "Autograd"
-    )
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(
-        "megatron_ext::linear_with_grad_accumulation_and_async_allreduce", "Meta"
-    )
+    assert has_kernel("linear_with_grad_accumulation_and_async_allreduce", "Autograd")
+    assert has_kernel("linear_with_grad_accumulation_and_async_allreduce", "Meta")
     import megatron_ext._ops  # noqa: F401
 
     with FakeTensorMode():

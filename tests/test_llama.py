@@ -19,8 +19,8 @@ from megatron_ext.distributed import finalize_model_grads
 from megatron_ext.models import GPTModel
 from megatron_ext.transformer import TransformerConfig
 from megatron_ext.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb
+from tests.conftest import assert_losses_match, checkpoint_run, train_layouts
 from tests.distributed import run_distributed
-from tests.test_gpt_training import _compare, _layouts_worker
 
 VOCAB, SEQ, BATCH = 64, 12, 2
 LLAMA = ["--arch", "llama", "--num-query-groups", "2"]
@@ -28,9 +28,19 @@ LLAMA = ["--arch", "llama", "--num-query-groups", "2"]
 
 def _llama(tp: int, groups: int = 2, **overrides) -> GPTModel:
     kwargs = dict(
-        tensor_model_parallel_size=tp, num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=groups,
-        ffn_hidden_size=48, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float64,
+        tensor_model_parallel_size=tp,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=groups,
+        ffn_hidden_size=48,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float64,
         use_cpu_initialization=True,
     )
     model_kwargs = {k: overrides.pop(k) for k in ("rotary_percent", "rotary_base") if k in overrides}
@@ -79,7 +89,9 @@ def _split_worker(cases) -> list[float]:
         assert set(ref_grads) == {n for n, _ in model.named_parameters()}
         for name, param in model.named_parameters():
             expected = _shard(ref_grads[name], param, rank, tp)
-            assert_close(param.grad, expected, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{groups} {n}: {m}")
+            assert_close(
+                param.grad, expected, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{groups} {n}: {m}"
+            )
         losses.append(loss.sum().item())
         ps.destroy_model_parallel()
     return losses
@@ -141,7 +153,9 @@ def test_rotary_embedding_is_a_rotation_of_channel_pairs():
         rope = RotaryEmbedding(d, dim / d, rotary_interleaved=interleaved, rotary_base=base)
         freqs = rope(s)
         assert freqs.shape == (s, 1, 1, dim) and freqs.dtype == torch.float32
-        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, rotary_interleaved=interleaved)
+        config = TransformerConfig(
+            num_layers=1, hidden_size=8, num_attention_heads=1, rotary_interleaved=interleaved
+        )
         got = apply_rotary_pos_emb(t, freqs, config)
         expected = t.clone()
         for i in range(dim // 2):
@@ -161,8 +175,11 @@ def test_rotary_embedding_is_a_rotation_of_channel_pairs():
     "overrides,error,message",
     [
         (dict(num_query_groups=3), ValueError, r"num_query_groups \(3\) must be a positive divisor"),
-        (dict(num_query_groups=2, tensor_model_parallel_size=3, num_attention_heads=6),
-         ValueError, r"num_query_groups \(2\) must be a multiple or a divisor of tensor_model_parallel_size \(3\)"),
+        (
+            dict(num_query_groups=2, tensor_model_parallel_size=3, num_attention_heads=6),
+            ValueError,
+            r"num_query_groups \(2\) must be a multiple or a divisor of tensor_model_parallel_size \(3\)",
+        ),
         (dict(normalization="LayerNorm2"), ValueError, r"normalization='LayerNorm2' is not one of"),
         (dict(activation_func="silu"), ValueError, "activation_func must be callable"),
         (dict(glu_linear_offset=1.0), NotImplementedError, "glu_linear_offset"),
@@ -176,25 +193,36 @@ def test_bad_llama_configs_are_refused(overrides, error, message):
         TransformerConfig(**kwargs)
 
 
-def _position_embedding_worker() -> bool:
+def _position_embedding_worker() -> dict:
     ps.initialize_model_parallel(1)
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
-                               hidden_dropout=0.0, attention_dropout=0.0)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     with pytest.raises(ValueError, match="position_embedding_type='alibi' is not one of"):
         GPTModel(config, vocab_size=16, max_sequence_length=4, position_embedding_type="alibi")
     none = GPTModel(config, vocab_size=16, max_sequence_length=4, position_embedding_type="none")
-    assert none.embedding.position_embeddings is None and not hasattr(none, "rotary_pos_emb")
     tokens = torch.randint(0, 16, (2, 4))
-    assert none(tokens, None).shape == (2, 4, 16)
+    got = {
+        "none_has_position_embeddings": none.embedding.position_embeddings is not None,
+        "none_has_rotary": hasattr(none, "rotary_pos_emb"),
+        "none_logits_shape": tuple(none(tokens, None).shape),
+    }
     learned = GPTModel(config, vocab_size=16, max_sequence_length=4)
     with pytest.raises(ValueError, match="position_ids are needed"):
         learned(tokens, None)
     ps.destroy_model_parallel()
-    return True
+    return got
 
 
 def test_gpt_model_position_embedding_choices():
-    assert run_distributed(1, _position_embedding_worker) == [True]
+    (got,) = run_distributed(1, _position_embedding_worker)
+    assert got == {"none_has_position_embeddings": False, "none_has_rotary": False,
+                   "none_logits_shape": (2, 4, 16)}
 
 
 # --- training with examples/train_gpt.py --arch llama -----------------------------------------------
@@ -202,7 +230,7 @@ def test_gpt_model_position_embedding_choices():
 
 @pytest.fixture(scope="module")
 def serial_llama_losses():
-    (ref,) = run_distributed(1, _layouts_worker, [(1, 1, 1)], ["float64"], ["1f1b"], LLAMA)
+    (ref,) = run_distributed(1, train_layouts, [(1, 1, 1)], ["float64"], ["1f1b"], LLAMA)
     losses = ref[(1, 1, 1, "float64", "1f1b")]
     assert len(losses) == 5 and losses[-1] < losses[0] and math.isfinite(losses[-1])  # it trains
     return ref
@@ -217,21 +245,22 @@ def serial_llama_losses():
         ([(1, 2, 2)], ["1f1b"], ["--virtual-pipeline", "2"]),
     ],
 )
+@pytest.mark.slow  # trains the example Llama
 def test_llama_layouts_match_serial(serial_llama_losses, layouts, schedules, extra):
-    results = run_distributed(4, _layouts_worker, layouts, ["float64"], schedules, LLAMA + extra)
+    results = run_distributed(4, train_layouts, layouts, ["float64"], schedules, LLAMA + extra)
     assert all(r == results[0] for r in results)
-    _compare(serial_llama_losses, results[0])
+    assert_losses_match(serial_llama_losses, results[0])
 
 
 def _resume_worker(save_dir: str):
-    from tests.test_checkpoint import _run
-
-    full = _run((2, 2, 1), *LLAMA, "--save", save_dir, "--save-interval", "2")
+    full = checkpoint_run((2, 2, 1), *LLAMA, "--save", save_dir, "--save-interval", "2")
     ckpt = os.path.join(save_dir, "iter_0000002")
-    resumed = {layout: _run(layout, *LLAMA, "--load", ckpt) for layout in [(1, 4, 1), (4, 1, 1), (1, 2, 2)]}
+    layouts = [(1, 4, 1), (4, 1, 1), (1, 2, 2)]
+    resumed = {layout: checkpoint_run(layout, *LLAMA, "--load", ckpt) for layout in layouts}
     return full["losses"], {k: (v["start_step"], v["losses"]) for k, v in resumed.items()}
 
 
+@pytest.mark.slow  # trains the example Llama
 def test_llama_checkpoint_resumes_at_other_layouts(tmp_path):
     results = run_distributed(4, _resume_worker, str(tmp_path / "run"))
     full, resumed = results[0]

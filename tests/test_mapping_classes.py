@@ -4,14 +4,13 @@ uneven first-dim splits and the all-to-all regions, against values computed with
 
 import pytest
 import torch
-from torch.testing import assert_close
 
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
 from megatron_ext.tensor_parallel import mappings
+from tests.conftest import EXACT, Comparisons, assert_comparisons, per_rank
 from tests.distributed import run_distributed
 
-EXACT = dict(rtol=1e-12, atol=1e-12)
 CLASSES = [
     "_CopyToModelParallelRegion",
     "_ReduceFromModelParallelRegion",
@@ -24,11 +23,6 @@ CLASSES = [
     "_ReduceScatterToTensorParallelRegion",
     "_AllToAll",
 ]
-
-
-def _per_rank(n, shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(*shape, generator=g, dtype=torch.float64) for _ in range(n)]
 
 
 def _run(fn, x, grad, region_op=True):
@@ -47,78 +41,86 @@ def test_classes_are_plain_classes():
         assert callable(cls.apply)
 
 
-def _worker():
+def _worker() -> list[tuple]:
+    """The region classes and all-to-all against serial results at TP 3 (recorded comparisons,
+    made in the test)."""
+    compared = Comparisons()
     ps.initialize_model_parallel(tensor_model_parallel_size=3)
     group = ps.get_tensor_model_parallel_group()
     n, r = 3, ps.get_tensor_model_parallel_rank()
-    xs, gs = _per_rank(n, (6, 2, 9), 1), _per_rank(n, (6, 2, 9), 2)
+    xs, gs = per_rank(n, (6, 2, 9), 1), per_rank(n, (6, 2, 9), 2)
 
     def chunk(t, dim):
         return t.chunk(n, dim)[r]
 
     out, grad = _run(lambda x: mappings._CopyToModelParallelRegion.apply(x, group), xs[r], gs[r])
-    assert_close(out, xs[r], **EXACT) and assert_close(grad, sum(gs), **EXACT)
+    compared.close(out, xs[r], **EXACT)
+    compared.close(grad, sum(gs), **EXACT)
     out, grad = _run(lambda x: mappings._ReduceFromModelParallelRegion.apply(x, group), xs[r], gs[r])
-    assert_close(out, sum(xs), **EXACT) and assert_close(grad, gs[r], **EXACT)
+    compared.close(out, sum(xs), **EXACT)
+    compared.close(grad, gs[r], **EXACT)
     out, grad = _run(
         lambda x: mappings._ScatterToModelParallelRegion.apply(x, group), xs[0], chunk(gs[r], -1)
     )
-    assert_close(out, chunk(xs[0], -1), **EXACT)
-    assert_close(grad, torch.cat([g.chunk(n, -1)[i] for i, g in enumerate(gs)], -1), **EXACT)
+    compared.close(out, chunk(xs[0], -1), **EXACT)
+    compared.close(grad, torch.cat([g.chunk(n, -1)[i] for i, g in enumerate(gs)], -1), **EXACT)
     local = [x.chunk(n, -1)[i] for i, x in enumerate(xs)]
     out, grad = _run(lambda x: mappings._GatherFromModelParallelRegion.apply(x, group), local[r], gs[r])
-    assert_close(out, torch.cat(local, -1), **EXACT) and assert_close(grad, chunk(gs[r], -1), **EXACT)
+    compared.close(out, torch.cat(local, -1), **EXACT)
+    compared.close(grad, chunk(gs[r], -1), **EXACT)
     out, grad = _run(
         lambda x: mappings._ScatterToSequenceParallelRegion.apply(x, group), xs[0], chunk(gs[r], 0)
     )
-    assert_close(out, chunk(xs[0], 0), **EXACT)
-    assert_close(grad, torch.cat([g.chunk(n, 0)[i] for i, g in enumerate(gs)], 0), **EXACT)
+    compared.close(out, chunk(xs[0], 0), **EXACT)
+    compared.close(grad, torch.cat([g.chunk(n, 0)[i] for i, g in enumerate(gs)], 0), **EXACT)
     seq = [x.chunk(n, 0)[i] for i, x in enumerate(xs)]
     out, grad = _run(lambda x: mappings._GatherFromSequenceParallelRegion.apply(x, group), seq[r], gs[r])
-    assert_close(out, torch.cat(seq, 0), **EXACT) and assert_close(grad, chunk(sum(gs), 0), **EXACT)
+    compared.close(out, torch.cat(seq, 0), **EXACT)
+    compared.close(grad, chunk(sum(gs), 0), **EXACT)
     out, grad = _run(
         lambda x: mappings._GatherFromSequenceParallelRegion.apply(x, group, False), seq[r], gs[r]
     )
-    assert_close(grad, chunk(gs[r], 0), **EXACT)
+    compared.close(grad, chunk(gs[r], 0), **EXACT)
     out, grad = _run(
         lambda x: mappings._ReduceScatterToSequenceParallelRegion.apply(x, group), xs[r], chunk(gs[r], 0)
     )
-    assert_close(out, chunk(sum(xs), 0), **EXACT)
-    assert_close(grad, torch.cat([g.chunk(n, 0)[i] for i, g in enumerate(gs)], 0), **EXACT)
+    compared.close(out, chunk(sum(xs), 0), **EXACT)
+    compared.close(grad, torch.cat([g.chunk(n, 0)[i] for i, g in enumerate(gs)], 0), **EXACT)
     out, grad = _run(lambda x: mappings._AllGatherFromTensorParallelRegion.apply(x, group), local[r], gs[r])
-    assert_close(out, torch.cat(local, -1), **EXACT) and assert_close(grad, chunk(sum(gs), -1), **EXACT)
+    compared.close(out, torch.cat(local, -1), **EXACT)
+    compared.close(grad, chunk(sum(gs), -1), **EXACT)
     out, grad = _run(
         lambda x: mappings._ReduceScatterToTensorParallelRegion.apply(x, group), xs[r], chunk(gs[r], -1)
     )
-    assert_close(out, chunk(sum(xs), -1), **EXACT)
+    compared.close(out, chunk(sum(xs), -1), **EXACT)
 
     # Uneven first-dim gather: rank i contributes sizes[i] rows.
     sizes = [2, 0, 5]
     rows = [x[: sizes[i]] for i, x in enumerate(xs)]
     total = sum(sizes)
-    ups = _per_rank(n, (total, 2, 9), 3)
+    ups = per_rank(n, (total, 2, 9), 3)
     out, grad = _run(
         lambda x: mappings._GatherFromSequenceParallelRegion.apply(x, group, True, sizes),
         rows[r],
         ups[r],
         False,
     )
-    assert_close(out, torch.cat(rows, 0), **EXACT)
+    compared.close(out, torch.cat(rows, 0), **EXACT)
     offsets = [0, 2, 2, 7]
-    assert_close(grad, sum(ups)[offsets[r] : offsets[r + 1]], **EXACT)
+    compared.close(grad, sum(ups)[offsets[r] : offsets[r + 1]], **EXACT)
     # The function takes Megatron-core's output_split_sizes too, with the class's result.
     out_f, grad_f = _run(
         lambda x: tp_.gather_from_sequence_parallel_region(x, True, group, sizes), rows[r], ups[r], False
     )
-    assert_close(out_f, torch.cat(rows, 0), **EXACT)
-    assert_close(grad_f, grad, **EXACT)
+    compared.close(out_f, torch.cat(rows, 0), **EXACT)
+    compared.close(grad_f, grad, **EXACT)
     out, grad = _run(lambda x: tp_.gather_from_sequence_parallel_region(x, True, group), seq[r], gs[r])
-    assert_close(out, torch.cat(seq, 0), **EXACT)
+    compared.close(out, torch.cat(seq, 0), **EXACT)
     with pytest.raises(AssertionError, match="tensor_parallel_output_grad=True"):
         mappings._GatherFromSequenceParallelRegion.apply(rows[r], group, False, sizes)
     # Uneven first-dim reduce-scatter: rank i keeps sizes[i] rows of the sum.
     full = [x[:total] if x.shape[0] >= total else torch.cat([x, x])[:total] for x in xs]
-    downs = _per_rank(n, (7, 2, 9), 4)
+    downs = per_rank(n, (7, 2, 9), 4)
     mine = [d[: sizes[i]] for i, d in enumerate(downs)]
     out, grad = _run(
         lambda x: mappings._ReduceScatterToSequenceParallelRegion.apply(x, group, sizes),
@@ -126,13 +128,13 @@ def _worker():
         mine[r],
         False,
     )
-    assert_close(out, sum(full)[offsets[r] : offsets[r + 1]], **EXACT)
-    assert_close(grad, torch.cat(mine, 0), **EXACT)
+    compared.close(out, sum(full)[offsets[r] : offsets[r + 1]], **EXACT)
+    compared.close(grad, torch.cat(mine, 0), **EXACT)
     out_f, grad_f = _run(
         lambda x: tp_.reduce_scatter_to_sequence_parallel_region(x, group, sizes), full[r], mine[r], False
     )
-    assert_close(out_f, sum(full)[offsets[r] : offsets[r + 1]], **EXACT)
-    assert_close(grad_f, torch.cat(mine, 0), **EXACT)
+    compared.close(out_f, sum(full)[offsets[r] : offsets[r + 1]], **EXACT)
+    compared.close(grad_f, torch.cat(mine, 0), **EXACT)
     with pytest.raises(ValueError, match="sum to 7, but the input has 6 rows"):
         mappings._ReduceScatterToSequenceParallelRegion.apply(xs[r], group, sizes)
 
@@ -156,10 +158,10 @@ def _worker():
         for j in range(n)
     ]
     out, grad = _run(lambda x: tp_.all_to_all(group, x, recv, send[r]), data[r], up, False)
-    assert_close(out, expected, **EXACT)
+    compared.close(out, expected, **EXACT)
     # Gradient of my row block sent to rank j: rank j's upstream rows that came from me.
     back = [torch.split(all_up[j], [send[i][j] for i in range(n)])[r] for j in range(n)]
-    assert_close(grad, torch.cat(back), **EXACT)
+    compared.close(grad, torch.cat(back), **EXACT)
     with pytest.raises(AssertionError, match="group should not be None"):
         tp_.all_to_all(None, data[r])
 
@@ -168,10 +170,12 @@ def _worker():
     full_x = torch.randn(tokens, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(30))
     full_g = torch.randn(tokens, hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(31))
     out, grad = _run(lambda x: tp_.all_to_all_sp2hp(x), chunk(full_x, 0), chunk(full_g, 1), False)
-    assert_close(out, chunk(full_x, 1), **EXACT) and assert_close(grad, chunk(full_g, 0), **EXACT)
+    compared.close(out, chunk(full_x, 1), **EXACT)
+    compared.close(grad, chunk(full_g, 0), **EXACT)
     out, grad = _run(lambda x: tp_.all_to_all_hp2sp(x, group), chunk(full_x, 1), chunk(full_g, 0), False)
-    assert_close(out, chunk(full_x, 0), **EXACT) and assert_close(grad, chunk(full_g, 1), **EXACT)
-    _check_frozen_linear(group, n, r)
+    compared.close(out, chunk(full_x, 0), **EXACT)
+    compared.close(grad, chunk(full_g, 1), **EXACT)
+    _check_frozen_linear(group, n, r, compared)
     # param_is_not_tensor_parallel_duplicate(param, tp_group): shards always count; a replicated
     # parameter counts on rank 0 of the given group (a group of this rank alone: always).
     shard, replica = torch.zeros(2), torch.zeros(2)
@@ -180,10 +184,10 @@ def _worker():
     assert tp_.param_is_not_tensor_parallel_duplicate(replica) == (r == 0)
     assert tp_.param_is_not_tensor_parallel_duplicate(replica, group) == (r == 0)
     assert tp_.param_is_not_tensor_parallel_duplicate(replica, ps.get_data_parallel_group())
-    return True
+    return compared.made
 
 
-def _check_frozen_linear(group, n, r):
+def _check_frozen_linear(group, n, r, compared: Comparisons):
     """Column-parallel use (full input, weight rows split) and sequence-parallel use (input split
     along dim 0), against the serial linear."""
     g = torch.Generator().manual_seed(40)
@@ -195,20 +199,23 @@ def _check_frozen_linear(group, n, r):
     up_local = up.chunk(n, -1)[r]
     xx = x.clone().requires_grad_(True)
     out = tp_.linear_with_frozen_weight(xx, w, b, False, True, False, None)
-    assert_close(out, (x @ w_full.T + b_full).chunk(n, -1)[r], **EXACT)
+    compared.close(out, (x @ w_full.T + b_full).chunk(n, -1)[r], **EXACT)
     out.backward(up_local)
-    assert_close(xx.grad, up @ w_full, **EXACT)  # all-reduced over the column shards
-    assert_close(b.grad, up_local.sum((0, 1)), **EXACT)
+    compared.close(xx.grad, up @ w_full, **EXACT)  # all-reduced over the column shards
+    compared.close(b.grad, up_local.sum((0, 1)), **EXACT)
     assert w.grad is None
     # Sequence parallel: input rows split, gradient reduce-scattered.
     xs = x.chunk(n, 0)[r].clone().requires_grad_(True)
     out = tp_.linear_with_frozen_weight(xs, w, None, False, False, True, group)
-    assert_close(out, (x @ w_full.T).chunk(n, -1)[r], **EXACT)
+    compared.close(out, (x @ w_full.T).chunk(n, -1)[r], **EXACT)
     out.backward(up_local)
-    assert_close(xs.grad, (up @ w_full).chunk(n, 0)[r], **EXACT)
+    compared.close(xs.grad, (up @ w_full).chunk(n, 0)[r], **EXACT)
     with pytest.raises(AssertionError, match="grad_output_buffer"):
         tp_.linear_with_frozen_weight(xs, w, None, False, False, False, group, [])
 
 
 def test_region_classes_and_all_to_all():
-    assert run_distributed(3, _worker) == [True] * 3
+    results = run_distributed(3, _worker)
+    for made in results:
+        assert_comparisons(made)
+    assert len({len(made) for made in results}) == 1

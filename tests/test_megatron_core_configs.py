@@ -50,6 +50,7 @@ def _megatron_worker() -> dict:
     return out
 
 
+@pytest.mark.slow  # Megatron-core's own config objects through every layer, the schedules and the optimizer
 def test_megatron_core_configs():
     for out in run_distributed(2, _megatron_worker):
         assert out == {"mcore": True, "groups": [(2, 1.0), (2, 0.5)]}

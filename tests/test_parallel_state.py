@@ -1,5 +1,7 @@
 """Process-group layout of parallel_state against Megatron-core's documented layout."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -100,107 +102,170 @@ def _expected(world: int, tp: int, pp: int, rank: int) -> dict:
     )
 
 
-def _layouts_worker(layouts):
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _layouts_worker(layouts) -> list[dict]:
+    """What parallel_state reports on this rank at each (tp, pp) layout (compared in the test)."""
+    rank = dist.get_rank()
+    out = []
     for tp, pp in layouts:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        e = _expected(world, tp, pp, rank)
-        assert ps.model_parallel_is_initialized()
-        assert ps.get_tensor_model_parallel_world_size() == tp
-        assert ps.get_tensor_model_parallel_rank() == e["tp_rank"]
-        assert ps.get_pipeline_model_parallel_world_size() == pp
-        assert ps.get_pipeline_model_parallel_rank() == e["pp_rank"]
-        assert ps.get_data_parallel_world_size() == e["dp"]
-        assert ps.get_data_parallel_rank() == e["dp_rank"]
-        assert dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()) == e["tp_group"]
-        assert dist.get_process_group_ranks(ps.get_data_parallel_group()) == e["dp_group"]
-        assert dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()) == e["pp_group"]
-        assert sorted(dist.get_process_group_ranks(ps.get_model_parallel_group())) == e["mp_group"]
-        if rank in e["embd"]:
-            assert dist.get_process_group_ranks(ps.get_embedding_group()) == e["embd"]
+        got = dict(
+            initialized=ps.model_parallel_is_initialized(),
+            tp=ps.get_tensor_model_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp=ps.get_pipeline_model_parallel_world_size(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            dp=ps.get_data_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(),
+            tp_group=dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
+            dp_group=dist.get_process_group_ranks(ps.get_data_parallel_group()),
+            pp_group=dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
+            mp_group=sorted(dist.get_process_group_ranks(ps.get_model_parallel_group())),
+            in_embd=ps.is_rank_in_embedding_group(),
+            in_pos_embd=ps.is_rank_in_position_embedding_group(),
+            tp_src=ps.get_tensor_model_parallel_src_rank(),
+            dp_src=ps.get_data_parallel_src_rank(),
+            pp_first=ps.get_pipeline_model_parallel_first_rank(),
+            pp_last=ps.get_pipeline_model_parallel_last_rank(),
+            pp_next=ps.get_pipeline_model_parallel_next_rank(),
+            pp_prev=ps.get_pipeline_model_parallel_prev_rank(),
+            first_stage=ps.is_pipeline_first_stage(),
+            last_stage=ps.is_pipeline_last_stage(),
+        )
+        if got["in_embd"]:
+            got["embd"] = dist.get_process_group_ranks(ps.get_embedding_group())
         else:
-            with pytest.raises(RuntimeError, match=f"rank {rank} is not a member of any embedding group"):
+            with pytest.raises(RuntimeError) as refused:
                 ps.get_embedding_group()
-        assert ps.is_rank_in_position_embedding_group() == (rank == e["pp_group"][0])
-        if rank == e["pp_group"][0]:
-            assert dist.get_process_group_ranks(ps.get_position_embedding_group()) == [rank]
-        assert ps.get_tensor_model_parallel_src_rank() == e["tp_group"][0]
-        assert ps.get_data_parallel_src_rank() == e["dp_group"][0]
-        assert ps.get_pipeline_model_parallel_first_rank() == e["pp_group"][0]
-        assert ps.get_pipeline_model_parallel_last_rank() == e["pp_group"][-1]
-        assert ps.get_pipeline_model_parallel_next_rank() == e["pp_group"][(e["pp_rank"] + 1) % pp]
-        assert ps.get_pipeline_model_parallel_prev_rank() == e["pp_group"][(e["pp_rank"] - 1) % pp]
-        assert ps.is_pipeline_first_stage() == (e["pp_rank"] == 0)
-        assert ps.is_pipeline_last_stage() == (e["pp_rank"] == pp - 1)
-        assert ps.is_rank_in_embedding_group() == (rank in e["embd"])
+            got["embd_refused"] = str(refused.value)
+        if got["in_pos_embd"]:
+            got["pos_embd"] = dist.get_process_group_ranks(ps.get_position_embedding_group())
         # The groups really connect the ranks listed: a sum over each gives the rank sum.
-        for group, ranks in (
-            (ps.get_tensor_model_parallel_group(), e["tp_group"]),
-            (ps.get_data_parallel_group(), e["dp_group"]),
-            (ps.get_pipeline_model_parallel_group(), e["pp_group"]),
+        for name, group in (
+            ("tp_sum", ps.get_tensor_model_parallel_group()),
+            ("dp_sum", ps.get_data_parallel_group()),
+            ("pp_sum", ps.get_pipeline_model_parallel_group()),
         ):
             t = torch.tensor([float(rank)])
             dist.all_reduce(t, group=group)
-            assert t.item() == sum(ranks)
+            got[name] = t.item()
         ps.destroy_model_parallel()
-        assert not ps.model_parallel_is_initialized()
-    return True
+        got["initialized_after_destroy"] = ps.model_parallel_is_initialized()
+        out.append(got)
+    return out
 
 
-def _virtual_and_errors_worker():
-    world = dist.get_world_size()
+def _check_layout(got: dict, world: int, tp: int, pp: int, rank: int) -> None:
+    e = _expected(world, tp, pp, rank)
+    assert got["initialized"] and not got["initialized_after_destroy"]
+    assert (got["tp"], got["tp_rank"]) == (tp, e["tp_rank"])
+    assert (got["pp"], got["pp_rank"]) == (pp, e["pp_rank"])
+    assert (got["dp"], got["dp_rank"]) == (e["dp"], e["dp_rank"])
+    for name in ("tp_group", "dp_group", "pp_group", "mp_group"):
+        assert got[name] == e[name], name
+    assert got["in_embd"] == (rank in e["embd"])
+    if rank in e["embd"]:
+        assert got["embd"] == e["embd"]
+    else:
+        assert f"rank {rank} is not a member of any embedding group" in got["embd_refused"]
+    assert got["in_pos_embd"] == (rank == e["pp_group"][0])
+    if rank == e["pp_group"][0]:
+        assert got["pos_embd"] == [rank]
+    assert got["tp_src"] == e["tp_group"][0] and got["dp_src"] == e["dp_group"][0]
+    assert (got["pp_first"], got["pp_last"]) == (e["pp_group"][0], e["pp_group"][-1])
+    assert got["pp_next"] == e["pp_group"][(e["pp_rank"] + 1) % pp]
+    assert got["pp_prev"] == e["pp_group"][(e["pp_rank"] - 1) % pp]
+    assert got["first_stage"] == (e["pp_rank"] == 0) and got["last_stage"] == (e["pp_rank"] == pp - 1)
+    assert got["tp_sum"] == sum(e["tp_group"])
+    assert got["dp_sum"] == sum(e["dp_group"])
+    assert got["pp_sum"] == sum(e["pp_group"])
+
+
+def _refusal(error: type, fn, *args, **kwargs) -> str:
+    """The message of the ``error`` that ``fn(*args, **kwargs)`` raises."""
+    with pytest.raises(error) as refused:
+        fn(*args, **kwargs)
+    return str(refused.value)
+
+
+def _virtual_and_errors_worker() -> dict:
+    """Stage queries under a virtual pipeline and the messages of refused calls (compared in the
+    test)."""
     ps.initialize_model_parallel(1, 2, virtual_pipeline_model_parallel_size=3)
-    assert ps.get_virtual_pipeline_model_parallel_world_size() == 3
-    assert ps.get_virtual_pipeline_model_parallel_rank() == 0
-    first = ps.get_pipeline_model_parallel_rank() == 0
-    # Megatron-core 0.16: the stage queries ignore the virtual pipeline unless asked, and then
-    # need the chunk (vp_stage).
-    assert ps.is_pipeline_first_stage() == first and ps.is_pipeline_last_stage() == (not first)
-    assert ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=0) == first
-    assert not ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=1)
-    assert not ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=1)
-    assert ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=2) == (not first)
-    assert ps.is_rank_in_embedding_group()
-    assert ps.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=0) == first
-    assert ps.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=2) == (not first)
-    assert not ps.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=1)
-    with pytest.raises(AssertionError, match="vp_stage must be passed"):
-        ps.is_pipeline_first_stage(ignore_virtual=False)
-    with pytest.raises(AssertionError, match="vp_stage must be passed"):
-        ps.is_rank_in_embedding_group(ignore_virtual=False)
+    got = {
+        "vp": (
+            ps.get_virtual_pipeline_model_parallel_world_size(), ps.get_virtual_pipeline_model_parallel_rank()
+        ),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        # Megatron-core 0.16: the stage queries ignore the virtual pipeline unless asked, and then
+        # need the chunk (vp_stage).
+        "first_last": (ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()),
+        "first_by_chunk": [ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v) for v in range(3)],
+        "last_by_chunk": [ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v) for v in range(3)],
+        "in_embd": ps.is_rank_in_embedding_group(),
+        "in_embd_by_chunk": [
+            ps.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=v) for v in range(3)
+        ],
+        "refused": [
+            _refusal(AssertionError, ps.is_pipeline_first_stage, ignore_virtual=False),
+            _refusal(AssertionError, ps.is_rank_in_embedding_group, ignore_virtual=False),
+        ],
+    }
     with pytest.warns(DeprecationWarning):
         ps.set_virtual_pipeline_model_parallel_rank(1)
-    assert ps.get_virtual_pipeline_model_parallel_rank() == 1
-    with pytest.raises(RuntimeError, match="already initialized"):
-        ps.initialize_model_parallel(1, 1)
-    with pytest.raises(AssertionError, match="already initialized"):
-        ps.initialize_model_parallel(1, 1)
+    got["vp_rank_set"] = ps.get_virtual_pipeline_model_parallel_rank()
+    got["again"] = [_refusal(RuntimeError, ps.initialize_model_parallel, 1, 1),
+                    _refusal(AssertionError, ps.initialize_model_parallel, 1, 1)]
     ps.destroy_model_parallel()
-    assert ps.get_virtual_pipeline_model_parallel_world_size() is None
+    got["vp_after_destroy"] = ps.get_virtual_pipeline_model_parallel_world_size()
 
-    with pytest.raises(RuntimeError, match=rf"world size {world} is not divisible .* = 3"):
-        ps.initialize_model_parallel(3, 1)
-    with pytest.raises(RuntimeError, match="tensor_model_parallel_size must be an integer >= 1, got 0"):
-        ps.initialize_model_parallel(0, 1)
-    with pytest.raises(RuntimeError, match="pipeline_model_parallel_size must be an integer >= 1, got -1"):
-        ps.initialize_model_parallel(1, -1)
-    with pytest.raises(RuntimeError, match="needs pipeline_model_parallel_size > 1"):
-        ps.initialize_model_parallel(2, 1, virtual_pipeline_model_parallel_size=2)
-    with pytest.raises(RuntimeError, match="expert_model_parallel_size.*= 3"):
-        ps.initialize_model_parallel(1, 1, expert_model_parallel_size=3)
-    with pytest.raises(RuntimeError, match="use_sharp=True is not supported"):
-        ps.initialize_model_parallel(1, 1, use_sharp=True)
-    with pytest.raises(RuntimeError, match="need the nccl backend"):
-        ps.initialize_model_parallel(1, 1, high_priority_stream_groups=["dp"])
-    with pytest.raises(RuntimeError, match="the size of cp is 2, but order 'tp-dp-pp' does not place it"):
-        ps.initialize_model_parallel(1, 1, context_parallel_size=2, order="tp-dp-pp")
-    assert not ps.model_parallel_is_initialized()
+    init = ps.initialize_model_parallel
+    got["bad_input"] = [
+        _refusal(RuntimeError, init, 3, 1),
+        _refusal(RuntimeError, init, 0, 1),
+        _refusal(RuntimeError, init, 1, -1),
+        _refusal(RuntimeError, init, 2, 1, virtual_pipeline_model_parallel_size=2),
+        _refusal(RuntimeError, init, 1, 1, expert_model_parallel_size=3),
+        _refusal(RuntimeError, init, 1, 1, use_sharp=True),
+        _refusal(RuntimeError, init, 1, 1, high_priority_stream_groups=["dp"]),
+        _refusal(RuntimeError, init, 1, 1, context_parallel_size=2, order="tp-dp-pp"),
+    ]
+    got["initialized_after_refusals"] = ps.model_parallel_is_initialized()
 
     # Megatron's positional order: (tp, pp, vpp, pp_comm_backend, use_sharp, cp, hcp, hybrid_cp, ep, ...).
     ps.initialize_model_parallel(1, 1, None, None, False, 2, None, False, 2)
-    assert ps.get_context_parallel_world_size() == 2 and ps.get_expert_model_parallel_world_size() == 2
+    got["positional"] = (ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size())
     ps.destroy_model_parallel()
-    return True
+    return got
+
+
+def _check_virtual_and_errors(got: dict, world: int) -> None:
+    first = got["pp_rank"] == 0
+    assert got["vp"] == (3, 0)
+    assert got["first_last"] == (first, not first)
+    assert got["first_by_chunk"][0] == first and not got["first_by_chunk"][1]
+    assert not got["last_by_chunk"][1] and got["last_by_chunk"][2] == (not first)
+    assert got["in_embd"]
+    assert got["in_embd_by_chunk"] == [first, False, not first]
+    assert len(got["refused"]) == 2
+    assert all("vp_stage must be passed" in message for message in got["refused"])
+    assert got["vp_rank_set"] == 1
+    assert all("already initialized" in message for message in got["again"])
+    assert got["vp_after_destroy"] is None
+    patterns = [
+        rf"world size {world} is not divisible .* = 3",
+        "tensor_model_parallel_size must be an integer >= 1, got 0",
+        "pipeline_model_parallel_size must be an integer >= 1, got -1",
+        "needs pipeline_model_parallel_size > 1",
+        "expert_model_parallel_size.*= 3",
+        "use_sharp=True is not supported",
+        "need the nccl backend",
+        "the size of cp is 2, but order 'tp-dp-pp' does not place it",
+    ]
+    assert len(got["bad_input"]) == len(patterns)
+    for pattern, message in zip(patterns, got["bad_input"]):
+        assert re.search(pattern, message), (pattern, message)
+    assert not got["initialized_after_refusals"]
+    assert got["positional"] == (2, 2)
 
 
 # Rank lists at world 8, written out from Megatron-core's rule (rank = tp + 2 cp + 4 dp for the
@@ -239,7 +304,9 @@ def _mine(expected, rank):
     return group
 
 
-def _cp_ep_worker():
+def _cp_ep_worker() -> dict:
+    """What parallel_state reports on this rank with context and expert parallelism, the
+    distributed-optimizer instances and another order (compared in the test)."""
     rank = dist.get_rank()
     ranks = dist.get_process_group_ranks
     ps.initialize_model_parallel(
@@ -250,8 +317,7 @@ def _cp_ep_worker():
         create_all_gather_group=True,
         hierarchical_context_parallel_sizes=[2, 1],
     )
-    e = {k: _mine(v, rank) for k, v in CP_EP_EXPECTED.items()}
-    got = {
+    groups = {
         "tp": ps.get_tensor_model_parallel_group(),
         "cp": ps.get_context_parallel_group(),
         "dp": ps.get_data_parallel_group(),
@@ -268,86 +334,124 @@ def _cp_ep_worker():
         "edp": ps.get_expert_data_parallel_group(),
         "intra_dist_opt": ps.get_intra_distributed_optimizer_instance_group(),
     }
-    for k, group in got.items():
-        assert ranks(group) == e[k], (k, ranks(group), e[k])
-    assert ranks(ps.get_data_parallel_group(True, independent_all_gather=True)) == e["dp_cp"]
-    assert ps.has_separate_all_gather_group()
-    assert ranks(ps.get_data_parallel_group(True, partial_data_parallel=True)) == e["dp_cp"]
-    assert ranks(ps.get_expert_data_parallel_group(partial_expert_data_parallel=True)) == e["edp"]
+    got = {"groups": {k: ranks(g) for k, g in groups.items()}}
+    got["dp_cp_all_gather"] = ranks(ps.get_data_parallel_group(True, independent_all_gather=True))
+    got["separate_all_gather"] = ps.has_separate_all_gather_group()
+    got["partial_dp_cp"] = ranks(ps.get_data_parallel_group(True, partial_data_parallel=True))
+    got["partial_edp"] = ranks(ps.get_expert_data_parallel_group(partial_expert_data_parallel=True))
     # On gloo the gloo data-parallel groups are the groups themselves.
-    assert ps.get_data_parallel_group_gloo() is ps.get_data_parallel_group()
-    assert ps.get_data_parallel_group_gloo(with_context_parallel=True) is got["dp_cp"]
-    assert ps.get_expert_data_parallel_group_gloo() is got["edp"]
-    assert ps.get_amax_reduction_group() is got["tp_dp"]
-    assert ps.get_amax_reduction_group(True, True) is got["tp_cp"]
-    assert ps.get_context_parallel_global_ranks() == e["cp"]
-    hcp = ps.get_hierarchical_context_parallel_groups()
-    assert [ranks(g) for g in hcp] == [e["cp"], [rank]]
-    assert ps.get_context_parallel_world_size() == 2 and ps.get_context_parallel_rank() == e["cp"].index(rank)
-    assert ps.get_tensor_and_context_parallel_world_size() == 4
-    assert ps.get_tensor_and_context_parallel_rank() == e["tp_cp"].index(rank)
-    assert ps.get_data_parallel_world_size() == 2 and ps.get_data_parallel_world_size(True) == 4
-    assert ps.get_data_parallel_rank(with_context_parallel=True) == e["dp_cp"].index(rank)
-    assert ps.get_data_parallel_src_rank(with_context_parallel=True) == e["dp_cp"][0]
-    assert ps.get_expert_model_parallel_world_size() == 2
-    assert ps.get_expert_model_parallel_rank() == e["ep"].index(rank)
-    assert ps.get_expert_model_parallel_src_rank() == e["ep"][0]
-    assert ps.get_expert_tensor_parallel_world_size() == 1 and ps.get_expert_tensor_parallel_rank() == 0
-    assert ps.get_expert_tensor_and_model_parallel_world_size() == 2
-    assert ps.get_expert_data_parallel_world_size() == 4
-    assert ps.get_expert_data_parallel_rank() == e["edp"].index(rank)
-    with pytest.warns(DeprecationWarning):
-        assert ps.get_data_modulo_expert_parallel_group() is got["edp"]
-    assert ps.get_model_parallel_src_rank() == e["mp"][0]
-    assert ps.get_all_ranks() == "_".join(
-        str(x)
-        for x in (e["tp"].index(rank), e["dp"].index(rank), e["cp"].index(rank), 0, e["ep"].index(rank))
+    got["same_objects"] = [
+        ps.get_data_parallel_group_gloo() is groups["dp"],
+        ps.get_data_parallel_group_gloo(with_context_parallel=True) is groups["dp_cp"],
+        ps.get_expert_data_parallel_group_gloo() is groups["edp"],
+        ps.get_amax_reduction_group() is groups["tp_dp"],
+        ps.get_amax_reduction_group(True, True) is groups["tp_cp"],
+    ]
+    got["cp_global_ranks"] = ps.get_context_parallel_global_ranks()
+    got["hcp"] = [ranks(g) for g in ps.get_hierarchical_context_parallel_groups()]
+    got["sizes_and_ranks"] = dict(
+        cp=(ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()),
+        tp_cp=(ps.get_tensor_and_context_parallel_world_size(), ps.get_tensor_and_context_parallel_rank()),
+        dp=(ps.get_data_parallel_world_size(), ps.get_data_parallel_world_size(True)),
+        dp_cp=(ps.get_data_parallel_rank(with_context_parallel=True),
+               ps.get_data_parallel_src_rank(with_context_parallel=True)),
+        ep=(ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
+            ps.get_expert_model_parallel_src_rank()),
+        etp=(ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()),
+        etp_ep=ps.get_expert_tensor_and_model_parallel_world_size(),
+        edp=(ps.get_expert_data_parallel_world_size(), ps.get_expert_data_parallel_rank()),
+        mp_src=ps.get_model_parallel_src_rank(),
     )
-    with pytest.raises(AssertionError, match="inter distributed optimizer instance"):
+    with pytest.warns(DeprecationWarning):
+        got["same_objects"].append(ps.get_data_modulo_expert_parallel_group() is groups["edp"])
+    got["all_ranks"] = ps.get_all_ranks()
+    with pytest.raises(AssertionError) as refused:
         ps.get_inter_distributed_optimizer_instance_group()
+    got["inter_refused"] = str(refused.value)
     ps.set_expert_model_parallel_world_size(7)
-    assert ps.get_expert_model_parallel_world_size() == 7
+    got["ep_size_override"] = ps.get_expert_model_parallel_world_size()
     buf = ps.get_global_memory_buffer().get_tensor((2, 3), torch.float64, "x")
-    assert buf.shape == (2, 3) and buf.dtype == torch.float64
+    got["buffer"] = (tuple(buf.shape), str(buf.dtype))
     # The groups really connect the ranks listed.
+    got["sums"] = {}
     for k in ("cp", "dp_cp", "tp_cp", "edp", "ep"):
         t = torch.tensor([float(rank)])
-        dist.all_reduce(t, group=got[k])
-        assert t.item() == sum(e[k])
+        dist.all_reduce(t, group=groups[k])
+        got["sums"][k] = t.item()
     ps.destroy_model_parallel()
-    with pytest.raises(AssertionError, match="expert model parallel group is not initialized"):
+    with pytest.raises(AssertionError) as refused:
         ps.get_expert_model_parallel_world_size()  # the override went with destroy_model_parallel
+    got["ep_refused_after_destroy"] = str(refused.value)
 
     ps.initialize_model_parallel(
         2, 1, None, None, False, 2, None, True, 2, 2, 1, create_gloo_process_groups=False
     )
-    e = {k: _mine(v, rank) for k, v in INSTANCES_EXPECTED.items()}
-    assert ranks(ps.get_data_parallel_group(True, partial_data_parallel=True)) == e["intra_dp_cp"]
-    assert ranks(ps.get_expert_data_parallel_group(partial_expert_data_parallel=True)) == e["intra_edp"]
-    assert ranks(ps.get_inter_distributed_optimizer_instance_group()) == e["inter_edp"]
-    assert ranks(ps.get_intra_distributed_optimizer_instance_group()) == e["intra_dist_opt"]
+    got["instances"] = dict(
+        intra_dp_cp=ranks(ps.get_data_parallel_group(True, partial_data_parallel=True)),
+        intra_edp=ranks(ps.get_expert_data_parallel_group(partial_expert_data_parallel=True)),
+        inter_edp=ranks(ps.get_inter_distributed_optimizer_instance_group()),
+        intra_dist_opt=ranks(ps.get_intra_distributed_optimizer_instance_group()),
+    )
     # hybrid_context_parallel: power-of-two groups of consecutive data x context ranks.
-    dp_cp = _mine(CP_EP_EXPECTED["dp_cp"], rank)
-    pair = dp_cp[:2] if rank in dp_cp[:2] else dp_cp[2:]
-    assert ranks(ps.get_hybrid_data_context_parallel_groups(group_size=2)) == pair
-    assert ps.get_hybrid_data_context_parallel_groups(group_size=4) is ps.get_data_parallel_group(True)
-    with pytest.raises(AssertionError, match="data parallel gloo"):
+    got["hybrid_pair"] = ranks(ps.get_hybrid_data_context_parallel_groups(group_size=2))
+    got["hybrid_4_is_dp_cp"] = (
+        ps.get_hybrid_data_context_parallel_groups(group_size=4) is ps.get_data_parallel_group(True)
+    )
+    with pytest.raises(AssertionError) as refused:
         ps.get_data_parallel_group_gloo()
+    got["gloo_refused"] = str(refused.value)
     ps.destroy_model_parallel()
 
     # Order without pp last and omitted size-1 dims: "tp-ep-dp-pp" (cp appended).
     ps.initialize_model_parallel(2, 2, order="tp-ep-dp-pp", expert_model_parallel_size=2)
-    assert ranks(ps.get_pipeline_model_parallel_group()) == [rank % 4, rank % 4 + 4]
-    assert ranks(ps.get_expert_model_parallel_group()) == [
-        rank - rank % 4 + rank % 2,
-        rank - rank % 4 + rank % 2 + 2,
-    ]
+    got["ordered"] = (
+        ranks(ps.get_pipeline_model_parallel_group()), ranks(ps.get_expert_model_parallel_group())
+    )
     ps.destroy_model_parallel()
-    return True
+    return got
 
 
+@pytest.mark.slow  # 8 ranks
 def test_context_and_expert_groups_world8():
-    assert run_distributed(8, _cp_ep_worker) == [True] * 8
+    for rank, got in enumerate(run_distributed(8, _cp_ep_worker)):
+        e = {k: _mine(v, rank) for k, v in CP_EP_EXPECTED.items()}
+        for k, group in got["groups"].items():
+            assert group == e[k], (rank, k, group, e[k])
+        assert got["dp_cp_all_gather"] == e["dp_cp"] and got["separate_all_gather"]
+        assert got["partial_dp_cp"] == e["dp_cp"] and got["partial_edp"] == e["edp"]
+        assert got["same_objects"] == [True] * 6
+        assert got["cp_global_ranks"] == e["cp"]
+        assert got["hcp"] == [e["cp"], [rank]]
+        assert got["sizes_and_ranks"] == dict(
+            cp=(2, e["cp"].index(rank)),
+            tp_cp=(4, e["tp_cp"].index(rank)),
+            dp=(2, 4),
+            dp_cp=(e["dp_cp"].index(rank), e["dp_cp"][0]),
+            ep=(2, e["ep"].index(rank), e["ep"][0]),
+            etp=(1, 0),
+            etp_ep=2,
+            edp=(4, e["edp"].index(rank)),
+            mp_src=e["mp"][0],
+        )
+        assert got["all_ranks"] == "_".join(
+            str(x)
+            for x in (e["tp"].index(rank), e["dp"].index(rank), e["cp"].index(rank), 0, e["ep"].index(rank))
+        )
+        assert "inter distributed optimizer instance" in got["inter_refused"]
+        assert got["ep_size_override"] == 7
+        assert got["buffer"] == ((2, 3), "torch.float64")
+        assert got["sums"] == {k: float(sum(e[k])) for k in ("cp", "dp_cp", "tp_cp", "edp", "ep")}
+        assert "expert model parallel group is not initialized" in got["ep_refused_after_destroy"]
+
+        assert got["instances"] == {k: _mine(v, rank) for k, v in INSTANCES_EXPECTED.items()}
+        dp_cp = e["dp_cp"]
+        assert got["hybrid_pair"] == (dp_cp[:2] if rank in dp_cp[:2] else dp_cp[2:])
+        assert got["hybrid_4_is_dp_cp"]
+        assert "data parallel gloo" in got["gloo_refused"]
+
+        assert got["ordered"] == (
+            [rank % 4, rank % 4 + 4], [rank - rank % 4 + rank % 2, rank - rank % 4 + rank % 2 + 2]
+        )
 
 
 LAYOUTS = {
@@ -358,10 +462,18 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("world", sorted(LAYOUTS))
+@pytest.mark.parametrize(
+    "world", [pytest.param(w, marks=pytest.mark.slow) if w == 8 else w for w in sorted(LAYOUTS)]
+)  # 8 ranks: slow
 def test_layouts(world):
-    assert run_distributed(world, _layouts_worker, LAYOUTS[world]) == [True] * world
+    for rank, per_layout in enumerate(run_distributed(world, _layouts_worker, LAYOUTS[world])):
+        assert len(per_layout) == len(LAYOUTS[world])
+        for (tp, pp), got in zip(LAYOUTS[world], per_layout):
+            _check_layout(got, world, tp, pp, rank)
 
 
 def test_virtual_pipeline_and_errors():
-    assert run_distributed(2, _virtual_and_errors_worker) == [True, True]
+    results = run_distributed(2, _virtual_and_errors_worker)
+    assert sorted(got["pp_rank"] for got in results) == [0, 1]
+    for got in results:
+        _check_virtual_and_errors(got, 2)

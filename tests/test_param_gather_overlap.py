@@ -4,10 +4,10 @@ gathers are deferred (after step() the parameters outside this rank's slice stil
 values, and a later bucket is still in flight when an earlier layer's forward starts); training
 with the overlap equals training without it (bitwise) and the plain optimizer (1e-12) at
 (tp, pp, dp) = (1, 1, 4), (1, 2, 2), and (1, 2, 2) and (2, 1, 2) with the fused output layer +
-cross-entropy (the tied word embedding's last-stage copy read outside the output layer's forward); state dicts,
-checkpoints saved right after step() and loads over gathers in flight see the updated values;
-examples/train_gpt.py --overlap-param-gather gives the same losses as without, in float64, fp16 (dynamic
-loss scaling) and bf16 with sequence parallelism."""
+cross-entropy (the tied word embedding's last-stage copy read outside the output layer's forward);
+state dicts, checkpoints saved right after step() and loads over gathers in flight see the updated
+values; examples/train_gpt.py --overlap-param-gather gives the same losses as without, in float64,
+fp16 (dynamic loss scaling) and bf16 with sequence parallelism."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from megatron_ext.optimizer import (
     get_megatron_optimizer,
 )
 from megatron_ext.pipeline_parallel import get_forward_backward_func
+from tests.conftest import SMALL_GPT, load_train_gpt
 from tests.distributed import run_distributed
-from tests.test_optimizer import SMALL, _train_gpt
 
 
 def _outside_my_slices(ddp: DistributedDataParallel) -> dict[int, torch.Tensor]:
@@ -224,11 +224,11 @@ def _gpt_step(train_gpt, args, corpus, step, ddp, optimizer):
 
 
 def _gpt_worker(directory, layouts):
-    train_gpt = _train_gpt()
+    train_gpt = load_train_gpt()
     out = {}
     for tp, pp, dp, fused in layouts:
-        args = train_gpt.parse_args(SMALL + ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
-                                             "--dtype", "float64"])
+        args = train_gpt.parse_args(SMALL_GPT + ["--tp", str(tp), "--pp", str(pp), "--dp", str(dp),
+                                                 "--dtype", "float64"])
         train_gpt.check_args(args, dist.get_world_size())
         corpus = train_gpt.load_corpus(None, args.seq_len + 2)
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -297,6 +297,7 @@ def _gpt_worker(directory, layouts):
     return out
 
 
+@pytest.mark.slow  # trains the example GPT
 def test_gpt_overlap_equals_no_overlap_and_plain(tmp_path):
     layouts = [(1, 1, 4, False), (1, 2, 2, False), (1, 2, 2, True), (2, 1, 2, True)]
     results = run_distributed(4, _gpt_worker, str(tmp_path), layouts, timeout=600)
@@ -314,9 +315,10 @@ def test_gpt_overlap_equals_no_overlap_and_plain(tmp_path):
 
 
 def _train_gpt_worker(layout, extra):
-    train_gpt = _train_gpt()
-    args = train_gpt.parse_args(SMALL + layout + ["--use-distributed-optimizer", "--grad-bucket-bytes", "3000"]
-                                + extra)
+    train_gpt = load_train_gpt()
+    args = train_gpt.parse_args(
+        SMALL_GPT + layout + ["--use-distributed-optimizer", "--grad-bucket-bytes", "3000"] + extra
+    )
     out = train_gpt.train(args)
     return out["losses"], out["skipped_steps"]
 
@@ -329,6 +331,7 @@ def _train_gpt_worker(layout, extra):
     ["--tp", "1", "--pp", "2", "--fp16", "--steps", "24"],
     ["--tp", "2", "--pp", "1", "--bf16", "--sequence-parallel", "--steps", "3"],
 ], ids=["float64-interleaved", "fp16", "bf16-sequence-parallel"])
+@pytest.mark.slow  # trains the example GPT
 def test_train_gpt_overlap_param_gather_flag(tmp_path, layout):
     without, skipped = run_distributed(4, _train_gpt_worker, layout, [])[0]
     extra = ["--overlap-param-gather", "--save", str(tmp_path)]  # the save follows a step: gathers in flight
@@ -338,7 +341,7 @@ def test_train_gpt_overlap_param_gather_flag(tmp_path, layout):
 
 
 def test_train_gpt_overlap_param_gather_needs_distributed_optimizer():
-    train_gpt = _train_gpt()
-    args = train_gpt.parse_args(SMALL + ["--tp", "1", "--pp", "1", "--overlap-param-gather"])
+    train_gpt = load_train_gpt()
+    args = train_gpt.parse_args(SMALL_GPT + ["--tp", "1", "--pp", "1", "--overlap-param-gather"])
     with pytest.raises(ValueError, match="--overlap-param-gather needs --use-distributed-optimizer"):
         train_gpt.check_args(args, 1)

@@ -25,9 +25,9 @@ from megatron_ext.pipeline_parallel import (
 )
 from megatron_ext.pipeline_parallel import p2p_communication as p2p
 from megatron_ext.pipeline_parallel import schedules
+from tests.conftest import EXACT
 from tests.distributed import run_distributed
 
-EXACT = dict(rtol=1e-12, atol=1e-12)
 S, B, H, L = 4, 3, 6, 8  # sequence, micro-batch, hidden, layers
 WORLD = 4
 

@@ -165,5 +165,7 @@ def test_pipeline_parallel_utils():
     assert utils.is_vp_first_stage(None, None) and utils.is_vp_last_stage(0, 1)
     assert [utils.is_vp_first_stage(i, 3) for i in range(3)] == [True, False, False]
     assert [utils.is_vp_last_stage(i, 3) for i in range(3)] == [False, False, True]
-    with pytest.raises(ValueError, match="vp_stage must be None or 0 without virtual stages \\(vp_size 1\\), got 1"):
+    with pytest.raises(
+        ValueError, match="vp_stage must be None or 0 without virtual stages \\(vp_size 1\\), got 1"
+    ):
         utils.is_vp_first_stage(1, 1)

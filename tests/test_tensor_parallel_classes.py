@@ -13,9 +13,9 @@ from torch.testing import assert_close
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
 from megatron_ext.tensor_parallel import cross_entropy, layers, mappings
+from tests.conftest import EXACT, Comparisons, assert_comparisons
 from tests.distributed import run_distributed
 
-EXACT = dict(rtol=1e-12, atol=1e-12)
 VCE = cross_entropy.VocabParallelCrossEntropy
 
 
@@ -91,7 +91,7 @@ class _Ctx:
         self.__dict__.update(fields)
 
 
-def _check_region_backward_and_symbolic(group, n, r):
+def _check_region_backward_and_symbolic(group, n, r, compared: Comparisons):
     """Megatron-core's ``backward(ctx, grad_output)`` of each region is its conjugate region;
     ``symbolic(graph, ...)`` is the forward."""
     g = [_randn(6, 2, 9, seed=10 + i) for i in range(n)]
@@ -116,15 +116,15 @@ def _check_region_backward_and_symbolic(group, n, r):
     for cls, grad_output, expected in cases:
         grad, none = cls.backward(ctx, grad_output)
         assert none is None
-        assert_close(grad, expected, **EXACT, msg=cls.__name__)
+        compared.close(grad, expected, **EXACT, label=cls.__name__)
 
     seq = _Ctx(group=group, tensor_parallel_output_grad=True, output_split_sizes=None)
     seq.use_global_buffer = False
     out = mappings._GatherFromSequenceParallelRegion.backward(seq, mine)
     assert len(out) == 5 and out[1:] == (None,) * 4
-    assert_close(out[0], chunk(sum(g), 0), **EXACT)
+    compared.close(out[0], chunk(sum(g), 0), **EXACT)
     seq.tensor_parallel_output_grad = False
-    assert_close(mappings._GatherFromSequenceParallelRegion.backward(seq, mine)[0], chunk(mine, 0), **EXACT)
+    compared.close(mappings._GatherFromSequenceParallelRegion.backward(seq, mine)[0], chunk(mine, 0), **EXACT)
     seq.output_split_sizes = [1, 2, 3]
     with pytest.raises(AssertionError, match="output_split_sizes needs tensor_parallel_output_grad=True"):
         mappings._GatherFromSequenceParallelRegion.backward(seq, mine)
@@ -133,17 +133,17 @@ def _check_region_backward_and_symbolic(group, n, r):
     offsets = [0, 1, 3, 6]
     seq.tensor_parallel_output_grad = True
     out = mappings._GatherFromSequenceParallelRegion.backward(seq, mine)
-    assert_close(out[0], sum(g)[offsets[r] : offsets[r + 1]], **EXACT)
+    compared.close(out[0], sum(g)[offsets[r] : offsets[r + 1]], **EXACT)
     rows = [t[: sizes[i]] for i, t in enumerate(g)]
     out = mappings._ReduceScatterToSequenceParallelRegion.backward(
         _Ctx(group=group, input_split_sizes=sizes, use_global_buffer=False), rows[r]
     )
     assert len(out) == 4 and out[1:] == (None,) * 3
-    assert_close(out[0], torch.cat(rows), **EXACT)
+    compared.close(out[0], torch.cat(rows), **EXACT)
     out = mappings._ReduceScatterToSequenceParallelRegion.backward(
         _Ctx(group=group, input_split_sizes=None, use_global_buffer=False), chunk(mine, 0)
     )
-    assert_close(out[0], gathered(0), **EXACT)
+    compared.close(out[0], gathered(0), **EXACT)
     # All-to-all: the reverse exchange. Rank i sent send[i][j] rows to rank j.
     send = [[1, 2, 0], [3, 0, 1], [2, 2, 2]]
     recv = [send[i][r] for i in range(n)]
@@ -152,16 +152,16 @@ def _check_region_backward_and_symbolic(group, n, r):
     out = mappings._AllToAll.backward(ctx, ups[r])
     assert out[0] is None and out[2:] == (None, None)
     back = [torch.split(ups[j], [send[i][j] for i in range(n)])[r] for j in range(n)]
-    assert_close(out[1], torch.cat(back), **EXACT)
+    compared.close(out[1], torch.cat(back), **EXACT)
 
     # symbolic(graph, *args) is the forward.
     xs = [_randn(6, 2, 9, seed=40 + i) for i in range(n)]
-    assert_close(mappings._ReduceFromModelParallelRegion.symbolic(None, xs[r], group), sum(xs), **EXACT)
+    compared.close(mappings._ReduceFromModelParallelRegion.symbolic(None, xs[r], group), sum(xs), **EXACT)
     gathered_xs = torch.cat([t.chunk(n, 0)[i] for i, t in enumerate(xs)])
     out = mappings._GatherFromSequenceParallelRegion.symbolic(None, chunk(xs[r], 0), group, True, None, False)
-    assert_close(out, gathered_xs, **EXACT)
+    compared.close(out, gathered_xs, **EXACT)
     out = mappings._ScatterToModelParallelRegion.symbolic(None, xs[0], group)
-    assert_close(out, chunk(xs[0], -1), **EXACT)
+    compared.close(out, chunk(xs[0], -1), **EXACT)
 
 
 def _serial_cross_entropy(full, target, grad_output, label_smoothing=0.0):
@@ -198,7 +198,7 @@ def _fused_megatron_composition(logits, target, group):
     return loss, backward
 
 
-def _check_cross_entropy(group, n, r):
+def _check_cross_entropy(group, n, r, compared: Comparisons):
     vocab = 4 * n
     full = _randn(5, 3, vocab, seed=50) * 3
     target = torch.randint(0, vocab, (5, 3), generator=torch.Generator().manual_seed(51))
@@ -214,8 +214,8 @@ def _check_cross_entropy(group, n, r):
         functional = tp_.vocab_parallel_cross_entropy(y, target, smoothing)
         functional.backward(grad_output)
         assert torch.equal(loss, functional) and torch.equal(x.grad, y.grad)
-        assert_close(loss, ref_loss, **EXACT)
-        assert_close(x.grad, ref_grad.chunk(n, -1)[r], **EXACT)
+        compared.close(loss, ref_loss, **EXACT)
+        compared.close(x.grad, ref_grad.chunk(n, -1)[r], **EXACT)
         assert torch.equal(x.detach(), local)
     # Megatron-core's own default argument: no smoothing.
     no_smoothing = cross_entropy._VocabParallelCrossEntropy.apply(local, target)
@@ -226,13 +226,13 @@ def _check_cross_entropy(group, n, r):
     logits = local.clone()
     loss, backward = _fused_megatron_composition(logits, target, group)
     assert torch.equal(logits, local)
-    assert_close(loss, ref_loss, **EXACT)
-    assert_close(backward(grad_output), ref_grad.chunk(n, -1)[r], **EXACT)
+    compared.close(loss, ref_loss, **EXACT)
+    compared.close(backward(grad_output), ref_grad.chunk(n, -1)[r], **EXACT)
     # float32 logits: float32 arithmetic, to float32 accuracy.
     loss32, backward32 = _fused_megatron_composition(local.float(), target, group)
     assert loss32.dtype == torch.float32
-    assert_close(loss32.double(), ref_loss, rtol=1e-5, atol=1e-5)
-    assert_close(backward32(grad_output.float()).double(), ref_grad.chunk(n, -1)[r], rtol=1e-5, atol=1e-5)
+    compared.close(loss32.double(), ref_loss, rtol=1e-5, atol=1e-5)
+    compared.close(backward32(grad_output.float()).double(), ref_grad.chunk(n, -1)[r], rtol=1e-5, atol=1e-5)
 
     # A bad argument raises on every rank alike.
     with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\), got 1.5"):
@@ -241,7 +241,7 @@ def _check_cross_entropy(group, n, r):
         cross_entropy._VocabParallelCrossEntropy.apply(local, torch.full_like(target, vocab))
 
 
-def _check_linears(group, n, r):
+def _check_linears(group, n, r, compared: Comparisons):
     w_full, b_full = _randn(6, 5, seed=60), _randn(6, seed=61)
     x, up = _randn(6, 2, 5, seed=62), _randn(6, 2, 6, seed=63)
     w_shard, b_shard, up_local = w_full.chunk(n, 0)[r], b_full.chunk(n, 0)[r], up.chunk(n, -1)[r]
@@ -263,21 +263,21 @@ def _check_linears(group, n, r):
     want = run(functional, x, True, False, True, False, None, 0, None, group)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    assert_close(got[0], serial, **EXACT)
-    assert_close(got[1], grad_x, **EXACT)
-    assert_close(got[2], up_local.reshape(-1, 2).T @ x.reshape(-1, 5), **EXACT)
-    assert_close(got[3], up_local.sum((0, 1)), **EXACT)
+    compared.close(got[0], serial, **EXACT)
+    compared.close(got[1], grad_x, **EXACT)
+    compared.close(got[2], up_local.reshape(-1, 2).T @ x.reshape(-1, 5), **EXACT)
+    compared.close(got[3], up_local.sum((0, 1)), **EXACT)
     # Sequence parallel: the input's rows split, gathered forward, its gradient reduce-scattered.
     out, gx, gw, _ = run(cls.apply, x.chunk(n, 0)[r], False, False, False, True, None, 0, group)
-    assert_close(out, (x @ w_full.T).chunk(n, -1)[r], **EXACT)
-    assert_close(gx, grad_x.chunk(n, 0)[r], **EXACT)
-    assert_close(gw, up_local.reshape(-1, 2).T @ x.reshape(-1, 5), **EXACT)
+    compared.close(out, (x @ w_full.T).chunk(n, -1)[r], **EXACT)
+    compared.close(gx, grad_x.chunk(n, 0)[r], **EXACT)
+    compared.close(gw, up_local.reshape(-1, 2).T @ x.reshape(-1, 5), **EXACT)
     # Gradient accumulation fusion: the weight gradient is added into main_grad.
     w = w_shard.clone().requires_grad_(True)
     w.main_grad = torch.ones_like(w)
     cls.apply(x, w, None, True, True, False, None, 0, group).backward(up_local)
     assert w.grad is None
-    assert_close(w.main_grad, 1.0 + up_local.reshape(-1, 2).T @ x.reshape(-1, 5), **EXACT)
+    compared.close(w.main_grad, 1.0 + up_local.reshape(-1, 2).T @ x.reshape(-1, 5), **EXACT)
     with pytest.raises(NotImplementedError, match="grad_output_buffer"):
         cls.apply(x, w_shard, None, False, True, False, [], 0, group)
 
@@ -286,24 +286,29 @@ def _check_linears(group, n, r):
     out, gx, gw, gb = run(frozen.apply, x, True, True, group)
     want = run(tp_.linear_with_frozen_weight, x, True, False, True, False, group)
     assert torch.equal(out, want[0]) and torch.equal(gx, want[1]) and torch.equal(gb, want[3])
-    assert_close(out, serial, **EXACT)
-    assert_close(gx, grad_x, **EXACT)
+    compared.close(out, serial, **EXACT)
+    compared.close(gx, grad_x, **EXACT)
     assert gw is None
-    assert_close(gb, up_local.sum((0, 1)), **EXACT)
+    compared.close(gb, up_local.sum((0, 1)), **EXACT)
     out, gx, gw, _ = run(frozen.apply, x, False, False, None)  # no all-reduce: this shard's part only
-    assert_close(gx, up_local @ w_shard, **EXACT)
+    compared.close(gx, up_local @ w_shard, **EXACT)
     assert gw is None
 
 
-def _worker():
+def _worker() -> list[tuple]:
+    """The classes' results against serial ones at TP 3 (recorded comparisons, made in the test)."""
     ps.initialize_model_parallel(tensor_model_parallel_size=3)
     group = ps.get_tensor_model_parallel_group()
     n, r = group.size(), group.rank()
-    _check_region_backward_and_symbolic(group, n, r)
-    _check_cross_entropy(group, n, r)
-    _check_linears(group, n, r)
-    return True
+    compared = Comparisons()
+    _check_region_backward_and_symbolic(group, n, r, compared)
+    _check_cross_entropy(group, n, r, compared)
+    _check_linears(group, n, r, compared)
+    return compared.made
 
 
 def test_classes_at_tensor_parallel_size_3():
-    assert run_distributed(3, _worker) == [True] * 3
+    results = run_distributed(3, _worker)
+    for made in results:
+        assert_comparisons(made)
+    assert len({len(made) for made in results}) == 1

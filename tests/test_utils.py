@@ -24,7 +24,9 @@ def test_split_tensor_along_last_dim():
     chunks = utils.split_tensor_along_last_dim(x, 3)
     assert [c.tolist() for c in chunks] == [x[:, 0:4].tolist(), x[:, 4:8].tolist(), x[:, 8:12].tolist()]
     assert not chunks[1].is_contiguous()
-    assert all(c.is_contiguous() for c in utils.split_tensor_along_last_dim(x, 3, contiguous_split_chunks=True))
+    assert all(
+        c.is_contiguous() for c in utils.split_tensor_along_last_dim(x, 3, contiguous_split_chunks=True)
+    )
     with pytest.raises(ValueError, match="12 is not divisible by 5"):
         utils.split_tensor_along_last_dim(x, 5)
 
@@ -42,19 +44,28 @@ def test_exported_from_tensor_parallel():
         assert getattr(tensor_parallel, name) is getattr(utils, name)
 
 
-def _split_gather_worker():
+def _split_gather_worker() -> dict:
     ps.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
-    n, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    n = ps.get_tensor_model_parallel_world_size()
     x = torch.arange(6.0 * n, dtype=torch.float64).reshape(2, 3 * n)
     part = utils.split_tensor_into_1d_equal_chunks(x)
-    assert part.tolist() == x.reshape(-1)[6 * r : 6 * (r + 1)].tolist()
     copy = utils.split_tensor_into_1d_equal_chunks(x, new_buffer=True)
-    assert copy.data_ptr() != part.data_ptr() and torch.equal(copy, part)
-    assert torch.equal(utils.gather_split_1d_tensor(part), x.reshape(-1))
+    got = {
+        "rank": ps.get_tensor_model_parallel_rank(),
+        "part": part.tolist(),
+        "copy": copy.tolist(),
+        "copy_is_new": copy.data_ptr() != part.data_ptr(),
+        "gathered": utils.gather_split_1d_tensor(part).tolist(),
+    }
     with pytest.raises(ValueError, match=f"{6 * n + 1} is not divisible by {n}"):
         utils.split_tensor_into_1d_equal_chunks(torch.ones(6 * n + 1))
-    return True
+    return got
 
 
 def test_split_and_gather_1d():
-    assert run_distributed(2, _split_gather_worker) == [True, True]
+    flat = [float(i) for i in range(12)]  # x = arange(6 n) at n = 2, flattened
+    for rank, got in enumerate(run_distributed(2, _split_gather_worker)):
+        assert got["rank"] == rank
+        assert got["part"] == flat[6 * rank : 6 * (rank + 1)]
+        assert got["copy_is_new"] and got["copy"] == got["part"]
+        assert got["gathered"] == flat

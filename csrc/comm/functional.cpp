@@ -24,21 +24,23 @@ at::Tensor call(const c10::OperatorHandle& op, torch::jit::Stack stack) {
 }
 
 std::string error_text(const std::exception& e) {
-  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) return error->what_without_backtrace();
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e))
+    return error->what_without_backtrace();
   return e.what();
 }
 
 // The message of megatron_ext.comm_errors.failure_message, the one writer of these messages; the
 // bare facts where Python cannot be asked.
-std::string failure_message(const std::string& what, const std::string& group_name, const at::Tensor& tensor,
-                            const std::string& error, bool waiting) {
+std::string failure_message(const std::string& what, const std::string& group_name,
+                            const at::Tensor& tensor, const std::string& error, bool waiting) {
   if (Py_IsInitialized()) {
     pybind11::gil_scoped_acquire gil;
     try {
       auto errors = pybind11::module_::import("megatron_ext.comm_errors");
       auto write = errors.attr("_failure_message_of_group_name");
       pybind11::object py_tensor = pybind11::none();
-      if (tensor.defined()) py_tensor = pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(tensor));
+      if (tensor.defined())
+        py_tensor = pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(tensor));
       return write(what, group_name, py_tensor, error, waiting).cast<std::string>();
     } catch (const std::exception&) {  // the Python error is dropped here, under the GIL
     }
@@ -47,9 +49,10 @@ std::string failure_message(const std::string& what, const std::string& group_na
 }
 
 // A collective failed when started (``waiting`` false: the backend refused it) or waited on.
-[[noreturn]] void fail(const std::string& what, const std::string& group_name, const at::Tensor& tensor,
-                       const std::exception& e, bool waiting) {
-  C10_THROW_ERROR(DistBackendError, failure_message(what, group_name, tensor, error_text(e), waiting));
+[[noreturn]] void fail(const std::string& what, const std::string& group_name,
+                       const at::Tensor& tensor, const std::exception& e, bool waiting) {
+  C10_THROW_ERROR(DistBackendError,
+                  failure_message(what, group_name, tensor, error_text(e), waiting));
 }
 
 std::string operation(const char* kind, const std::string& where) {
@@ -128,13 +131,14 @@ Pending start_exchange_sum(const at::Tensor& input, c10d::ProcessGroup& pg) {
 }  // namespace
 
 bool is_plain(const at::Tensor& x) {
-  constexpr auto kWrapped = c10::DispatchKeySet(
-      {c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot, c10::DispatchKey::Functionalize});
+  constexpr auto kWrapped =
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                           c10::DispatchKey::Functionalize});
   return !x.key_set().has_any(kWrapped) && !x.is_meta();
 }
 
-Pending start_all_reduce(const at::Tensor& input, const std::string& group_name, const std::string& where,
-                         c10d::ReduceOp::RedOpType op) {
+Pending start_all_reduce(const at::Tensor& input, const std::string& group_name,
+                         const std::string& where, c10d::ReduceOp::RedOpType op) {
   return started("all-reduce", input, group_name, where, [&]() -> Pending {
     if (is_plain(input)) {
       auto hidden = hide_from_modes();
@@ -149,7 +153,8 @@ Pending start_all_reduce(const at::Tensor& input, const std::string& group_name,
   });
 }
 
-Pending start_all_reduce_owned(at::Tensor owned, const std::string& group_name, const std::string& where) {
+Pending start_all_reduce_owned(at::Tensor owned, const std::string& group_name,
+                               const std::string& where) {
   // One reference: the caller moved its only handle in, so nobody else can see the change.
   const bool stealable = is_plain(owned) && owned.is_contiguous() && !owned.is_view() &&
                          owned.use_count() == 1 && owned.storage().use_count() == 1;
@@ -170,8 +175,8 @@ Pending start_all_reduce_inplace(const at::Tensor& tensor, const std::string& gr
   });
 }
 
-Pending start_all_gather_dim0(const at::Tensor& input, int64_t group_size, const std::string& group_name,
-                              const std::string& where) {
+Pending start_all_gather_dim0(const at::Tensor& input, int64_t group_size,
+                              const std::string& group_name, const std::string& where) {
   return started("all-gather", input, group_name, where, [&]() -> Pending {
     auto local = input.contiguous();
     if (is_plain(input)) {
@@ -192,8 +197,8 @@ Pending start_all_gather_dim0(const at::Tensor& input, int64_t group_size, const
   });
 }
 
-Pending start_reduce_scatter_dim0(const at::Tensor& input, int64_t group_size, const std::string& group_name,
-                                  const std::string& where) {
+Pending start_reduce_scatter_dim0(const at::Tensor& input, int64_t group_size,
+                                  const std::string& group_name, const std::string& where) {
   return started("reduce-scatter", input, group_name, where, [&]() -> Pending {
     auto stacked = input.contiguous();
     if (is_plain(input)) {

@@ -9,8 +9,8 @@
 // A failure, when a collective is started or waited on (a dtype the backend cannot move, a peer
 // that died or stopped answering), is raised as c10::DistBackendError
 // (torch.distributed.DistBackendError in Python) with the message megatron_ext.comm_errors writes:
-// the collective, ``where`` it ran, the tensor, the group (description and global ranks), this rank,
-// the ranks it was waiting for and the backend's own message.
+// the collective, ``where`` it ran, the tensor, the group (description and global ranks), this
+// rank, the ranks it was waiting for and the backend's own message.
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -38,20 +38,22 @@ struct Pending {
 // ``where`` completes the operation's name in a failure's message: "all-reduce in <where>".
 
 // Sum (or ``op``) over the group into a new contiguous tensor; the input is left as it was.
-Pending start_all_reduce(const at::Tensor& input, const std::string& group_name, const std::string& where,
+Pending start_all_reduce(const at::Tensor& input, const std::string& group_name,
+                         const std::string& where,
                          c10d::ReduceOp::RedOpType op = c10d::ReduceOp::SUM);
 // Sum over the group in place when ``owned`` is a plain, contiguous tensor nobody else references
 // (a gradient autograd handed over), else into a new tensor.
-Pending start_all_reduce_owned(at::Tensor owned, const std::string& group_name, const std::string& where);
+Pending start_all_reduce_owned(at::Tensor owned, const std::string& group_name,
+                               const std::string& where);
 // Sum over the group in place on ``tensor``, a contiguous buffer the caller owns.
 Pending start_all_reduce_inplace(const at::Tensor& tensor, const std::string& group_name,
                                  const std::string& where);
 // Every rank's ``input`` concatenated along dim 0.
-Pending start_all_gather_dim0(const at::Tensor& input, int64_t group_size, const std::string& group_name,
-                              const std::string& where);
+Pending start_all_gather_dim0(const at::Tensor& input, int64_t group_size,
+                              const std::string& group_name, const std::string& where);
 // The sum over the group, this rank's dim-0 chunk.
-Pending start_reduce_scatter_dim0(const at::Tensor& input, int64_t group_size, const std::string& group_name,
-                                  const std::string& where);
+Pending start_reduce_scatter_dim0(const at::Tensor& input, int64_t group_size,
+                                  const std::string& group_name, const std::string& where);
 // Blocks until the collective has finished and returns its output.
 at::Tensor wait(Pending pending);
 

@@ -48,17 +48,20 @@ bool supported_by_cpu(CpuCapability c) {
 
 bool usable(CpuCapability c) { return compiled(c) && supported_by_cpu(c); }
 
-constexpr CpuCapability kAll[] = {CpuCapability::kDefault, CpuCapability::kAvx2, CpuCapability::kAvx512};
+constexpr CpuCapability kAll[] = {CpuCapability::kDefault, CpuCapability::kAvx2,
+                                  CpuCapability::kAvx512};
 
 CpuCapability parse(const std::string& name) {
   for (const auto c : kAll) {
     if (cpu_capability_name(c) == name) return c;
   }
-  TORCH_CHECK_VALUE(false, "unknown CPU capability '", name, "'; expected one of default, avx2, avx512");
+  TORCH_CHECK_VALUE(false, "unknown CPU capability '", name,
+                    "'; expected one of default, avx2, avx512");
 }
 
 CpuCapability best() {
-  if (const char* env = std::getenv("MEGATRON_EXT_CPU_CAPABILITY"); env != nullptr && *env != '\0') {
+  if (const char* env = std::getenv("MEGATRON_EXT_CPU_CAPABILITY");
+      env != nullptr && *env != '\0') {
     const auto c = parse(env);
     TORCH_CHECK_VALUE(usable(c), "MEGATRON_EXT_CPU_CAPABILITY=", env, " is not ",
                       compiled(c) ? "supported by this CPU" : "compiled into this build");
@@ -78,7 +81,9 @@ std::atomic<int>& current() {
 
 }  // namespace
 
-CpuCapability cpu_capability() { return static_cast<CpuCapability>(current().load(std::memory_order_relaxed)); }
+CpuCapability cpu_capability() {
+  return static_cast<CpuCapability>(current().load(std::memory_order_relaxed));
+}
 
 std::string cpu_capability_name(CpuCapability capability) {
   switch (capability) {

@@ -30,11 +30,11 @@ MEGATRON_EXT_HOST_DEVICE double log_acc(double x) { return ::log(x); }
 
 // Columns of the per-row statistics one rank computes over its slice of the vocabulary.
 enum RowStat : int64_t {
-  kLocalMax = 0,        // max_j x_j
-  kLocalSumExp = 1,     // sum_j exp(x_j - local max)
-  kLocalSumShift = 2,   // sum_j (x_j - local max), for label smoothing
-  kTargetShift = 3,     // x_target - local max when this rank holds the target, else 0
-  kHoldsTarget = 4,     // 1 when this rank holds the (non-ignored) target, else 0
+  kLocalMax = 0,       // max_j x_j
+  kLocalSumExp = 1,    // sum_j exp(x_j - local max)
+  kLocalSumShift = 2,  // sum_j (x_j - local max), for label smoothing
+  kTargetShift = 3,    // x_target - local max when this rank holds the target, else 0
+  kHoldsTarget = 4,    // 1 when this rank holds the (non-ignored) target, else 0
   kNumRowStats = 5,
 };
 
@@ -70,14 +70,16 @@ MEGATRON_EXT_HOST_DEVICE RowState<acc_t> row_state_of(acc_t x) {
 template <typename acc_t>
 MEGATRON_EXT_HOST_DEVICE acc_t shifted_sum_onto(const RowState<acc_t>& a, acc_t m) {
   if (a.count == acc_t(0)) return acc_t(0);
-  if (a.max == -std::numeric_limits<acc_t>::infinity()) return -std::numeric_limits<acc_t>::infinity();
+  if (a.max == -std::numeric_limits<acc_t>::infinity())
+    return -std::numeric_limits<acc_t>::infinity();
   return a.max == m ? a.sum_shift : a.sum_shift + a.count * (a.max - m);
 }
 
 // Merges two summaries. NaN maxima propagate into the sums (the comparison below is false for
 // NaN, so the other side's max is taken and exp(NaN - m) poisons the sum).
 template <typename acc_t>
-MEGATRON_EXT_HOST_DEVICE RowState<acc_t> row_state_merge(const RowState<acc_t>& a, const RowState<acc_t>& b) {
+MEGATRON_EXT_HOST_DEVICE RowState<acc_t> row_state_merge(const RowState<acc_t>& a,
+                                                         const RowState<acc_t>& b) {
   if (a.count == acc_t(0)) return b;
   if (b.count == acc_t(0)) return a;
   const acc_t m = a.max > b.max ? a.max : b.max;
@@ -108,7 +110,8 @@ MEGATRON_EXT_HOST_DEVICE void write_row_stats(const RowState<acc_t>& state, bool
   // exp(x - max) is exp(inf - inf) = NaN for a +inf logit, as torch's log_softmax computes it.
   out[kLocalSumExp] = state.max == inf ? std::numeric_limits<acc_t>::quiet_NaN() : state.sum_exp;
   out[kLocalSumShift] = state.sum_shift;
-  out[kTargetShift] = !holds_target ? acc_t(0) : (state.max == -inf ? -inf : target_logit - state.max);
+  out[kTargetShift] =
+      !holds_target ? acc_t(0) : (state.max == -inf ? -inf : target_logit - state.max);
   out[kHoldsTarget] = holds_target ? acc_t(1) : acc_t(0);
 }
 

@@ -34,8 +34,10 @@ inline void check_cross_entropy_kernel_args(const at::Tensor& logits, const at::
 
 // The in-place backward writes the gradient over the logits, row by row.
 inline void check_cross_entropy_inplace(const at::Tensor& logits) {
-  TORCH_CHECK_VALUE(logits.is_contiguous(), "vocab_parallel_cross_entropy_backward_: the logits the "
-                    "gradient overwrites must be contiguous, got strides ", logits.strides());
+  TORCH_CHECK_VALUE(logits.is_contiguous(),
+                    "vocab_parallel_cross_entropy_backward_: the logits the "
+                    "gradient overwrites must be contiguous, got strides ",
+                    logits.strides());
 }
 
 // The dtype of the row statistics and losses of ``logits`` floating-point logits: the kernels'
@@ -70,32 +72,40 @@ inline CrossEntropyBackwardInputs prepare_cross_entropy_backward(
     const at::Tensor& row_max, const at::Tensor& log_sum_exp, double label_smoothing,
     int64_t vocab_size) {
   check_cross_entropy_kernel_args(logits, local_target, "vocab_parallel_cross_entropy_backward");
-  TORCH_CHECK_VALUE(vocab_size >= logits.size(-1), "vocab_parallel_cross_entropy_backward: vocab_size ",
-                    vocab_size, " is smaller than the local vocabulary ", logits.size(-1));
+  TORCH_CHECK_VALUE(vocab_size >= logits.size(-1),
+                    "vocab_parallel_cross_entropy_backward: vocab_size ", vocab_size,
+                    " is smaller than the local vocabulary ", logits.size(-1));
   const auto acc = cross_entropy_acc_type(logits.scalar_type());
-  CrossEntropyBackwardInputs in{logits.contiguous(), local_target.contiguous(),
-                                grad_loss.to(acc).contiguous(), row_max.to(acc).contiguous(),
-                                log_sum_exp.to(acc).contiguous(), logits.size(-1), local_target.numel(),
-                                vocab_size > 1 ? label_smoothing / static_cast<double>(vocab_size - 1)
-                                               : 0.0};
+  CrossEntropyBackwardInputs in{
+      logits.contiguous(),
+      local_target.contiguous(),
+      grad_loss.to(acc).contiguous(),
+      row_max.to(acc).contiguous(),
+      log_sum_exp.to(acc).contiguous(),
+      logits.size(-1),
+      local_target.numel(),
+      vocab_size > 1 ? label_smoothing / static_cast<double>(vocab_size - 1) : 0.0};
   TORCH_CHECK_VALUE(in.grad_loss.numel() == in.rows && in.row_max.numel() == in.rows &&
                         in.log_sum_exp.numel() == in.rows,
                     "vocab_parallel_cross_entropy_backward: expected one gradient, max and "
-                    "log-sum-exp per token (", in.rows, "), got ", in.grad_loss.numel(), ", ",
-                    in.row_max.numel(), ", ", in.log_sum_exp.numel());
-  TORCH_CHECK_VALUE(in.grad_loss.device() == in.logits.device() && in.row_max.device() == in.logits.device() &&
-                        in.log_sum_exp.device() == in.logits.device(),
-                    "vocab_parallel_cross_entropy_backward: every tensor must be on the logits' device ",
-                    in.logits.device());
+                    "log-sum-exp per token (",
+                    in.rows, "), got ", in.grad_loss.numel(), ", ", in.row_max.numel(), ", ",
+                    in.log_sum_exp.numel());
+  TORCH_CHECK_VALUE(
+      in.grad_loss.device() == in.logits.device() && in.row_max.device() == in.logits.device() &&
+          in.log_sum_exp.device() == in.logits.device(),
+      "vocab_parallel_cross_entropy_backward: every tensor must be on the logits' device ",
+      in.logits.device());
   // The backward writes at each token's column: out-of-range columns are refused (on CPU here, one
   // pass over the tokens; the CUDA kernel asserts on the device rather than synchronise).
   if (in.local_target.is_cpu() && in.rows > 0) {
     const auto [lo, hi] = at::aminmax(in.local_target);
     const int64_t min = lo.item<int64_t>(), max = hi.item<int64_t>();
-    TORCH_CHECK_VALUE(min >= kernels::kIgnoredToken && max < in.vocab,
-                      "vocab_parallel_cross_entropy_backward: local_target must hold columns in [0, ",
-                      in.vocab, "), ", kernels::kTargetElsewhere, " (another rank's) or ",
-                      kernels::kIgnoredToken, " (ignored), got values in [", min, ", ", max, "]");
+    TORCH_CHECK_VALUE(
+        min >= kernels::kIgnoredToken && max < in.vocab,
+        "vocab_parallel_cross_entropy_backward: local_target must hold columns in [0, ", in.vocab,
+        "), ", kernels::kTargetElsewhere, " (another rank's) or ", kernels::kIgnoredToken,
+        " (ignored), got values in [", min, ", ", max, "]");
   }
   return in;
 }

@@ -60,7 +60,8 @@ at::Tensor row_stats_cpu(const at::Tensor& logits, const at::Tensor& target, int
   auto t = target.contiguous();
   auto sizes = target.sizes().vec();
   sizes.push_back(kNumRowStats);
-  auto stats = at::empty(sizes, logits.options().dtype(cross_entropy_acc_type(logits.scalar_type())));
+  auto stats =
+      at::empty(sizes, logits.options().dtype(cross_entropy_acc_type(logits.scalar_type())));
   const auto dtype = ce_dtype(x.scalar_type());
   const auto& k = cpu_kernels();
   const void* xp = x.const_data_ptr();
@@ -74,7 +75,8 @@ at::Tensor row_stats_cpu(const at::Tensor& logits, const at::Tensor& target, int
   return stats;
 }
 
-void backward_into(const CrossEntropyBackwardInputs& in, const at::Tensor& grad, double label_smoothing) {
+void backward_into(const CrossEntropyBackwardInputs& in, const at::Tensor& grad,
+                   double label_smoothing) {
   const auto dtype = ce_dtype(in.logits.scalar_type());
   const auto& k = cpu_kernels();
   const void* xp = in.logits.const_data_ptr();
@@ -84,26 +86,28 @@ void backward_into(const CrossEntropyBackwardInputs& in, const at::Tensor& grad,
   const void* mp = in.row_max.const_data_ptr();
   const void* lp = in.log_sum_exp.const_data_ptr();
   at::parallel_for(0, in.rows, row_grain(in.vocab), [&](int64_t begin, int64_t end) {
-    k.backward(dtype, xp, yp, tp, gp, mp, lp, begin, end, in.vocab, 1.0 - label_smoothing, in.other_weight);
+    k.backward(dtype, xp, yp, tp, gp, mp, lp, begin, end, in.vocab, 1.0 - label_smoothing,
+               in.other_weight);
   });
 }
 
-at::Tensor backward_cpu(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& local_target,
-                        const at::Tensor& row_max, const at::Tensor& log_sum_exp, double label_smoothing,
-                        int64_t vocab_size) {
-  const auto in = prepare_cross_entropy_backward(grad_loss, logits, local_target, row_max, log_sum_exp,
-                                                 label_smoothing, vocab_size);
+at::Tensor backward_cpu(const at::Tensor& grad_loss, const at::Tensor& logits,
+                        const at::Tensor& local_target, const at::Tensor& row_max,
+                        const at::Tensor& log_sum_exp, double label_smoothing, int64_t vocab_size) {
+  const auto in = prepare_cross_entropy_backward(grad_loss, logits, local_target, row_max,
+                                                 log_sum_exp, label_smoothing, vocab_size);
   auto grad = at::empty(in.logits.sizes(), in.logits.options());
   backward_into(in, grad, label_smoothing);
   return grad;
 }
 
-void backward_inplace_cpu(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& local_target,
-                          const at::Tensor& row_max, const at::Tensor& log_sum_exp, double label_smoothing,
+void backward_inplace_cpu(const at::Tensor& grad_loss, const at::Tensor& logits,
+                          const at::Tensor& local_target, const at::Tensor& row_max,
+                          const at::Tensor& log_sum_exp, double label_smoothing,
                           int64_t vocab_size) {
   check_cross_entropy_inplace(logits);
-  const auto in = prepare_cross_entropy_backward(grad_loss, logits, local_target, row_max, log_sum_exp,
-                                                 label_smoothing, vocab_size);
+  const auto in = prepare_cross_entropy_backward(grad_loss, logits, local_target, row_max,
+                                                 log_sum_exp, label_smoothing, vocab_size);
   backward_into(in, logits, label_smoothing);
 }
 

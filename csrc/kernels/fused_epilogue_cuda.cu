@@ -202,8 +202,9 @@ at::Tensor bias_gelu_forward_cuda(const at::Tensor& input, const at::Tensor& bia
         const auto stream = at::cuda::getCurrentCUDAStream();
         if (packs_fit<scalar_t>(h, {xp, bp, op})) {
           constexpr int64_t k = Pack<scalar_t>::kSize;
-          bias_gelu_forward_pack_kernel<scalar_t, acc_t><<<blocks_for(n / k), kThreads, 0, stream>>>(
-              as_packs(xp), as_packs(bp), n / k, h / k, tanh_form, as_packs(op));
+          bias_gelu_forward_pack_kernel<scalar_t, acc_t>
+              <<<blocks_for(n / k), kThreads, 0, stream>>>(as_packs(xp), as_packs(bp), n / k, h / k,
+                                                           tanh_form, as_packs(op));
         } else {
           bias_gelu_forward_kernel<scalar_t, acc_t>
               <<<blocks_for(n), kThreads, 0, stream>>>(xp, bp, n, h, tanh_form, op);
@@ -237,7 +238,7 @@ at::Tensor bias_gelu_backward_cuda(const at::Tensor& grad_output, const at::Tens
           constexpr int64_t k = Pack<scalar_t>::kSize;
           bias_gelu_backward_pack_kernel<scalar_t, acc_t>
               <<<blocks_for(n / k), kThreads, 0, stream>>>(as_packs(gp), as_packs(xp), as_packs(bp),
-                                                          n / k, h / k, tanh_form, as_packs(op));
+                                                           n / k, h / k, tanh_form, as_packs(op));
         } else {
           bias_gelu_backward_kernel<scalar_t, acc_t>
               <<<blocks_for(n), kThreads, 0, stream>>>(gp, xp, bp, n, h, tanh_form, op);

@@ -31,8 +31,8 @@ int64_t multiprocessors() {
 }
 
 int64_t blocks_for(int64_t work) {
-  return std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads,
-                                                multiprocessors() * 8));
+  return std::max<int64_t>(
+      1, std::min<int64_t>((work + kThreads - 1) / kThreads, multiprocessors() * 8));
 }
 
 int64_t row_blocks(int64_t rows) {
@@ -101,9 +101,8 @@ __global__ void rms_norm_backward_kernel(const scalar_t* __restrict__ grad,
     __syncthreads();
     const acc_t coef = row_coef;
     for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
-      grad_x[row * h + j] = static_cast<scalar_t>(
-          rms_norm_grad_input(static_cast<acc_t>(gr[j]), static_cast<acc_t>(xr[j]),
-                              static_cast<acc_t>(w[j]), r, coef));
+      grad_x[row * h + j] = static_cast<scalar_t>(rms_norm_grad_input(
+          static_cast<acc_t>(gr[j]), static_cast<acc_t>(xr[j]), static_cast<acc_t>(w[j]), r, coef));
     }
     __syncthreads();
   }
@@ -114,9 +113,8 @@ __global__ void rms_norm_backward_kernel(const scalar_t* __restrict__ grad,
 template <typename scalar_t, typename acc_t>
 __global__ void rms_norm_weight_grad_kernel(const scalar_t* __restrict__ grad,
                                             const scalar_t* __restrict__ x,
-                                            const acc_t* __restrict__ rstd, int64_t rows,
-                                            int64_t h, int64_t rows_per_chunk,
-                                            acc_t* __restrict__ partial) {
+                                            const acc_t* __restrict__ rstd, int64_t rows, int64_t h,
+                                            int64_t rows_per_chunk, acc_t* __restrict__ partial) {
   const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (j >= h) return;
   const int64_t first = blockIdx.y * rows_per_chunk;
@@ -214,11 +212,11 @@ __global__ void rotary_kernel(const scalar_t* __restrict__ input, const scalar_t
     const int64_t p = rotary_partner(lane, rot, layout.interleaved);
     const bool negated = rotary_negated(lane, rot, layout.interleaved);
     const acc_t value =
-        backward ? rotary_backward(static_cast<acc_t>(t[lane]), static_cast<acc_t>(t[p]),
-                                   static_cast<acc_t>(c[lane]), static_cast<acc_t>(s[p]), negated)
-                 : rotary_forward(static_cast<acc_t>(t[lane]), static_cast<acc_t>(t[p]),
-                                  static_cast<acc_t>(c[lane]), static_cast<acc_t>(s[lane]),
-                                  negated);
+        backward
+            ? rotary_backward(static_cast<acc_t>(t[lane]), static_cast<acc_t>(t[p]),
+                              static_cast<acc_t>(c[lane]), static_cast<acc_t>(s[p]), negated)
+            : rotary_forward(static_cast<acc_t>(t[lane]), static_cast<acc_t>(t[p]),
+                             static_cast<acc_t>(c[lane]), static_cast<acc_t>(s[lane]), negated);
     out[e] = static_cast<scalar_t>(value);
   }
 }

@@ -9,12 +9,12 @@
 namespace megatron_ext {
 
 inline void check_vocab_range_mask_args(const at::Tensor& ids, int64_t first, int64_t last) {
-  TORCH_CHECK_VALUE(!at::isFloatingType(ids.scalar_type()) && !at::isComplexType(ids.scalar_type()) &&
-                        ids.scalar_type() != at::kBool,
+  TORCH_CHECK_VALUE(!at::isFloatingType(ids.scalar_type()) &&
+                        !at::isComplexType(ids.scalar_type()) && ids.scalar_type() != at::kBool,
                     "vocab_range_mask: token ids must be an integer tensor, got ",
                     ids.scalar_type());
-  TORCH_CHECK_VALUE(0 <= first && first <= last, "vocab_range_mask: expected 0 <= first <= last, got [",
-                    first, ", ", last, ")");
+  TORCH_CHECK_VALUE(0 <= first && first <= last,
+                    "vocab_range_mask: expected 0 <= first <= last, got [", first, ", ", last, ")");
 }
 
 // Blocks of a grid-stride launch over ``n`` elements: at most ``max_blocks``, and ``n`` must leave

@@ -27,8 +27,6 @@ std::tuple<at::Tensor, at::Tensor> vocab_range_mask_cpu(const at::Tensor& ids, i
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(megatron_ext, CPU, m) {
-  m.impl("vocab_range_mask", &vocab_range_mask_cpu);
-}
+TORCH_LIBRARY_IMPL(megatron_ext, CPU, m) { m.impl("vocab_range_mask", &vocab_range_mask_cpu); }
 
 }  // namespace megatron_ext

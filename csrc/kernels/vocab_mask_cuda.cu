@@ -38,8 +38,6 @@ std::tuple<at::Tensor, at::Tensor> vocab_range_mask_cuda(const at::Tensor& ids, 
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(megatron_ext, CUDA, m) {
-  m.impl("vocab_range_mask", &vocab_range_mask_cuda);
-}
+TORCH_LIBRARY_IMPL(megatron_ext, CUDA, m) { m.impl("vocab_range_mask", &vocab_range_mask_cuda); }
 
 }  // namespace megatron_ext

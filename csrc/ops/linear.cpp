@@ -47,13 +47,14 @@ constexpr const char* kInputGrad =
     "the backward of linear_with_grad_accumulation_and_async_allreduce (the input gradient)";
 
 void check_args(const at::Tensor& input, const at::Tensor& weight,
-                const std::optional<at::Tensor>& bias, bool allreduce_dgrad,
-                bool sequence_parallel, int64_t group_size) {
+                const std::optional<at::Tensor>& bias, bool allreduce_dgrad, bool sequence_parallel,
+                int64_t group_size) {
   TORCH_CHECK_VALUE(input.defined() && weight.defined(), kOp, ": input and weight must be tensors");
   TORCH_CHECK_VALUE(weight.dim() == 2, kOp, ": weight must be 2-D [output, input], got shape ",
                     weight.sym_sizes());
   // Sizes may be symbolic under torch.compile's dynamic shapes: each check becomes a guard.
-  TORCH_CHECK_VALUE(input.dim() >= 1 && input.sym_size(-1) == weight.sym_size(1), kOp, ": the last dim of the input (shape ", input.sym_sizes(),
+  TORCH_CHECK_VALUE(input.dim() >= 1 && input.sym_size(-1) == weight.sym_size(1), kOp,
+                    ": the last dim of the input (shape ", input.sym_sizes(),
                     ") must equal the input size of the weight (shape ", weight.sym_sizes(), ")");
   TORCH_CHECK_VALUE(!sequence_parallel || input.dim() >= 2, kOp,
                     ": sequence parallelism needs an input with a sequence dim first, got shape ",
@@ -82,8 +83,8 @@ at::Tensor forward_impl(const at::Tensor& input, const at::Tensor& weight,
 
 at::Tensor linear_forward(const at::Tensor& input, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias, bool gradient_accumulation_fusion,
-                          bool allreduce_dgrad, bool sequence_parallel,
-                          c10::string_view group_name, int64_t group_size) {
+                          bool allreduce_dgrad, bool sequence_parallel, c10::string_view group_name,
+                          int64_t group_size) {
   check_args(input, weight, bias, allreduce_dgrad, sequence_parallel, group_size);
   return forward_impl(input, weight, bias, sequence_parallel, std::string(group_name), group_size);
 }
@@ -116,7 +117,8 @@ at::Tensor placeholder_weight_grad(const at::Tensor& weight) {
   auto py_weight = pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(weight));
   if (!pybind11::hasattr(py_weight, "grad_added_to_main_grad")) return {};
   py_weight.attr("grad_added_to_main_grad") = true;
-  const bool zeros = pybind11::bool_(pybind11::getattr(py_weight, "zero_out_wgrad", pybind11::bool_(false)));
+  const bool zeros =
+      pybind11::bool_(pybind11::getattr(py_weight, "zero_out_wgrad", pybind11::bool_(false)));
   return zeros ? at::zeros_like(weight) : at::empty_like(weight);
 }
 
@@ -232,10 +234,12 @@ at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight,
 
 TORCH_LIBRARY_FRAGMENT(megatron_ext, m) {
   m.def(
-      "linear_with_grad_accumulation_and_async_allreduce(Tensor input, Tensor weight, Tensor? bias, "
+      "linear_with_grad_accumulation_and_async_allreduce(Tensor input, Tensor weight, Tensor? "
+      "bias, "
       "bool gradient_accumulation_fusion, bool allreduce_dgrad, bool sequence_parallel, "
       "str group_name, int group_size) -> Tensor");
-  m.impl(kOp, torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(linear_forward)));
+  m.impl(kOp,
+         torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(linear_forward)));
   m.impl(kOp, torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(linear_autograd)));
 }
 

@@ -54,28 +54,34 @@ using ForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
 // The signatures of the ops this op is built from: the cross-entropy's forward and backward
 // (ops/cross_entropy.cpp, kernels/cross_entropy*).
 using CeForwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, double, std::optional<int64_t>, c10::string_view, int64_t);
-using CeBackwardFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, double, int64_t);
+    const at::Tensor&, const at::Tensor&, double, std::optional<int64_t>, c10::string_view,
+    int64_t);
+using CeBackwardFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, double, int64_t);
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> ce_forward(const at::Tensor& logits, const at::Tensor& target,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ce_forward(const at::Tensor& logits,
+                                                          const at::Tensor& target,
                                                           double label_smoothing,
                                                           std::optional<int64_t> ignore_index,
                                                           const std::string& group) {
   static const auto op = typed_op<CeForwardFn>("vocab_parallel_cross_entropy_forward");
-  const auto out = op.call(logits, target, label_smoothing, ignore_index, group, comm::group_size(group));
+  const auto out =
+      op.call(logits, target, label_smoothing, ignore_index, group, comm::group_size(group));
   return {std::get<0>(out), std::get<1>(out), std::get<2>(out)};
 }
 
 // (softmax(logits) - q) * grad_loss per row, in the logits' dtype; zero rows for ignored tokens.
-at::Tensor ce_backward(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
-                       const at::Tensor& row_max, const at::Tensor& log_sum_exp, double label_smoothing,
-                       std::optional<int64_t> ignore_index, int64_t vocab_start, int64_t vocab_size) {
+at::Tensor ce_backward(const at::Tensor& grad_loss, const at::Tensor& logits,
+                       const at::Tensor& target, const at::Tensor& row_max,
+                       const at::Tensor& log_sum_exp, double label_smoothing,
+                       std::optional<int64_t> ignore_index, int64_t vocab_start,
+                       int64_t vocab_size) {
   static const auto op = typed_op<CeBackwardFn>("vocab_parallel_cross_entropy_backward");
   // The cross-entropy's backward takes each token's local target, as its forward returns it.
   const auto local_target =
       local_target_columns(target.to(at::kLong), vocab_start, logits.size(-1), ignore_index);
-  return op.call(grad_loss, logits, local_target, row_max, log_sum_exp, label_smoothing, vocab_size);
+  return op.call(grad_loss, logits, local_target, row_max, log_sum_exp, label_smoothing,
+                 vocab_size);
 }
 
 // Every check depends only on shapes, dtypes and arguments that all ranks share, so bad input
@@ -90,20 +96,21 @@ void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::
                     ": hidden must be floating point, got dtype ", hidden.scalar_type());
   TORCH_CHECK_VALUE(weight.scalar_type() == hidden.scalar_type(), kOp, ": weight has dtype ",
                     weight.scalar_type(), " but hidden has dtype ", hidden.scalar_type());
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) > 0, kOp,
-                    ": weight must be 2-D [vocab / tp, hidden] with a non-empty vocabulary slice, got shape ",
-                    weight.sizes());
+  TORCH_CHECK_VALUE(
+      weight.dim() == 2 && weight.size(0) > 0, kOp,
+      ": weight must be 2-D [vocab / tp, hidden] with a non-empty vocabulary slice, got shape ",
+      weight.sizes());
   TORCH_CHECK_VALUE(hidden.dim() >= 1 && hidden.size(-1) == weight.size(1), kOp,
                     ": the last dim of hidden (shape ", hidden.sizes(),
                     ") must equal the hidden size of the weight (shape ", weight.sizes(), ")");
   TORCH_CHECK_VALUE(target.sizes() == hidden.sizes().slice(0, hidden.dim() - 1), kOp,
-                    ": target shape ", target.sizes(), " must equal the hidden shape ", hidden.sizes(),
-                    " without its last dim");
+                    ": target shape ", target.sizes(), " must equal the hidden shape ",
+                    hidden.sizes(), " without its last dim");
   TORCH_CHECK_VALUE(at::isIntegralType(target.scalar_type(), /*includeBool=*/false), kOp,
                     ": target must hold integer token ids, got dtype ", target.scalar_type());
   TORCH_CHECK_VALUE(weight.device() == hidden.device() && target.device() == hidden.device(), kOp,
-                    ": hidden, weight and target must be on one device, got ", hidden.device(), ", ",
-                    weight.device(), " and ", target.device());
+                    ": hidden, weight and target must be on one device, got ", hidden.device(),
+                    ", ", weight.device(), " and ", target.device());
   TORCH_CHECK_VALUE(chunk_size > 0, kOp, ": chunk_size must be positive, got ", chunk_size);
 }
 
@@ -129,10 +136,11 @@ void add_transposed_product(at::Tensor& grad, const at::Tensor& a, const at::Ten
 // Forward below autograd: the loss, the row statistics the backward needs and, when asked, the
 // gradients of the hidden states and of the weight for a unit loss gradient (before the
 // all-reduce over the group; empty when not asked).
-ForwardResult forward_impl(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
-                           double label_smoothing, std::optional<int64_t> ignore_index,
-                           int64_t chunk_size, bool hidden_grad, bool weight_grad,
-                           c10::string_view group_name, int64_t group_size, int64_t group_rank) {
+ForwardResult forward_impl(const at::Tensor& hidden, const at::Tensor& weight,
+                           const at::Tensor& target, double label_smoothing,
+                           std::optional<int64_t> ignore_index, int64_t chunk_size,
+                           bool hidden_grad, bool weight_grad, c10::string_view group_name,
+                           int64_t group_size, int64_t group_rank) {
   const std::string group(group_name);
   check_inputs(hidden, weight, target, chunk_size);
   check_group(group, group_size, group_rank);
@@ -177,41 +185,46 @@ ForwardResult forward_impl(const at::Tensor& hidden, const at::Tensor& weight, c
 // in place (the hidden states are replicated: the conjugate of copy_to's identity). As in the
 // column-parallel linear, that all-reduce runs while the weight gradient is computed.
 void backward_impl(const at::Tensor& grad_loss, const at::Tensor& hidden, const at::Tensor& weight,
-                   const at::Tensor& target, const at::Tensor& row_max, const at::Tensor& log_sum_exp,
-                   at::Tensor& grad_hidden, at::Tensor& grad_weight, double label_smoothing,
-                   std::optional<int64_t> ignore_index, int64_t chunk_size, bool precomputed,
-                   int64_t vocab_start, int64_t vocab_size, c10::string_view group_name,
-                   int64_t group_size) {
-  TORCH_CHECK_VALUE(chunk_size > 0, kOp, "_backward: chunk_size must be positive, got ", chunk_size);
+                   const at::Tensor& target, const at::Tensor& row_max,
+                   const at::Tensor& log_sum_exp, at::Tensor& grad_hidden, at::Tensor& grad_weight,
+                   double label_smoothing, std::optional<int64_t> ignore_index, int64_t chunk_size,
+                   bool precomputed, int64_t vocab_start, int64_t vocab_size,
+                   c10::string_view group_name, int64_t group_size) {
+  TORCH_CHECK_VALUE(chunk_size > 0, kOp, "_backward: chunk_size must be positive, got ",
+                    chunk_size);
   const auto h = hidden.reshape({-1, hidden.size(-1)});
   const auto ids = target.reshape({-1}).to(at::kLong);
   const int64_t rows = ids.numel();
   const bool want_hidden = grad_hidden.numel() > 0;
   const bool want_weight = grad_weight.numel() > 0;
-  TORCH_CHECK_VALUE(!want_hidden || grad_hidden.sizes() == h.sizes(), kOp, "_backward: grad_hidden has shape ",
-                    grad_hidden.sizes(), ", expected ", h.sizes());
+  TORCH_CHECK_VALUE(!want_hidden || grad_hidden.sizes() == h.sizes(), kOp,
+                    "_backward: grad_hidden has shape ", grad_hidden.sizes(), ", expected ",
+                    h.sizes());
   TORCH_CHECK_VALUE(!want_weight || grad_weight.sizes() == weight.sizes(), kOp,
-                    "_backward: grad_weight has shape ", grad_weight.sizes(), ", expected ", weight.sizes());
+                    "_backward: grad_weight has shape ", grad_weight.sizes(), ", expected ",
+                    weight.sizes());
   const auto acc = cross_entropy_acc_type(hidden.scalar_type());
   auto g = grad_loss.reshape({-1}).to(acc);
-  TORCH_CHECK_VALUE(g.numel() == rows, kOp, "_backward: expected one loss gradient per token (", rows,
-                    "), got ", g.numel());
+  TORCH_CHECK_VALUE(g.numel() == rows, kOp, "_backward: expected one loss gradient per token (",
+                    rows, "), got ", g.numel());
   // Ignored tokens get no gradient whatever g holds there (as in the unfused loss).
   if (ignore_index.has_value()) g = g.masked_fill(ids == *ignore_index, 0.0);
 
   const std::string group(group_name);
   const bool reduce_hidden = want_hidden && group_size > 1 && rows > 0;
   std::optional<comm::Pending> hidden_sum;
-  at::Tensor delta = g;  // what each row's P still has to be multiplied by and added
+  at::Tensor delta = g;       // what each row's P still has to be multiplied by and added
   at::Tensor recompute_rows;  // undefined: every row
   int64_t count = rows;
   if (precomputed) {
     count = 0;
     if (want_hidden) {
       grad_hidden.mul_(g.unsqueeze(1));
-      if (reduce_hidden) hidden_sum = comm::start_all_reduce_inplace(grad_hidden, group, kHiddenGrad);
+      if (reduce_hidden)
+        hidden_sum = comm::start_all_reduce_inplace(grad_hidden, group, kHiddenGrad);
     }
-    const auto active = ignore_index.has_value() ? ids != *ignore_index : at::ones_like(ids, at::kBool);
+    const auto active =
+        ignore_index.has_value() ? ids != *ignore_index : at::ones_like(ids, at::kBool);
     const auto first = active.nonzero();
     // With every token ignored the gradients are zero already.
     if (want_weight && first.size(0) > 0) {
@@ -258,18 +271,19 @@ void backward_impl(const at::Tensor& grad_loss, const at::Tensor& hidden, const 
 }
 
 using ForwardFn = ForwardResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                std::optional<int64_t>, int64_t, bool, bool, c10::string_view, int64_t,
-                                int64_t);
+                                std::optional<int64_t>, int64_t, bool, bool, c10::string_view,
+                                int64_t, int64_t);
 using BackwardFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, double,
                         std::optional<int64_t>, int64_t, bool, int64_t, int64_t, c10::string_view,
                         int64_t);
 
 struct LinearCrossEntropyFunction : public Function<LinearCrossEntropyFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
-                            const at::Tensor& target, double label_smoothing,
-                            std::optional<int64_t> ignore_index, int64_t chunk_size,
-                            const std::string& group, int64_t group_size, int64_t group_rank) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden,
+                            const at::Tensor& weight, const at::Tensor& target,
+                            double label_smoothing, std::optional<int64_t> ignore_index,
+                            int64_t chunk_size, const std::string& group, int64_t group_size,
+                            int64_t group_rank) {
     static const auto op = typed_op<ForwardFn>("vocab_parallel_linear_cross_entropy_forward");
     const bool hidden_grad = hidden.requires_grad();
     const bool weight_grad = weight.requires_grad();
@@ -283,7 +297,8 @@ struct LinearCrossEntropyFunction : public Function<LinearCrossEntropyFunction> 
     ctx->saved_data["grad_hidden"] = grad_hidden;
     ctx->saved_data["grad_weight"] = grad_weight;
     ctx->saved_data["label_smoothing"] = label_smoothing;
-    ctx->saved_data["ignore_index"] = ignore_index.has_value() ? c10::IValue(*ignore_index) : c10::IValue();
+    ctx->saved_data["ignore_index"] =
+        ignore_index.has_value() ? c10::IValue(*ignore_index) : c10::IValue();
     ctx->saved_data["chunk_size"] = chunk_size;
     ctx->saved_data["group"] = group;
     ctx->saved_data["group_size"] = group_size;
@@ -310,7 +325,8 @@ struct LinearCrossEntropyFunction : public Function<LinearCrossEntropyFunction> 
       ctx->saved_data.erase("grad_weight");
     }
     if (!precomputed || !want_hidden) {
-      grad_hidden = want_hidden ? at::zeros({hidden.numel() / hidden.size(-1), hidden.size(-1)}, hidden.options())
+      grad_hidden = want_hidden ? at::zeros({hidden.numel() / hidden.size(-1), hidden.size(-1)},
+                                            hidden.options())
                                 : at::empty({0}, hidden.options());
     }
     if (!precomputed || !want_weight) {
@@ -323,9 +339,10 @@ struct LinearCrossEntropyFunction : public Function<LinearCrossEntropyFunction> 
       op.call(grads[0], hidden, weight, saved[2], saved[3], saved[4], grad_hidden, grad_weight,
               ctx->saved_data["label_smoothing"].toDouble(),
               ignore.isNone() ? std::nullopt : std::optional<int64_t>(ignore.toInt()),
-              ctx->saved_data["chunk_size"].toInt(), precomputed, ctx->saved_data["vocab_start"].toInt(),
-              ctx->saved_data["group_size"].toInt() * weight.size(0), ctx->saved_data["group"].toStringRef(),
-              ctx->saved_data["group_size"].toInt());
+              ctx->saved_data["chunk_size"].toInt(), precomputed,
+              ctx->saved_data["vocab_start"].toInt(),
+              ctx->saved_data["group_size"].toInt() * weight.size(0),
+              ctx->saved_data["group"].toStringRef(), ctx->saved_data["group_size"].toInt());
     }
     if (want_hidden) result[0] = grad_hidden.view(hidden.sizes());
     if (want_weight) result[1] = grad_weight.to(weight.scalar_type());
@@ -336,10 +353,11 @@ struct LinearCrossEntropyFunction : public Function<LinearCrossEntropyFunction> 
 at::Tensor linear_cross_entropy_autograd(const at::Tensor& hidden, const at::Tensor& weight,
                                          const at::Tensor& target, double label_smoothing,
                                          std::optional<int64_t> ignore_index, int64_t chunk_size,
-                                         c10::string_view group, int64_t group_size, int64_t group_rank) {
+                                         c10::string_view group, int64_t group_size,
+                                         int64_t group_rank) {
   check_inputs(hidden, weight, target, chunk_size);
-  return LinearCrossEntropyFunction::apply(hidden, weight, target, label_smoothing, ignore_index, chunk_size,
-                                           std::string(group), group_size, group_rank);
+  return LinearCrossEntropyFunction::apply(hidden, weight, target, label_smoothing, ignore_index,
+                                           chunk_size, std::string(group), group_size, group_rank);
 }
 
 at::Tensor linear_cross_entropy_no_autograd(const at::Tensor& hidden, const at::Tensor& weight,

@@ -33,10 +33,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_op(const at::Tensor& grad,
                                                         const at::Tensor& input,
                                                         const at::Tensor& weight,
                                                         const at::Tensor& rstd) {
-  static const auto op =
-      typed_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                  const at::Tensor&, const at::Tensor&)>(
-          "rms_norm_backward");
+  static const auto op = typed_op<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+      "rms_norm_backward");
   return op.call(grad, input, weight, rstd);
 }
 
@@ -62,8 +61,9 @@ at::Tensor swiglu_forward_op(const at::Tensor& input, const std::optional<at::Te
 
 at::Tensor swiglu_backward_op(const at::Tensor& grad, const at::Tensor& input,
                               const std::optional<at::Tensor>& bias) {
-  static const auto op = typed_op<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                             const std::optional<at::Tensor>&)>("swiglu_backward");
+  static const auto op =
+      typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>(
+          "swiglu_backward");
   return op.call(grad, input, bias);
 }
 
@@ -75,8 +75,8 @@ std::pair<at::Tensor, at::Tensor> rotary_tables(const at::Tensor& freqs, at::Sca
 }
 
 struct RmsNormFunction : public Function<RmsNormFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
-                            const at::Tensor& weight, double eps) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
+                            double eps) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, rstd] = rms_norm_forward_op(input, weight, eps);
     ctx->save_for_backward({input, weight, rstd});

@@ -15,9 +15,9 @@ inline at::ScalarType fusion_acc_type(at::ScalarType t) {
 
 inline void check_fusion_dtype(const char* op, const char* name, const at::Tensor& t) {
   const auto dtype = t.scalar_type();
-  TORCH_CHECK_VALUE(dtype == at::kDouble || dtype == at::kFloat || dtype == at::kBFloat16 ||
-                        dtype == at::kHalf,
-                    op, ": ", name, " must be float64, float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK_VALUE(
+      dtype == at::kDouble || dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+      op, ": ", name, " must be float64, float32, bfloat16 or float16, got ", dtype);
 }
 
 inline void check_like(const char* op, const char* name, const at::Tensor& other,
@@ -38,8 +38,8 @@ inline void check_rms_norm_args(const char* op, const at::Tensor& input, const a
                     ": input must have a non-empty last (normalized) dim, got shape ",
                     input.sizes());
   TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == input.size(-1), op,
-                    ": weight must have shape [", input.size(-1),
-                    "] (the input's last dim), got ", weight.sizes());
+                    ": weight must have shape [", input.size(-1), "] (the input's last dim), got ",
+                    weight.sizes());
   check_like(op, "weight", weight, input, "input");
   TORCH_CHECK_VALUE(eps >= 0.0, op, ": eps must be >= 0, got ", eps);
 }
@@ -80,18 +80,18 @@ inline void check_rotary_freqs(const char* op, const at::Tensor& t, const at::Te
   check_rotary_input(op, "t", t);
   TORCH_CHECK_VALUE(at::isFloatingType(freqs.scalar_type()), op,
                     ": freqs must be a floating tensor, got ", freqs.scalar_type());
-  TORCH_CHECK_VALUE(freqs.dim() == 4 && freqs.size(0) == t.size(0) && freqs.size(1) == 1 &&
-                        freqs.size(2) == 1,
-                    op, ": freqs must have shape [", t.size(0), ", 1, 1, d_rot] (t is ", t.sizes(),
-                    "), got ", freqs.sizes());
+  TORCH_CHECK_VALUE(
+      freqs.dim() == 4 && freqs.size(0) == t.size(0) && freqs.size(1) == 1 && freqs.size(2) == 1,
+      op, ": freqs must have shape [", t.size(0), ", 1, 1, d_rot] (t is ", t.sizes(), "), got ",
+      freqs.sizes());
   check_rotary_width(op, freqs.size(3), t.size(3));
   TORCH_CHECK_VALUE(freqs.device() == t.device(), op, ": freqs is on ", freqs.device(),
                     " but t is on ", t.device());
 }
 
 // The kernels: input [s, b, n, d], cos and sin [s, d_rot] in the input's dtype.
-inline void check_rotary_kernel_args(const char* op, const at::Tensor& input,
-                                     const at::Tensor& cos, const at::Tensor& sin) {
+inline void check_rotary_kernel_args(const char* op, const at::Tensor& input, const at::Tensor& cos,
+                                     const at::Tensor& sin) {
   check_rotary_input(op, "input", input);
   const auto check_table = [&](const char* name, const at::Tensor& table) {
     TORCH_CHECK_VALUE(table.dim() == 2 && table.size(0) == input.size(0), op, ": ", name,

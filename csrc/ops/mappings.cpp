@@ -57,8 +57,8 @@ struct Region {
   const Region* backward;
 };
 
-extern const Region kCopy, kReduce, kScatter, kGather, kScatterSeq, kGatherSeq,
-    kGatherSeqSplitGrad, kReduceScatterSeq, kAllGatherLast, kReduceScatterLast;
+extern const Region kCopy, kReduce, kScatter, kGather, kScatterSeq, kGatherSeq, kGatherSeqSplitGrad,
+    kReduceScatterSeq, kAllGatherLast, kReduceScatterLast;
 
 constexpr Region kCopy{"copy_to_tensor_model_parallel_region", Collective::kIdentity, kLast,
                        &kReduce};
@@ -74,8 +74,8 @@ constexpr Region kScatterSeq{"scatter_to_sequence_parallel_region", Collective::
 constexpr Region kGatherSeq{"gather_from_sequence_parallel_region", Collective::kAllGather, kFirst,
                             &kReduceScatterSeq};
 // Same forward as kGatherSeq; its backward keeps this rank's chunk of a replicated gradient.
-constexpr Region kGatherSeqSplitGrad{"gather_from_sequence_parallel_region",
-                                     Collective::kAllGather, kFirst, &kScatterSeq};
+constexpr Region kGatherSeqSplitGrad{"gather_from_sequence_parallel_region", Collective::kAllGather,
+                                     kFirst, &kScatterSeq};
 constexpr Region kReduceScatterSeq{"reduce_scatter_to_sequence_parallel_region",
                                    Collective::kReduceScatter, kFirst, &kGatherSeq};
 constexpr Region kAllGatherLast{"all_gather_last_dim_from_tensor_parallel_region",
@@ -109,8 +109,8 @@ void check_args(const Region& r, const at::Tensor& x, const std::string& group, 
 
 // A region's forward below autograd. Group size 1 and the identity return a view of the input.
 // ``where`` names the pass it runs in, for a failure's message ("the backward of copy_to_...").
-at::Tensor run_forward(const Region& r, const at::Tensor& x, const std::string& group,
-                       int64_t size, int64_t rank, const std::string& where) {
+at::Tensor run_forward(const Region& r, const at::Tensor& x, const std::string& group, int64_t size,
+                       int64_t rank, const std::string& where) {
   if (r.forward == Collective::kIdentity || size == 1) return x.alias();
   const int64_t d = at::maybe_wrap_dim(r.dim, x.dim());
   switch (r.forward) {
@@ -176,7 +176,8 @@ struct RegionFunction : public Function<RegionFunction> {
       result[0] = std::move(grads[0]);
     } else if (conjugate->forward == Collective::kAllReduce) {
       at::AutoDispatchBelowADInplaceOrView guard;
-      result[0] = comm::wait(comm::start_all_reduce_owned(std::move(grads[0]), group, backward_of(*region)));
+      result[0] = comm::wait(
+          comm::start_all_reduce_owned(std::move(grads[0]), group, backward_of(*region)));
     } else {
       at::AutoDispatchBelowADInplaceOrView guard;
       result[0] = run_forward(*conjugate, grads[0], group, size, rank, backward_of(*region));
@@ -200,8 +201,7 @@ at::Tensor region_autograd(const at::Tensor& x, c10::string_view group, int64_t 
 }
 
 template <const Region& R>
-at::Tensor region_forward(const at::Tensor& x, c10::string_view group, int64_t size,
-                          int64_t rank) {
+at::Tensor region_forward(const at::Tensor& x, c10::string_view group, int64_t size, int64_t rank) {
   const std::string g(group);
   check_args(R, x, g, size, rank);
   return run_forward(R, x, g, size, rank, forward_of(R));
@@ -223,8 +223,8 @@ void define(torch::Library& m) {
   m.def((std::string(R.name) +
          "(Tensor(a) input, str group_name, int group_size, int rank) -> Tensor(a)")
             .c_str());
-  m.impl(R.name, torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
-                                 TORCH_FN(region_forward<R>)));
+  m.impl(R.name,
+         torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(region_forward<R>)));
   m.impl(R.name, torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(region_autograd<R>)));
 }
 

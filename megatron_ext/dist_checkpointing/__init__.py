@@ -3,7 +3,6 @@ checkpoints of ``save_checkpoint`` / ``load_checkpoint`` (checkpoint.py) and Meg
 ``save`` / ``load`` of sharded state dicts in its ``torch_dist`` format (serialization.py); both
 write through the same DCP aliases (sharding.py)."""
 
-from megatron_ext.dist_checkpointing.adam import NamedAdam
 from megatron_ext.dist_checkpointing.checkpoint import (
     CONVERTIBLE_CONFIG_FIELDS,
     checkpoint_dir,
@@ -62,7 +61,6 @@ __all__ = [
     "load_tensors_metadata",
     "save",
     "validate_sharding_integrity",
-    "NamedAdam",
     "checkpoint_dir",
     "complete_iterations",
     "find_checkpoint",

@@ -211,7 +211,10 @@ class ShardedTensor(ShardedBase):
         ]
 
     def __str__(self) -> str:
-        return f"ShardedTensor(key={self.key!r}, global_shape={self.global_shape}, global_offset={self.global_offset})"
+        return (
+            f"ShardedTensor(key={self.key!r}, global_shape={self.global_shape}, "
+            f"global_offset={self.global_offset})"
+        )
 
 
 def is_main_replica(replica_id: ReplicaId) -> bool:

@@ -440,7 +440,8 @@ def load(
             request, _ = extract_matching_values(request, lambda v: v.key not in unexpected)
             shards = _sharded_leaves(request)
         message = (
-            f"checkpoint {checkpoint_dir!r}: keys in the checkpoint that no rank requested: {sorted(missing)}; "
+            f"checkpoint {checkpoint_dir!r}: keys in the checkpoint that no rank requested: "
+            f"{sorted(missing)}; "
             f"requested keys not in the checkpoint: {sorted(unexpected)}"
         )
         if (missing or unexpected) and strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from megatron_ext import parallel_state
+from megatron_ext.optimizer.optimizer import chunk_prefix
 
 TIED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
 # torch 2.14 added DCP's CheckpointableTensor protocol (the four fields below); older DCP learns a
@@ -111,7 +112,9 @@ def _set_dcp_hooks(
     alias.size = lambda dim=None: global_size if dim is None else global_size[dim]
 
 
-def sharded_parts(global_shape: Iterable[int], parts: list[tuple[tuple[int, ...], torch.Tensor]]) -> torch.Tensor:
+def sharded_parts(
+    global_shape: Iterable[int], parts: list[tuple[tuple[int, ...], torch.Tensor]]
+) -> torch.Tensor:
     """What DCP saves and loads as the chunks ``parts`` ((global offset, tensor) each, the tensors
     of the global tensor's rank) of one global tensor: ``sharded_tensor`` for a single tensor;
     for several separate tensors, an alias of the first that carries DCP's hooks over all of them
@@ -231,10 +234,10 @@ def param_specs(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, Par
     for i, wrapped in enumerate(chunks):
         chunk = _unwrap(wrapped)
         prefixes = _global_prefixes(chunk)
-        chunk_prefix = f"chunk{i}." if len(chunks) > 1 else ""
+        prefix = chunk_prefix(i, len(chunks))
         for name, param in wrapped.named_parameters():
             bare = _strip_wrappers(name)
-            spec = ParamSpec(chunk_prefix + name, _global_name(bare, prefixes, chunk), param)
+            spec = ParamSpec(prefix + name, _global_name(bare, prefixes, chunk), param)
             if spec.global_name == TIED_EMBEDDING_NAME and spec.global_name in seen:
                 spec.copy_of = seen[spec.global_name]
             elif spec.global_name in seen:
@@ -244,8 +247,8 @@ def param_specs(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, Par
                     f"{spec.global_name!r}; are the layers' layer_number attributes global?"
                 )
             seen.setdefault(spec.global_name, spec)
-            specs[chunk_prefix + name] = spec
-            specs.setdefault(chunk_prefix + bare, spec)
+            specs[prefix + name] = spec
+            specs.setdefault(prefix + bare, spec)
     return specs
 
 

@@ -75,7 +75,8 @@ def _tensor_problems(key: str, shards: list[tuple[int, ShardedTensor]]) -> list[
                 ]
         if first.has_regular_grid and sh.local_shape != first.local_shape:
             return [
-                f"{key}: rank {rank} gives local_shape {sh.local_shape}, rank {shards[0][0]} gives {first.local_shape}"
+                f"{key}: rank {rank} gives local_shape {sh.local_shape}, "
+                f"rank {shards[0][0]} gives {first.local_shape}"
             ]
     if not first.has_regular_grid:
         return []  # irregular shards: DCP checks what it writes

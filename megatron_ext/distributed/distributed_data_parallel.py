@@ -41,6 +41,7 @@ from megatron_ext.distributed.param_and_grad_buffer import (
     _ParamAndGradBucket,
     _ParamAndGradBucketGroup,
     _ParamAndGradBuffer,
+    SIXTEEN_BIT,
     dist_all_gather_func,
     partition_buckets,
 )
@@ -48,8 +49,6 @@ from megatron_ext.model_parallel_config import check_config_object
 from megatron_ext.process_groups_config import ProcessGroupCollection
 
 DEFAULT_BUCKET_SIZE_BYTES = 40 * 1024 * 1024
-
-SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
 def _is_process_group(value: Any) -> bool:

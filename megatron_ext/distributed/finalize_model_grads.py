@@ -14,19 +14,13 @@ from megatron_ext.distributed.distributed_data_parallel import (
     DEFAULT_BUCKET_SIZE_BYTES,
     DistributedDataParallel,
 )
-from megatron_ext.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+from megatron_ext.distributed.param_and_grad_buffer import _ParamAndGradBuffer, model_grad
 from megatron_ext.pipeline_parallel.schedules import get_attr_wrapped_model
-from megatron_ext.tensor_parallel.utils import comm_device
+from megatron_ext.process_groups_config import resolve_pg_collection
+from megatron_ext.tensor_parallel.utils import comm_device, resolve_tp_group
 
 # The one default bucket size of the package (DistributedDataParallel's).
 DEFAULT_BUCKET_BYTES = DEFAULT_BUCKET_SIZE_BYTES
-
-
-def _grad(param: torch.Tensor) -> torch.Tensor | None:
-    """Where ``param``'s gradient lives: ``main_grad`` under a DistributedDataParallel with a
-    ``ddp_config`` (Megatron-core's convention), else ``param.grad``."""
-    main_grad = getattr(param, "main_grad", None)
-    return main_grad if main_grad is not None else param.grad
 
 
 def allreduce_gradients(
@@ -42,7 +36,7 @@ def allreduce_gradients(
     ``average``, reduced with SUM (gloo has no AVG) and copied back. Parameters without a gradient
     are skipped (every rank must pass the same set).
     """
-    grads = [g for g in (_grad(p) for p in params) if g is not None]
+    grads = [g for g in (model_grad(p) for p in params) if g is not None]
     _allreduce_tensors(grads, group, average, bucket_bytes)
 
 
@@ -109,7 +103,7 @@ def allreduce_embedding_grads(
         return
     grads = []
     for weight in weights:
-        grad = _grad(weight)
+        grad = model_grad(weight)
         if grad is None:
             grad = weight.grad = torch.zeros_like(weight)
         grads.append(grad)
@@ -124,8 +118,7 @@ def allreduce_embedding_grads(
 def _reduce_tensor_parallel_grads(
     model_chunks: list[torch.nn.Module], config_of: Any, tp_group: dist.ProcessGroup | None
 ) -> None:
-    if tp_group is None:
-        tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_group = resolve_tp_group(tp_group)
     if dist.get_world_size(tp_group) == 1:
         return
     summed, averaged = [], []
@@ -134,7 +127,7 @@ def _reduce_tensor_parallel_grads(
         sequence_parallel = bool(getattr(config, "sequence_parallel", False))
         qk_layernorm = bool(getattr(config, "qk_layernorm", False))
         for name, p in chunk.named_parameters():
-            if not p.requires_grad or _grad(p) is None:
+            if not p.requires_grad or model_grad(p) is None:
                 continue
             if getattr(p, "average_gradients_across_tp_domain", False):
                 averaged.append(p)
@@ -207,7 +200,7 @@ def _allreduce_position_embedding_grads(
     pp_group = pp_group or parallel_state.get_pipeline_model_parallel_group()
     chunk = model[0] if dist.get_rank(pp_group) == 0 else model[-1]
     weight = get_attr_wrapped_model(chunk, "position_embeddings").weight
-    grad = _grad(weight)
+    grad = model_grad(weight)
     if grad is None:
         grad = weight.grad = torch.zeros_like(weight)
     with reported("all-reduce of the position embedding's gradient", pos_emb_group, tensor=grad):
@@ -227,8 +220,8 @@ def _allreduce_conditional_embedding_grads(
     by_name: dict[str, list[torch.Tensor]] = {}
     for chunk in model:
         for name, p in get_attr_wrapped_model(chunk, "named_parameters")():
-            if p.requires_grad and getattr(p, "pipeline_parallel", False) and _grad(p) is not None:
-                by_name.setdefault(name, []).append(_grad(p))
+            if p.requires_grad and getattr(p, "pipeline_parallel", False) and model_grad(p) is not None:
+                by_name.setdefault(name, []).append(model_grad(p))
     if not by_name:
         return
     firsts = []
@@ -278,21 +271,10 @@ def finalize_model_grads(
     parallel_state's groups. ``model`` is the list of model chunks.
     """
     model_chunks = model
-    if pg_collection is not None:
-        missing = [f for f in _PG_COLLECTION_FIELDS if not hasattr(pg_collection, f)]
-        if missing:
-            raise parallel_state.ParallelStateError(
-                f"finalize_model_grads: pg_collection lacks {missing}; it needs {list(_PG_COLLECTION_FIELDS)} "
-                "(set embd / pos_embd to None when there is no such group)"
-            )
-        tp_group, pp_group, embd_group = pg_collection.tp, pg_collection.pp, pg_collection.embd
-        pos_embd_group, dp_group = pg_collection.pos_embd, pg_collection.dp_cp
-    else:
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        embd_group = parallel_state.get_embedding_group(check_initialized=False)
-        pos_embd_group = parallel_state.get_position_embedding_group(check_initialized=False)
-        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    pgs = resolve_pg_collection(pg_collection, _PG_COLLECTION_FIELDS, "finalize_model_grads")
+    tp_group, pp_group, embd_group, pos_embd_group, dp_group = (
+        pgs.tp, pgs.pp, pgs.embd, pgs.pos_embd, pgs.dp_cp
+    )
     config = _chunk_config(model_chunks[0]) if model_chunks else None
 
     params = []
@@ -339,6 +321,6 @@ def _scale_by_global_tokens(
         summed = ddp is not None and ddp.grads_are_summed
         scale = (1.0 if summed else dist.get_world_size(dp_group)) / count
         for p in chunk.parameters():
-            grad = _grad(p)
+            grad = model_grad(p)
             if grad is not None:
                 grad.mul_(scale)

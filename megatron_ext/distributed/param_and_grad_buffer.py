@@ -45,6 +45,18 @@ dist_all_gather_func = all_gather_single
 dist_reduce_scatter_func = reduce_scatter_single
 
 
+# The 16-bit parameter dtypes: their gradients may be reduced in float32 and the optimizer keeps
+# float32 main copies of them.
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+def model_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """Where ``param``'s gradient lives: ``main_grad`` (a view into a buffer here, Megatron-core's
+    convention) if the parameter has one, else ``param.grad``."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
 class GradSyncError(RuntimeError, AssertionError):
     """Gradient synchronisation used out of order: a collective asked for twice, waited for before
     it started, or ``register_grad_ready`` without ``overlap_grad_reduce``. Megatron-core asserts in
@@ -434,7 +446,9 @@ class _ParamAndGradBucketGroup:
                 fn()
             after = []
             for t in reduced:
-                with reported("all-reduce of the gradients over the distributed-optimizer instances", inter, tensor=t):
+                with reported(
+                    "all-reduce of the gradients over the distributed-optimizer instances", inter, tensor=t
+                ):
                     torch.distributed.all_reduce(t, op=dist.ReduceOp.SUM, group=inter)
                 if average:
                     t.div_(dist.get_world_size(inter))

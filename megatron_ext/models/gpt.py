@@ -59,7 +59,9 @@ class GPTEmbedding(torch.nn.Module):
         if self.config.sequence_parallel:
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                return torch.nn.functional.dropout(embeddings, p=self.config.hidden_dropout, training=self.training)
+                return torch.nn.functional.dropout(
+                    embeddings, p=self.config.hidden_dropout, training=self.training
+                )
         return torch.nn.functional.dropout(embeddings, p=self.config.hidden_dropout, training=self.training)
 
 
@@ -115,7 +117,8 @@ class GPTModel(torch.nn.Module):
         super().__init__()
         if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
             raise ValueError(
-                f"position_embedding_type={position_embedding_type!r} is not one of {list(_POSITION_EMBEDDING_TYPES)}"
+                f"position_embedding_type={position_embedding_type!r} is not one of "
+                f"{list(_POSITION_EMBEDDING_TYPES)}"
             )
         self.config = config
         self.position_embedding_type = position_embedding_type
@@ -132,7 +135,9 @@ class GPTModel(torch.nn.Module):
 
         if self.pre_process:
             with initialization_seed(seed, 0):
-                self.embedding = GPTEmbedding(config, vocab_size, max_sequence_length, position_embedding_type)
+                self.embedding = GPTEmbedding(
+                    config, vocab_size, max_sequence_length, position_embedding_type
+                )
         if position_embedding_type == "rope":
             # Every stage rotates its own layers' queries and keys.
             self.rotary_pos_emb = RotaryEmbedding(
@@ -210,7 +215,9 @@ class GPTModel(torch.nn.Module):
             input_tensor = input_tensor[0]
         self.decoder.set_input_tensor(input_tensor)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
         """Megatron's checkpointing API: every tensor as a ShardedTensor under its global name (layer
         numbering: see ``ParallelTransformer.sharded_state_dict``); a tied output weight on the last
         stage is a non-main replica of ``embedding.word_embeddings.weight``."""
@@ -233,7 +240,9 @@ class GPTModel(torch.nn.Module):
             else:
                 received = self.decoder.input_tensor
                 if received is None:
-                    raise RuntimeError("GPTModel: no input (on a later pipeline stage call set_input_tensor first)")
+                    raise RuntimeError(
+                        "GPTModel: no input (on a later pipeline stage call set_input_tensor first)"
+                    )
                 seq_len, device = received.size(0), received.device
                 if self.config.sequence_parallel:
                     seq_len *= parallel_state.get_tensor_model_parallel_world_size()
@@ -241,7 +250,9 @@ class GPTModel(torch.nn.Module):
         hidden = self.decoder(hidden, attention_mask, rotary_pos_emb)
         if not self.post_process:
             return hidden
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        weight = (
+            self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        )
         if labels is None:
             logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, vocab (/ tp if parallel_output)]
             return logits.transpose(0, 1).contiguous()
@@ -263,5 +274,7 @@ class GPTModel(torch.nn.Module):
         # The loss reads vocab-parallel logits whatever parallel_output says. Nothing else reads
         # them, so the loss's backward writes the gradient over them (no second logits buffer).
         logits, _ = self.output_layer(hidden, weight=weight, runtime_gather_output=False)
-        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), overwrite_logits=True)
+        loss = tensor_parallel.vocab_parallel_cross_entropy(
+            logits, labels.transpose(0, 1), overwrite_logits=True
+        )
         return loss.transpose(0, 1).contiguous()  # [b, s]

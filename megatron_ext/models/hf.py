@@ -52,7 +52,8 @@ def _rope(hf_config: Any) -> tuple[float, float]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         raise NotImplementedError(
-            f"rope type {rope_type!r} ({params}) is not supported: only the plain rotary embedding ('default')"
+            f"rope type {rope_type!r} ({params}) is not supported: only the plain rotary embedding "
+            "('default')"
         )
     theta = params.get("rope_theta", _field(hf_config, "rope_theta", 10000.0))
     percent = params.get("partial_rotary_factor", _field(hf_config, "partial_rotary_factor", 1.0))
@@ -88,7 +89,8 @@ def config_from_hf(
         linear_bias = bool(_field(hf_config, "mlp_bias", False))
         if attention_bias != linear_bias:
             raise NotImplementedError(
-                f"attention_bias={attention_bias} with mlp_bias={linear_bias} is not supported: biases on all "
+                f"attention_bias={attention_bias} with mlp_bias={linear_bias} is not supported: biases on "
+                "all "
                 "linear layers or on none"
             )
         qkv_bias = attention_bias
@@ -157,7 +159,9 @@ def hf_config_dict(model_chunks, vocab_size: int | None = None) -> dict[str, Any
         raise ValueError("the model is not Llama-shaped: " + ", ".join(differ))
     rope = model.rotary_pos_emb
     if rope.dim != config.kv_channels or rope.seq_len_interpolation_factor is not None:
-        raise ValueError("the model rotates part of each head or interpolates positions; a LlamaConfig cannot say so")
+        raise ValueError(
+            "the model rotates part of each head or interpolates positions; a LlamaConfig cannot say so"
+        )
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -370,7 +374,8 @@ def _load(chunks: list[torch.nn.Module], source: _TensorSource) -> None:
             local = _local_shard(full, param)
             if local.shape != param.shape:
                 raise ValueError(
-                    f"{name}: the Hugging Face tensors {list(hf_names)} give a shard of shape {tuple(local.shape)} "
+                    f"{name}: the Hugging Face tensors {list(hf_names)} give a shard of shape "
+                    f"{tuple(local.shape)} "
                     f"for a parameter of shape {tuple(param.shape)}: the model was not built from this config"
                 )
             param.copy_(local)
@@ -384,7 +389,11 @@ def _load(chunks: list[torch.nn.Module], source: _TensorSource) -> None:
 def _pad_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
     if full.shape[0] > rows:
         raise ValueError(f"a vocabulary of {full.shape[0]} rows does not fit the model's vocab_size {rows}")
-    return torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])]) if full.shape[0] < rows else full
+    return (
+        torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
+        if full.shape[0] < rows
+        else full
+    )
 
 
 @torch.no_grad()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_ext import parallel_state
 from megatron_ext.comm_errors import reported
+from megatron_ext.distributed.param_and_grad_buffer import SIXTEEN_BIT, model_grad
 from megatron_ext.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -34,9 +35,6 @@ from megatron_ext.optimizer.grad_scaler import MegatronGradScaler
 from megatron_ext.optimizer.optimizer_config import OptimizerConfig
 from megatron_ext.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron_ext.tensor_parallel.utils import comm_device
-
-SIXTEEN_BIT = (torch.float16, torch.bfloat16)
-
 
 @dataclass
 class _Slot:
@@ -51,10 +49,10 @@ class _Slot:
     grad_source: Callable[[], torch.Tensor | None]
 
 
-def model_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """The model gradient the optimizer reads: ``main_grad`` if the parameter has one."""
-    main_grad = getattr(param, "main_grad", None)
-    return main_grad if main_grad is not None else param.grad
+def chunk_prefix(index: int, num_chunks: int) -> str:
+    """What the names of model chunk ``index``'s parameters start with in the optimizer's state
+    (and the checkpoints): ``chunk{index}.`` when there are several chunks, nothing otherwise."""
+    return f"chunk{index}." if num_chunks > 1 else ""
 
 
 def named_model_parameters(model_chunks: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
@@ -62,7 +60,7 @@ def named_model_parameters(model_chunks: list[torch.nn.Module]) -> list[tuple[st
     when there are several chunks (the names of ``param_state_by_name``)."""
     out = []
     for i, chunk in enumerate(model_chunks):
-        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
+        prefix = chunk_prefix(i, len(model_chunks))
         out.extend((prefix + n, p) for n, p in chunk.named_parameters() if p.requires_grad)
     return out
 
@@ -436,7 +434,7 @@ def _state_dict_params(
     out = {}
     for i, (chunk, sd) in enumerate(zip(model_chunks, per_chunk)):
         by_name = {_strip_module(k): v for k, v in sd.items()}
-        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
+        prefix = chunk_prefix(i, len(model_chunks))
         for name, _ in chunk.named_parameters():
             if _strip_module(name) in by_name:
                 out[prefix + name] = by_name[_strip_module(name)]

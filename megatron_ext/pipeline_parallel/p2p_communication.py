@@ -23,7 +23,7 @@ call are therefore matched in the same order on both ends.
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist

@@ -82,7 +82,7 @@ from megatron_ext.pipeline_parallel.schedule_tables import (  # noqa: F401  (re-
     _require_positive_int,
 )
 from megatron_ext.pipeline_parallel.split_backward import backward_input, backward_weight
-from megatron_ext.process_groups_config import ProcessGroupCollection
+from megatron_ext.process_groups_config import ProcessGroupCollection, resolve_pg_collection
 
 ForwardStepFunc = Callable[..., tuple[torch.Tensor, Callable[..., tuple]]]
 Shape = Union[list[int], torch.Size]
@@ -220,43 +220,24 @@ def _as_chunks(name: str, value: Any, many: bool, need_list: bool = False) -> li
     return [value]
 
 
+# The groups the schedules read from a pg_collection; one stage without p2p needs no embedding groups.
+_SCHEDULE_GROUPS = ("tp", "cp", "embd", "pos_embd", "pp", "dp_cp")
+_ONE_STAGE_GROUPS = ("tp", "cp", "pp", "dp_cp")
+
+
 def _groups(
     p2p_communicator: P2PCommunicator | None, pg_collection: ProcessGroupCollection | None, config: Any
 ) -> tuple[P2PCommunicator, ProcessGroupCollection]:
     """Megatron-core's rule: neither (use parallel_state's groups) or both."""
-    if p2p_communicator is None and pg_collection is None:
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        return P2PCommunicator(pp_group, config), ProcessGroupCollection(
-            tp=parallel_state.get_tensor_model_parallel_group(),
-            cp=parallel_state.get_context_parallel_group(),
-            embd=parallel_state.get_embedding_group(check_initialized=False),
-            pos_embd=parallel_state.get_position_embedding_group(check_initialized=False),
-            pp=pp_group,
-            dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
-        )
-    if p2p_communicator is None or pg_collection is None:
+    if (p2p_communicator is None) != (pg_collection is None):
         raise ValueError(
             "Invalid combination of p2p_communicator, pg_collection: provide none (the groups of "
             "parallel_state) or both"
         )
-    for name in ("tp", "cp", "embd", "pos_embd", "pp", "dp_cp"):
-        if not hasattr(pg_collection, name):
-            raise ValueError(f"pg_collection must have a {name!r} process group (None if unused)")
+    pg_collection = resolve_pg_collection(pg_collection, _SCHEDULE_GROUPS, "the pipeline schedule")
+    if p2p_communicator is None:
+        p2p_communicator = P2PCommunicator(pg_collection.pp, config)
     return p2p_communicator, pg_collection
-
-
-def _pg_collection_for_one_stage(pg_collection: ProcessGroupCollection | None) -> ProcessGroupCollection:
-    if pg_collection is None:
-        return ProcessGroupCollection(
-            tp=parallel_state.get_tensor_model_parallel_group(),
-            cp=parallel_state.get_context_parallel_group(),
-            pp=parallel_state.get_pipeline_model_parallel_group(),
-            dp_cp=parallel_state.get_data_parallel_group(with_context_parallel=True),
-        )
-    for name in ("tp", "cp", "pp", "dp_cp"):
-        if not hasattr(pg_collection, name):
-            raise ValueError(f"pg_collection must have a {name!r} process group (None if unused)")
-    return pg_collection
 
 
 def _config_of(model: torch.nn.Module) -> Any:
@@ -931,7 +912,7 @@ def forward_backward_no_pipelining(
     if adjust_tensor_shapes_fn is not None:
         raise ValueError("adjust_tensor_shapes_fn is not supported by forward_backward_no_pipelining")
     config = _config_of(chunks[0])
-    pgs = _pg_collection_for_one_stage(pg_collection)
+    pgs = resolve_pg_collection(pg_collection, _ONE_STAGE_GROUPS, "forward_backward_no_pipelining")
     pp_size = _group_size(pgs.pp)
     if pp_size != 1:
         raise ValueError(
@@ -1081,11 +1062,20 @@ def forward_backward_pipelining_without_interleaving(
     process groups: pass both ``p2p_communicator`` and ``pg_collection`` (or neither).
     """
     return _pipelined(
-        "1f1b", forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-        decoder_seq_length=decoder_seq_length, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
-        p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+        "1f1b",
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step,
+        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+        p2p_communicator=p2p_communicator,
+        pg_collection=pg_collection,
         force_all_reduce=force_all_reduce,
     )
 
@@ -1114,11 +1104,20 @@ def forward_backward_pipelining_gpipe(
     list of chunks (a virtual pipeline), run in the interleaved schedule's forward order.
     """
     return _pipelined(
-        "gpipe", forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-        decoder_seq_length=decoder_seq_length, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
-        p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+        "gpipe",
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step,
+        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+        p2p_communicator=p2p_communicator,
+        pg_collection=pg_collection,
         force_all_reduce=force_all_reduce,
     )
 
@@ -1184,11 +1183,20 @@ def forward_backward_pipelining_zero_bubble_h1(
     (``split_backward``). 1F1B's peak activation memory; a third of its bubble when F, I and W
     cost the same. The same arguments as the other schedules; the gradients equal 1F1B's."""
     return _pipelined(
-        "zb-h1", forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-        decoder_seq_length=decoder_seq_length, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
-        p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+        "zb-h1",
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step,
+        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+        p2p_communicator=p2p_communicator,
+        pg_collection=pg_collection,
         force_all_reduce=force_all_reduce,
     )
 
@@ -1217,10 +1225,19 @@ def forward_backward_pipelining_zbv(
     ``data_iterator`` are lists of two, built for the V (``schedule_tables.virtual_stage`` with
     ``layout="v"``); ``num_microbatches`` must be at least ``2 pp - 1``."""
     return _pipelined(
-        "zb-v", forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-        decoder_seq_length=decoder_seq_length, forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
-        p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+        "zb-v",
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step,
+        adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+        p2p_communicator=p2p_communicator,
+        pg_collection=pg_collection,
         force_all_reduce=force_all_reduce,
     )

@@ -30,7 +30,9 @@ def _check_vp(vp_stage: int | None, vp_size: int | None) -> bool:
     """True when there are virtual stages; without them vp_stage must be None or 0."""
     if vp_size is None or vp_size <= 1:
         if vp_stage not in (None, 0):
-            raise ValueError(f"vp_stage must be None or 0 without virtual stages (vp_size {vp_size}), got {vp_stage}")
+            raise ValueError(
+                f"vp_stage must be None or 0 without virtual stages (vp_size {vp_size}), got {vp_stage}"
+            )
         return False
     return True
 

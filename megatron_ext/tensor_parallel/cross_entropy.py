@@ -56,9 +56,13 @@ def vocab_parallel_cross_entropy(
     """
     for name, value in (("vocab_parallel_logits", vocab_parallel_logits), ("target", target)):
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"vocab_parallel_cross_entropy: {name} must be a torch.Tensor, got {type(value).__name__}")
+            raise TypeError(
+                f"vocab_parallel_cross_entropy: {name} must be a torch.Tensor, got {type(value).__name__}"
+            )
     if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
-        raise TypeError(f"vocab_parallel_cross_entropy: ignore_index must be an int or None, got {ignore_index!r}")
+        raise TypeError(
+            f"vocab_parallel_cross_entropy: ignore_index must be an int or None, got {ignore_index!r}"
+        )
     group_name, group_size, _ = group_args(tp_group)
     overwrite = bool(overwrite_logits) and not torch.compiler.is_compiling()
     return torch.ops.megatron_ext.vocab_parallel_cross_entropy(

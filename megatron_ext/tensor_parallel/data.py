@@ -15,7 +15,9 @@ _MAX_DATA_DIM = 8
 _OK, _BAD_DATA = 0, 1
 
 
-def _source_problem(keys: Sequence[str], data: Mapping[str, torch.Tensor] | None, datatype: torch.dtype) -> str | None:
+def _source_problem(
+    keys: Sequence[str], data: Mapping[str, torch.Tensor] | None, datatype: torch.dtype
+) -> str | None:
     """Why the source rank's ``data`` cannot be broadcast, or None if it can."""
     if data is None:
         return "data is None on tensor-parallel rank 0, the source of the broadcast"
@@ -68,7 +70,9 @@ def broadcast_data(
     if header[0].item() != _OK:
         if problem is not None:
             raise ValueError(f"broadcast_data: {problem}")
-        raise ValueError("broadcast_data: tensor-parallel rank 0 (the source) rejected its data; see its error")
+        raise ValueError(
+            "broadcast_data: tensor-parallel rank 0 (the source) rejected its data; see its error"
+        )
 
     header = header.tolist()
     shapes = []

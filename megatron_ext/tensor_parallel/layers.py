@@ -33,9 +33,19 @@ from megatron_ext.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron_ext.tensor_parallel.random import get_cuda_rng_tracker
-from megatron_ext.tensor_parallel.utils import VocabUtility, divide, group_args, resolve_tp_group
+from megatron_ext.tensor_parallel.utils import (
+    VocabUtility,
+    divide,
+    group_args,
+    resolve_tp_group,
+    tp_group_size_rank,
+)
 
-_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
+    "tensor_model_parallel": False,
+    "partition_dim": -1,
+    "partition_stride": 1,
+}
 
 InitMethod = Callable[[torch.Tensor], Any]
 
@@ -56,7 +66,9 @@ def param_is_not_tensor_parallel_duplicate(
     return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
-def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
+def set_tensor_model_parallel_attributes(
+    tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int
+) -> None:
     """Marks ``tensor`` as split along ``dim`` with ``stride`` (attributes must not be set yet)."""
     for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
         if hasattr(tensor, attribute):
@@ -73,7 +85,9 @@ def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tenso
             setattr(tensor, attribute, value)
 
 
-def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, source_tensor: torch.Tensor) -> None:
+def copy_tensor_model_parallel_attributes(
+    destination_tensor: torch.Tensor, source_tensor: torch.Tensor
+) -> None:
     """Copies the attributes ``source_tensor`` has onto ``destination_tensor``."""
     for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
         if hasattr(source_tensor, attribute):
@@ -130,11 +144,6 @@ def _initialize_affine_weight_cpu(
 # --- helpers shared by the layers -----------------------------------------------------------------
 
 
-def _group_and_size(tp_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
-    group = resolve_tp_group(tp_group)
-    return group, dist.get_world_size(group), dist.get_rank(group)
-
-
 class _Settings(NamedTuple):
     """What the layers read from their config."""
 
@@ -163,7 +172,8 @@ def _check_init_method(init_method: Any, settings: _Settings, layer: str) -> Non
     if settings.perform_initialization and not callable(init_method):
         raise ValueError(
             f"{layer}: init_method must be a callable that fills a weight tensor in place "
-            f"(e.g. torch.nn.init.xavier_normal_) when config.perform_initialization is True, got {init_method!r}"
+            "(e.g. torch.nn.init.xavier_normal_) when config.perform_initialization is True, got "
+            f"{init_method!r}"
         )
 
 
@@ -300,7 +310,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.embedding_dim = embedding_dim
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
         self.deterministic_mode = settings.deterministic_mode
-        self.tp_group, world_size, rank = _group_and_size(tp_group)
+        self.tp_group, world_size, rank = tp_group_size_rank(tp_group)
         self.tensor_model_parallel_size = world_size
         self.num_embeddings_per_partition = _split_size(num_embeddings, world_size, "num_embeddings", name)
         self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_per_partition_vocab_size(
@@ -326,8 +336,11 @@ class VocabParallelEmbedding(torch.nn.Module):
         else:
             set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
-        """Megatron's checkpointing API: each tensor as a ShardedTensor (the weight split along the vocabulary, dim 0)."""
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """Megatron's checkpointing API: each tensor as a ShardedTensor (the weight split along the
+        vocabulary, dim 0)."""
         from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
 
         return module_sharded_state_dict(self, prefix, sharded_offsets)
@@ -411,12 +424,13 @@ class ColumnParallelLinear(torch.nn.Module):
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
         self.stride = stride
-        self.tp_group, world_size, rank = _group_and_size(tp_group)
+        self.tp_group, world_size, rank = tp_group_size_rank(tp_group)
         self.tensor_model_parallel_size = world_size
         self.output_size_per_partition = _split_size(output_size, world_size, "output_size", name)
         if self.output_size_per_partition % stride != 0:
             raise ValueError(
-                f"{name}: the per-rank output size {self.output_size_per_partition} (output_size={output_size} "
+                f"{name}: the per-rank output size {self.output_size_per_partition} "
+                f"(output_size={output_size} "
                 f"/ tp={world_size}) is not divisible by stride={stride}"
             )
         self.sequence_parallel = _sequence_parallel(settings, world_size)
@@ -456,14 +470,20 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
-        """Megatron's checkpointing API: each tensor as a ShardedTensor (weight and bias split along the output, dim 0, with the layer's stride)."""
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """Megatron's checkpointing API: each tensor as a ShardedTensor (weight and bias split
+        along the output, dim 0, with the layer's stride)."""
         from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
 
         return module_sharded_state_dict(self, prefix, sharded_offsets)
 
     def forward(
-        self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if weight is None:
             if self.weight is None:
@@ -496,7 +516,9 @@ class ColumnParallelLinear(torch.nn.Module):
         gather_output = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather_output:
             if self.sequence_parallel:
-                raise ValueError("ColumnParallelLinear: gather_output cannot be combined with sequence parallelism")
+                raise ValueError(
+                    "ColumnParallelLinear: gather_output cannot be combined with sequence parallelism"
+                )
             output = gather_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
         else:
             output = output_parallel
@@ -547,7 +569,7 @@ class RowParallelLinear(torch.nn.Module):
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
         self.stride = stride
-        self.tp_group, world_size, rank = _group_and_size(tp_group)
+        self.tp_group, world_size, rank = tp_group_size_rank(tp_group)
         self.tensor_model_parallel_size = world_size
         self.input_size_per_partition = _split_size(input_size, world_size, "input_size", name)
         if self.input_size_per_partition % stride != 0:
@@ -584,8 +606,11 @@ class RowParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
-        """Megatron's checkpointing API: each tensor as a ShardedTensor (the weight split along the input, dim 1; the bias replicated)."""
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """Megatron's checkpointing API: each tensor as a ShardedTensor (the weight split along the
+        input, dim 1; the bias replicated)."""
         from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
 
         return module_sharded_state_dict(self, prefix, sharded_offsets)

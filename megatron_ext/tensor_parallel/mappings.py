@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import _C  # noqa: F401  (registers the ops)
-from megatron_ext.tensor_parallel.utils import group_args, resolve_tp_group
+from megatron_ext.parallel_state import ParallelStateError
+from megatron_ext.tensor_parallel.utils import group_args, resolve_tp_group, tp_group_size_rank
 
 _ops = torch.ops.megatron_ext
 
@@ -175,7 +176,9 @@ def reduce_scatter_to_sequence_parallel_region(
     when given). Backward: all-gather along the first dim."""
     _check_tensor(input_, "reduce_scatter_to_sequence_parallel_region")
     if input_split_sizes is not None:
-        return _ReduceScatterToSequenceParallelRegion.apply(input_, group, input_split_sizes, use_global_buffer)
+        return _ReduceScatterToSequenceParallelRegion.apply(
+            input_, group, input_split_sizes, use_global_buffer
+        )
     return _ops.reduce_scatter_to_sequence_parallel_region(input_, *group_args(group))
 
 
@@ -214,8 +217,6 @@ _register_fake("reduce_scatter_last_dim_to_tensor_parallel_region", "reduce_scat
 # region on ``grad_output`` (reading the group and options from ``ctx`` under Megatron-core's
 # attribute names) and returns it with a None for each other argument of ``apply``.
 
-from megatron_ext.parallel_state import ParallelStateError  # kept with the classes below
-
 
 class _RegionClass:
     """``symbolic`` for the region classes: the forward's value, as Megatron-core's tracing hook."""
@@ -223,11 +224,6 @@ class _RegionClass:
     @classmethod
     def symbolic(cls, graph, *args, **kwargs) -> torch.Tensor:
         return cls.apply(*args, **kwargs)
-
-
-def _group_size_rank(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
-    group = resolve_tp_group(group)
-    return group, group.size(), group.rank()
 
 
 def _all_to_all_autograd(
@@ -331,7 +327,7 @@ class _GatherFromSequenceParallelRegion(_RegionClass):
             raise ParallelStateError(
                 "output_split_sizes needs tensor_parallel_output_grad=True (as in Megatron-core)"
             )
-        group, world, rank = _group_size_rank(group)
+        group, world, rank = tp_group_size_rank(group)
         sizes = _check_split_sizes("output_split_sizes", output_split_sizes, world)
         if input_.shape[0] != sizes[rank]:
             raise ValueError(
@@ -372,7 +368,7 @@ class _ReduceScatterToSequenceParallelRegion(_RegionClass):
     ) -> torch.Tensor:
         if input_split_sizes is None:
             return reduce_scatter_to_sequence_parallel_region(input_, group)
-        group, world, rank = _group_size_rank(group)
+        group, world, rank = tp_group_size_rank(group)
         sizes = _check_split_sizes("input_split_sizes", input_split_sizes, world)
         if input_.shape[0] != sum(sizes):
             raise ValueError(

@@ -46,7 +46,9 @@ def _get_rng_state(graph_safe: bool = False) -> torch.Tensor | torch.Generator:
     ``graph_safe``: the state as a generator object (the CUDA generator's graph-safe state, as CUDA
     graphs need; without CUDA a copy of the CPU generator, which has no graph-safe state)."""
     if graph_safe:
-        return _cuda_generator().graphsafe_get_state() if _uses_cuda() else torch.default_generator.clone_state()
+        return (
+            _cuda_generator().graphsafe_get_state() if _uses_cuda() else torch.default_generator.clone_state()
+        )
     return torch.cuda.get_rng_state() if _uses_cuda() else torch.get_rng_state()
 
 
@@ -154,7 +156,8 @@ class CudaRNGStatesTracker:
         """Runs the block on stream ``name``, then goes back to the stream it was on."""
         if name not in self.states_:
             raise RuntimeError(
-                f"CudaRNGStatesTracker: cuda rng state {name!r} is not added (known: {sorted(self.states_)}); "
+                f"CudaRNGStatesTracker: cuda rng state {name!r} is not added (known: "
+                f"{sorted(self.states_)}); "
                 "call model_parallel_cuda_manual_seed(seed) first"
             )
         graph_safe = self.use_cudagraphable_rng
@@ -458,7 +461,8 @@ class CheckpointWithoutOutput:
     def __init__(self, fp8: bool = False) -> None:
         if fp8:
             raise NotImplementedError(
-                "CheckpointWithoutOutput(fp8=True) needs TransformerEngine's FP8, which megatron_ext does not use"
+                "CheckpointWithoutOutput(fp8=True) needs TransformerEngine's FP8, which megatron_ext does "
+                "not use"
             )
         self.fp8 = False
         self.run_function: Callable | None = None

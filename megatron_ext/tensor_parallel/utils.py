@@ -44,23 +44,29 @@ def split_tensor_along_last_dim(
 
 
 def resolve_tp_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
-    """``group``, or the tensor-model-parallel group when it is ``None``."""
+    """``group``, or the tensor-model-parallel group when it is ``None`` (the one place a group
+    argument of the package falls back to parallel_state's tensor-parallel group)."""
     return parallel_state.get_tensor_model_parallel_group() if group is None else group
+
+
+def tp_group_size_rank(group: dist.ProcessGroup | None = None) -> tuple[dist.ProcessGroup, int, int]:
+    """``resolve_tp_group(group)``, its size and this process's rank in it."""
+    group = resolve_tp_group(group)
+    return group, dist.get_world_size(group), dist.get_rank(group)
 
 
 def group_args(group: dist.ProcessGroup | None = None) -> tuple[str, int, int]:
     """What an op's schema takes of a group: its c10d registry name, its size and this process's
     rank in it (``None`` means the tensor-model-parallel group)."""
-    group = resolve_tp_group(group)
-    return group.group_name, dist.get_world_size(group), dist.get_rank(group)
+    group, size, rank = tp_group_size_rank(group)
+    return group.group_name, size, rank
 
 
 def split_tensor_into_1d_equal_chunks(
     tensor: torch.Tensor, new_buffer: bool = False, tp_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """This tensor-parallel rank's chunk of ``tensor`` flattened (numel must divide by the TP size)."""
-    group = resolve_tp_group(tp_group)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    _, world, rank = tp_group_size_rank(tp_group)
     flat = tensor.reshape(-1)
     chunk = divide(flat.numel(), world)
     data = flat[rank * chunk : (rank + 1) * chunk]
@@ -89,6 +95,8 @@ class VocabUtility:
         return first, first + per_partition_vocab_size
 
     @staticmethod
-    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    def vocab_range_from_global_vocab_size(
+        global_vocab_size: int, rank: int, world_size: int
+    ) -> tuple[int, int]:
         per_partition = divide(global_vocab_size, world_size)
         return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank, world_size)

@@ -93,7 +93,9 @@ class ParallelAttention(torch.nn.Module):
             skip_bias_add=True,
         )
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
         """Megatron's checkpointing API: each tensor as a ShardedTensor (as the layers inside are split)."""
         from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
 
@@ -134,7 +136,9 @@ class ParallelAttention(torch.nn.Module):
             group = rank // ranks_per_group
             qkv = qkv[..., group * per_group : (group + 1) * per_group]
         qkv = qkv.view(s, b, self.groups_per_partition, per_group)
-        query, key, value = qkv.split([self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
+        query, key, value = qkv.split(
+            [self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1
+        )
         query = query.reshape(s, b, -1, self.head_dim)
         if groups < self.tp_size:
             first = (rank % ranks_per_group) * self.num_heads_per_partition
@@ -160,7 +164,10 @@ class ParallelAttention(torch.nn.Module):
             if self.unfused:
                 if gqa:
                     repeats = query.shape[1] // key.shape[1]
-                    key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+                    key, value = (
+                        key.repeat_interleave(repeats, dim=1),
+                        value.repeat_interleave(repeats, dim=1),
+                    )
                 context = self._unfused_attention(query, key, value, attention_mask, p)
             else:
                 mask = None

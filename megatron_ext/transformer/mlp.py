@@ -25,7 +25,8 @@ class ParallelMLP(torch.nn.Module):
     so the serial model's ``[gate | up]`` weight deals out as Megatron's checkpoints lay it out.
 
     With ``config.bias_activation_fusion`` the bias add and the activation run as one kernel
-    (forward and backward): GeLU, or SwiGLU when gated (``fusions.bias_swiglu``, the same numbers). It computes the GeLU the unfused path does (exact erf form unless
+    (forward and backward): GeLU, or SwiGLU when gated (``fusions.bias_swiglu``, the same
+    numbers). It computes the GeLU the unfused path does (exact erf form unless
     ``config.activation_func`` is ``partial(F.gelu, approximate="tanh")``), so the flag does not
     change the numbers; Megatron-core's fused path always takes the tanh form.
     """
@@ -57,9 +58,14 @@ class ParallelMLP(torch.nn.Module):
 
         self.gelu_approximate = _gelu_approximate(getattr(config, "activation_func", None))
         self.bias_activation_fusion = bool(getattr(config, "bias_activation_fusion", False))
-        if self.bias_activation_fusion and self.gated and config.activation_func is not torch.nn.functional.silu:
+        if (
+            self.bias_activation_fusion
+            and self.gated
+            and config.activation_func is not torch.nn.functional.silu
+        ):
             raise ValueError(
-                f"bias_activation_fusion with gated_linear_unit supports the SiLU activation (SwiGLU) only, got "
+                "bias_activation_fusion with gated_linear_unit supports the SiLU activation (SwiGLU) only, "
+                "got "
                 f"activation_func={config.activation_func!r}"
             )
         if self.bias_activation_fusion and not self.gated and self.gelu_approximate is None:
@@ -68,7 +74,9 @@ class ParallelMLP(torch.nn.Module):
                 f"{config.activation_func!r}"
             )
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
         """Megatron's checkpointing API: each tensor as a ShardedTensor (as the layers inside are split)."""
         from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
 

@@ -40,7 +40,9 @@ class RotaryEmbedding(torch.nn.Module):
                 "expected an even number >= 2"
             )
         if rope_scaling:
-            raise NotImplementedError("rope_scaling (Llama 3.1's long-context frequency scaling) is not supported")
+            raise NotImplementedError(
+                "rope_scaling (Llama 3.1's long-context frequency scaling) is not supported"
+            )
         self.dim = dim
         self.rotary_base = rotary_base
         self.rotary_interleaved = rotary_interleaved

@@ -153,7 +153,9 @@ class ParallelTransformer(torch.nn.Module):
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         self.input_tensor = input_tensor
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
         """Megatron's checkpointing API: the layers by global layer number, stacked along a leading
         layer axis (``decoder.layers.<name>``) or, with ``metadata["non_homogeneous_layers"]`` or
         ``["singleton_local_shards"]``, one key per layer (``layers.<N>.<name>``)."""
@@ -170,15 +172,22 @@ class ParallelTransformer(torch.nn.Module):
         if not self.pre_process:
             hidden_states = self.input_tensor
         if hidden_states is None:
-            raise RuntimeError("ParallelTransformer: no input (on a later pipeline stage call set_input_tensor first)")
+            raise RuntimeError(
+                "ParallelTransformer: no input (on a later pipeline stage call set_input_tensor first)"
+            )
         rng_context = (
-            tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext()
+            tensor_parallel.get_cuda_rng_tracker().fork()
+            if self.config.sequence_parallel
+            else contextlib.nullcontext()
         )
         with rng_context:
             return self._run_layers(hidden_states, attention_mask, rotary_pos_emb)
 
     def _run_layers(
-        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, rotary_pos_emb: torch.Tensor | None
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        rotary_pos_emb: torch.Tensor | None,
     ) -> torch.Tensor:
         recompute = self.config.recompute_granularity == "full" and self.training
         for layer in self.layers:

@@ -301,7 +301,11 @@ class TransformerConfig(ModelParallelConfig):
                 raise ValueError(f"TransformerConfig.{name} must be a positive integer, got {value!r}")
         # 0, the default, as in Megatron-core: a config that describes no model (DDP's or the
         # optimizer's); the layers refuse it.
-        if not isinstance(self.hidden_size, int) or isinstance(self.hidden_size, bool) or self.hidden_size < 0:
+        if (
+            not isinstance(self.hidden_size, int)
+            or isinstance(self.hidden_size, bool)
+            or self.hidden_size < 0
+        ):
             raise ValueError(
                 f"TransformerConfig.hidden_size must be a non-negative integer, got {self.hidden_size!r}"
             )
@@ -344,11 +348,14 @@ class TransformerConfig(ModelParallelConfig):
             )
         if (self.persist_layer_norm or self.memory_efficient_layer_norm) and self.normalization != "RMSNorm":
             raise NotImplementedError(
-                "TransformerConfig.persist_layer_norm / memory_efficient_layer_norm select megatron_ext's fused "
+                "TransformerConfig.persist_layer_norm / memory_efficient_layer_norm select megatron_ext's "
+                "fused "
                 f"RMSNorm kernel; there is no fused LayerNorm (normalization={self.normalization!r})"
             )
         if not callable(self.activation_func):
-            raise ValueError(f"TransformerConfig.activation_func must be callable, got {self.activation_func!r}")
+            raise ValueError(
+                f"TransformerConfig.activation_func must be callable, got {self.activation_func!r}"
+            )
         if self.recompute_granularity not in (None, "full"):
             raise NotImplementedError(
                 f"TransformerConfig.recompute_granularity={self.recompute_granularity!r} is not supported: "
@@ -371,7 +378,8 @@ class TransformerConfig(ModelParallelConfig):
         if self.transformer_impl not in ("transformer_engine", "local"):
             raise NotImplementedError(
                 f"TransformerConfig.transformer_impl={self.transformer_impl!r} is not supported: "
-                "megatron_ext builds its own layers ('local'; the default 'transformer_engine' means the same here)"
+                "megatron_ext builds its own layers ('local'; the default 'transformer_engine' means the "
+                "same here)"
             )
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
@@ -386,6 +394,7 @@ class TransformerConfig(ModelParallelConfig):
         ):
             raise NotImplementedError(
                 "TransformerConfig.embedding_init_method / embedding_init_method_std different from "
-                "init_method / init_method_std are not supported: the embedding is initialised with init_method"
+                "init_method / init_method_std are not supported: the embedding is initialised with "
+                "init_method"
             )
         self.embedding_init_method = self.init_method

@@ -37,8 +37,11 @@ class ParallelTransformerLayer(torch.nn.Module):
         self.post_attention_layernorm = layer_norm(config, config.hidden_size)
         self.mlp = ParallelMLP(config)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
-        """Megatron's checkpointing API: each tensor as a ShardedTensor (``sharded_offsets``: the layer axis a block prepends)."""
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """Megatron's checkpointing API: each tensor as a ShardedTensor (``sharded_offsets``: the
+        layer axis a block prepends)."""
         from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
 
         return module_sharded_state_dict(self, prefix, sharded_offsets)

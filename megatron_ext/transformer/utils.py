@@ -46,7 +46,9 @@ def layer_norm(config: Any, hidden_size: int) -> torch.nn.Module:
     ``finalize_model_grads`` all-reduces."""
     eps, dtype = config.layernorm_epsilon, config.params_dtype
     if getattr(config, "normalization", "LayerNorm") == "RMSNorm":
-        fused = getattr(config, "persist_layer_norm", False) or getattr(config, "memory_efficient_layer_norm", False)
+        fused = getattr(config, "persist_layer_norm", False) or getattr(
+            config, "memory_efficient_layer_norm", False
+        )
         norm = (FusedRMSNorm if fused else torch.nn.RMSNorm)(hidden_size, eps=eps, dtype=dtype)
     else:
         norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=dtype)
@@ -95,14 +97,18 @@ def make_sharded_tensors_for_checkpoint(
     from megatron_ext.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 
     axis_map = tensor_parallel_layers_axis_map or {}
-    groups = {} if tp_group is None and dp_cp_group is None else {"tp_group": tp_group, "dp_cp_group": dp_cp_group}
+    groups = (
+        {} if tp_group is None and dp_cp_group is None else {"tp_group": tp_group, "dp_cp_group": dp_cp_group}
+    )
     out = {}
     for name, tensor in state_dict.items():
         key = f"{prefix}{name}"
         if name.endswith(extra_state_suffix):
             out[key] = make_sharded_object_for_checkpoint(tensor, key, sharded_offsets)
         elif name in axis_map:
-            out[key] = make_tp_sharded_tensor_for_checkpoint(tensor, key, axis_map[name], prepend_offsets=sharded_offsets, **groups)
+            out[key] = make_tp_sharded_tensor_for_checkpoint(
+                tensor, key, axis_map[name], prepend_offsets=sharded_offsets, **groups
+            )
         else:
             out[key] = make_sharded_tensor_for_checkpoint(tensor, key, sharded_offsets, **groups)
     return out

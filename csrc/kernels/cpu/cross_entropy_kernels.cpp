@@ -74,8 +74,9 @@ RowState<acc_t> block_state(const acc_t* p, int64_t n) {
 }
 
 template <typename scalar_t>
-void row_stats_rows(const void* logits, const int64_t* target, int64_t begin, int64_t end, int64_t vocab,
-                    int64_t vocab_start, bool has_ignore, int64_t ignore, void* stats) {
+void row_stats_rows(const void* logits, const int64_t* target, int64_t begin, int64_t end,
+                    int64_t vocab, int64_t vocab_start, bool has_ignore, int64_t ignore,
+                    void* stats) {
   using acc_t = acc_type<scalar_t>;
   const auto* x = static_cast<const scalar_t*>(logits);
   auto* out = static_cast<acc_t*>(stats);
@@ -100,7 +101,8 @@ void row_stats_rows(const void* logits, const int64_t* target, int64_t begin, in
 
 // out = (exp((x - max) - lse) - other_weight) * g over n floats (float or double).
 template <typename acc_t>
-void grad_block(const acc_t* x, acc_t* out, int64_t n, acc_t row_max, acc_t lse, acc_t other, acc_t g) {
+void grad_block(const acc_t* x, acc_t* out, int64_t n, acc_t row_max, acc_t lse, acc_t other,
+                acc_t g) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t L = Vec::size();
   const int64_t nv = n - n % L;
@@ -113,9 +115,10 @@ void grad_block(const acc_t* x, acc_t* out, int64_t n, acc_t row_max, acc_t lse,
 }
 
 template <typename scalar_t>
-void backward_rows(const void* logits, void* grad, const int64_t* local_target, const void* grad_loss,
-                   const void* row_max, const void* log_sum_exp, int64_t begin, int64_t end, int64_t vocab,
-                   double target_weight, double other_weight) {
+void backward_rows(const void* logits, void* grad, const int64_t* local_target,
+                   const void* grad_loss, const void* row_max, const void* log_sum_exp,
+                   int64_t begin, int64_t end, int64_t vocab, double target_weight,
+                   double other_weight) {
   using acc_t = acc_type<scalar_t>;
   const auto* x = static_cast<const scalar_t*>(logits);
   auto* y = static_cast<scalar_t*>(grad);
@@ -156,33 +159,37 @@ void row_stats(CeDtype dtype, const void* logits, const int64_t* target, int64_t
                int64_t vocab, int64_t vocab_start, bool has_ignore, int64_t ignore, void* stats) {
   switch (dtype) {
     case CeDtype::kFloat:
-      return row_stats_rows<float>(logits, target, begin, end, vocab, vocab_start, has_ignore, ignore, stats);
+      return row_stats_rows<float>(logits, target, begin, end, vocab, vocab_start, has_ignore,
+                                   ignore, stats);
     case CeDtype::kDouble:
-      return row_stats_rows<double>(logits, target, begin, end, vocab, vocab_start, has_ignore, ignore, stats);
+      return row_stats_rows<double>(logits, target, begin, end, vocab, vocab_start, has_ignore,
+                                    ignore, stats);
     case CeDtype::kBFloat16:
-      return row_stats_rows<c10::BFloat16>(logits, target, begin, end, vocab, vocab_start, has_ignore, ignore,
-                                           stats);
+      return row_stats_rows<c10::BFloat16>(logits, target, begin, end, vocab, vocab_start,
+                                           has_ignore, ignore, stats);
     case CeDtype::kHalf:
-      return row_stats_rows<c10::Half>(logits, target, begin, end, vocab, vocab_start, has_ignore, ignore, stats);
+      return row_stats_rows<c10::Half>(logits, target, begin, end, vocab, vocab_start, has_ignore,
+                                       ignore, stats);
   }
 }
 
-void backward(CeDtype dtype, const void* logits, void* grad, const int64_t* local_target, const void* grad_loss,
-              const void* row_max, const void* log_sum_exp, int64_t begin, int64_t end, int64_t vocab,
-              double target_weight, double other_weight) {
+void backward(CeDtype dtype, const void* logits, void* grad, const int64_t* local_target,
+              const void* grad_loss, const void* row_max, const void* log_sum_exp, int64_t begin,
+              int64_t end, int64_t vocab, double target_weight, double other_weight) {
   switch (dtype) {
     case CeDtype::kFloat:
-      return backward_rows<float>(logits, grad, local_target, grad_loss, row_max, log_sum_exp, begin, end, vocab,
-                                  target_weight, other_weight);
+      return backward_rows<float>(logits, grad, local_target, grad_loss, row_max, log_sum_exp,
+                                  begin, end, vocab, target_weight, other_weight);
     case CeDtype::kDouble:
-      return backward_rows<double>(logits, grad, local_target, grad_loss, row_max, log_sum_exp, begin, end, vocab,
-                                   target_weight, other_weight);
+      return backward_rows<double>(logits, grad, local_target, grad_loss, row_max, log_sum_exp,
+                                   begin, end, vocab, target_weight, other_weight);
     case CeDtype::kBFloat16:
-      return backward_rows<c10::BFloat16>(logits, grad, local_target, grad_loss, row_max, log_sum_exp, begin, end,
-                                          vocab, target_weight, other_weight);
+      return backward_rows<c10::BFloat16>(logits, grad, local_target, grad_loss, row_max,
+                                          log_sum_exp, begin, end, vocab, target_weight,
+                                          other_weight);
     case CeDtype::kHalf:
-      return backward_rows<c10::Half>(logits, grad, local_target, grad_loss, row_max, log_sum_exp, begin, end,
-                                      vocab, target_weight, other_weight);
+      return backward_rows<c10::Half>(logits, grad, local_target, grad_loss, row_max, log_sum_exp,
+                                      begin, end, vocab, target_weight, other_weight);
   }
 }
 
