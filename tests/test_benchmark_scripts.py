@@ -113,12 +113,11 @@ def test_llama_kernels_benchmark_script(tmp_path):
         assert all(d <= bound for d in diffs.values()), (op, diffs)
 
 
+@pytest.mark.slow  # runs the benchmark script end to end
 def test_train_step_benchmark_script(tmp_path):
     """The train-step benchmark at a tiny size: every case and variant reported, and megatron_ext's
     models (plain and fused) train to Megatron-core's losses from the same weights."""
     import importlib.util
-
-    import pytest
 
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         pytest.skip("the train-step benchmark compares against megatron-core, which is not installed")

@@ -35,6 +35,8 @@ from benchmarks.megatron_core_gpt import (  # noqa: E402
 )
 from tests.distributed import run_distributed  # noqa: E402
 
+pytestmark = pytest.mark.slow  # two 4-rank training runs of six configurations each
+
 # name -> (run, largest difference of a step's loss, of a trained parameter)
 RUNS = {
     "gpt tp2 pp2": (Run(tp=2, pp=2, optimizer="sgd"), 1e-6, 1e-9),
