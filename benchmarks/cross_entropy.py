@@ -83,18 +83,26 @@ def _variants(tp: int) -> dict:
         dx = DTensor.from_local(x, mesh, [Shard(1)])
         with loss_parallel():
             loss = F.cross_entropy(dx, t, reduction="none")
-            loss.full_tensor().sum().backward()
-        return loss.full_tensor().detach()
+            (grad,) = torch.autograd.grad(loss.full_tensor().sum(), x)
+        return loss.full_tensor().detach(), grad
 
     variants["DTensor loss_parallel"] = dtensor_loss
     return variants
 
 
 def _step(fn, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Forward, then the logits' gradient handed on with ``torch.autograd.grad``, as the output
+    layer in front of the loss receives it in training. (``loss.sum().backward()`` into the leaf
+    would add autograd's AccumulateGrad copy for whichever implementation returns its gradient in
+    the logits' own storage, megatron-core's in float32: a cost training does not have.)"""
     x = logits.requires_grad_(True)
-    loss = fn(x, target)
-    if loss.requires_grad:  # DTensor's step ran its backward itself
-        loss.sum().backward()
+    out = fn(x, target)
+    if isinstance(out, tuple):  # DTensor's step took its gradient inside loss_parallel
+        loss, grad = out
+    else:
+        loss = out
+        (grad,) = torch.autograd.grad(loss.sum(), x)
+    del grad
     return loss.detach().float()
 
 
