@@ -20,7 +20,7 @@ def _(ids, first, last):
 
 
 @torch.library.register_fake("megatron_ext::linear_with_grad_accumulation_and_async_allreduce")
-def _(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, group_name,
+def _(input, weight, bias, main_grad, wgrad_placeholder, allreduce_dgrad, sequence_parallel, group_name,
       group_size):
     torch._check(weight.dim() == 2 and input.dim() >= 1 and input.shape[-1] == weight.shape[1],
                  lambda: "the input's last dim must equal the weight's input size")

@@ -212,10 +212,10 @@ def _async_linear(n: int, rank: int) -> None:
     group_name = ps.get_tensor_model_parallel_group().group_name
     op = torch.ops.megatron_ext.linear_with_grad_accumulation_and_async_allreduce.default
     x = x_full.clone().requires_grad_(True)
-    torch.library.opcheck(op, (x, w, b, False, n > 1, False, group_name, n))
+    torch.library.opcheck(op, (x, w, b, None, 0, n > 1, False, group_name, n))
     if n > 1:
         x = x_full.chunk(n, 0)[rank].clone().requires_grad_(True)
-        torch.library.opcheck(op, (x, w, None, False, False, True, group_name, n))
+        torch.library.opcheck(op, (x, w, None, None, 0, False, True, group_name, n))
 
     # Gradient-accumulation fusion: two backward passes add into main_grad; weight.grad stays None.
     w.main_grad = torch.full_like(w, 0.5)
@@ -313,8 +313,15 @@ def _errors(n: int) -> None:
     with pytest.raises(NotImplementedError, match="wgrad_deferral_limit=2"):
         linear(x, w, None, False, False, False, wgrad_deferral_limit=2)
     w.main_grad = torch.zeros(2, 2)
-    with pytest.raises(ValueError, match=r"main_grad has shape \[2, 2\] but the weight has shape \[5, 6\]"):
+    with pytest.raises(ValueError, match=r"main_grad must be a floating tensor of the weight's shape "
+                       r"\[5, 6\], got Float of shape \[2, 2\]"):
         linear(x, w, None, True, False, False)
+    w.main_grad = torch.zeros(5, 6, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"floating tensor .* got Long of shape \[5, 6\]"):
+        linear(x, w, None, True, False, False)
+    op = torch.ops.megatron_ext.linear_with_grad_accumulation_and_async_allreduce
+    with pytest.raises(ValueError, match=r"wgrad_placeholder must be 0 \(none\), .* 2 \(zeros\), got 3"):
+        op(x, w, None, torch.zeros(5, 6), 3, False, False, "unused", 1)
 
 
 def _layers_worker() -> None:
@@ -432,6 +439,6 @@ def test_linear_fake_kernel_shapes():
 
     with FakeTensorMode():
         out = torch.ops.megatron_ext.linear_with_grad_accumulation_and_async_allreduce(
-            torch.empty(4, 2, 6), torch.empty(5, 6), None, False, False, False, "unused", 1
+            torch.empty(4, 2, 6), torch.empty(5, 6), None, None, 0, False, False, "unused", 1
         )
         assert out.shape == (4, 2, 5)

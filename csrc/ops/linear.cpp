@@ -6,8 +6,8 @@
 //   backward: grad_input = grad_output @ weight
 //             start all-reduce(grad_input)            when allreduce_dgrad
 //             start reduce-scatter_dim0(grad_input)   when sequence_parallel
-//             grad_weight = grad_output^T @ x  (added into weight.main_grad instead when
-//                                               gradient_accumulation_fusion) while it runs
+//             grad_weight = grad_output^T @ x  (added into main_grad instead when one is
+//                                               given) while it runs
 //             grad_bias = sum of grad_output over all leading dims
 //             wait for the collective
 //
@@ -18,15 +18,14 @@
 // the overlap holds, and PyTorch's functional collective ops when traced by torch.compile.
 // Under autocast the forward casts as Megatron's custom_fwd does (the GEMM runs in the autocast
 // dtype) and the backward reuses the cast tensors, as custom_bwd's restored autocast state would.
-// ``weight.main_grad`` is looked up when the backward runs, so a buffer swapped in after the
-// forward receives the gradient.
+// Gradient-accumulation fusion: the caller hands over the weight's ``main_grad`` with the forward
+// (the buffer the weight has then receives the gradient, as in Megatron-core) and says what the
+// weight's gradient is to be: none, or a placeholder (empty or zeros) so that the weight's
+// post-accumulate hook fires for a DistributedDataParallel. The backward touches no Python object.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
-
-#include <pybind11/pybind11.h>
 
 #include "comm/functional.h"
 #include "comm/process_group.h"
@@ -46,8 +45,12 @@ constexpr const char* kBackward =
 constexpr const char* kInputGrad =
     "the backward of linear_with_grad_accumulation_and_async_allreduce (the input gradient)";
 
+// What the fused backward hands to autograd as the weight's gradient.
+enum WeightGradPlaceholder : int64_t { kNone = 0, kEmpty = 1, kZeros = 2 };
+
 void check_args(const at::Tensor& input, const at::Tensor& weight,
-                const std::optional<at::Tensor>& bias, bool allreduce_dgrad, bool sequence_parallel,
+                const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& main_grad,
+                int64_t wgrad_placeholder, bool allreduce_dgrad, bool sequence_parallel,
                 int64_t group_size) {
   TORCH_CHECK_VALUE(input.defined() && weight.defined(), kOp, ": input and weight must be tensors");
   TORCH_CHECK_VALUE(weight.dim() == 2, kOp, ": weight must be 2-D [output, input], got shape ",
@@ -67,6 +70,16 @@ void check_args(const at::Tensor& input, const at::Tensor& weight,
                     ": allreduce_dgrad and sequence_parallel are exclusive (sequence parallelism "
                     "reduce-scatters the input gradient instead of all-reducing it)");
   TORCH_CHECK_VALUE(group_size >= 1, kOp, ": group_size must be positive, got ", group_size);
+  if (main_grad.has_value() && main_grad->defined()) {
+    TORCH_CHECK_VALUE(at::isFloatingType(main_grad->scalar_type()) &&
+                          main_grad->sym_sizes() == weight.sym_sizes(),
+                      kOp, ": main_grad must be a floating tensor of the weight's shape ",
+                      weight.sym_sizes(), ", got ", main_grad->scalar_type(), " of shape ",
+                      main_grad->sym_sizes());
+  }
+  TORCH_CHECK_VALUE(wgrad_placeholder >= kNone && wgrad_placeholder <= kZeros, kOp,
+                    ": wgrad_placeholder must be 0 (none), 1 (empty) or 2 (zeros), got ",
+                    wgrad_placeholder);
 }
 
 // The forward of every backend: gathers the sequence shards, then the GEMM.
@@ -82,44 +95,13 @@ at::Tensor forward_impl(const at::Tensor& input, const at::Tensor& weight,
 }
 
 at::Tensor linear_forward(const at::Tensor& input, const at::Tensor& weight,
-                          const std::optional<at::Tensor>& bias, bool gradient_accumulation_fusion,
+                          const std::optional<at::Tensor>& bias,
+                          const std::optional<at::Tensor>& main_grad, int64_t wgrad_placeholder,
                           bool allreduce_dgrad, bool sequence_parallel, c10::string_view group_name,
                           int64_t group_size) {
-  check_args(input, weight, bias, allreduce_dgrad, sequence_parallel, group_size);
+  check_args(input, weight, bias, main_grad, wgrad_placeholder, allreduce_dgrad, sequence_parallel,
+             group_size);
   return forward_impl(input, weight, bias, sequence_parallel, std::string(group_name), group_size);
-}
-
-// The weight's ``main_grad`` attribute as it is now (DDP may have swapped the buffer since the
-// forward).
-at::Tensor current_main_grad(const at::Tensor& weight) {
-  pybind11::gil_scoped_acquire gil;
-  auto py_weight = pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(weight));
-  TORCH_CHECK_VALUE(pybind11::hasattr(py_weight, "main_grad"), kOp,
-                    ": gradient_accumulation_fusion=True but the weight has no main_grad attribute "
-                    "at backward time (main_grad is not available under torch.compile)");
-  auto main_grad = py_weight.attr("main_grad");
-  TORCH_CHECK_VALUE(THPVariable_Check(main_grad.ptr()), kOp,
-                    ": weight.main_grad must be a tensor at backward time");
-  auto result = THPVariable_Unpack(main_grad.ptr());
-  TORCH_CHECK_VALUE(result.sizes() == weight.sizes() && at::isFloatingType(result.scalar_type()),
-                    kOp, ": weight.main_grad must be a floating tensor of the weight's shape ",
-                    weight.sizes(), ", got ", result.scalar_type(), " of shape ", result.sizes());
-  return result;
-}
-
-// The weight gradient the fused backward hands to autograd. Under a DistributedDataParallel
-// (which marks its parameters with ``grad_added_to_main_grad``) a placeholder, so that the
-// weight's post-accumulate hook still fires and its bucket's reduction can start during the
-// backward; the flag tells the hook the gradient is in ``main_grad`` already (Megatron-core's
-// handshake; zeros when ``zero_out_wgrad`` is set). Otherwise none: ``weight.grad`` stays None.
-at::Tensor placeholder_weight_grad(const at::Tensor& weight) {
-  pybind11::gil_scoped_acquire gil;
-  auto py_weight = pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(weight));
-  if (!pybind11::hasattr(py_weight, "grad_added_to_main_grad")) return {};
-  py_weight.attr("grad_added_to_main_grad") = true;
-  const bool zeros =
-      pybind11::bool_(pybind11::getattr(py_weight, "zero_out_wgrad", pybind11::bool_(false)));
-  return zeros ? at::zeros_like(weight) : at::empty_like(weight);
 }
 
 // Casts a floating tensor (not float64) to the autocast dtype when autocast is on for its device,
@@ -137,17 +119,22 @@ at::Tensor autocast_gemm_arg(const at::Tensor& t) {
 struct LinearAsyncFunction : public Function<LinearAsyncFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias,
-                            bool gradient_accumulation_fusion, bool allreduce_dgrad,
-                            bool sequence_parallel, const std::string& group, int64_t group_size) {
+                            const std::optional<at::Tensor>& main_grad, int64_t wgrad_placeholder,
+                            bool allreduce_dgrad, bool sequence_parallel, const std::string& group,
+                            int64_t group_size) {
     const auto gemm_input = autocast_gemm_arg(input);
     const auto gemm_weight = autocast_gemm_arg(weight);
     std::optional<at::Tensor> gemm_bias;
     if (bias.has_value() && bias->defined()) gemm_bias = autocast_gemm_arg(*bias);
     ctx->save_for_backward({gemm_input, gemm_weight});
-    // The weight itself, to find its main_grad at backward time (the GEMM may use a cast copy).
-    if (gradient_accumulation_fusion) ctx->saved_data["weight"] = weight;
+    // Kept outside save_for_backward: the backward adds into it, and the same buffer may serve
+    // several calls (a weight used twice) whose version checks would then fail.
+    const bool fusion = main_grad.has_value() && main_grad->defined();
+    if (fusion) ctx->saved_data["main_grad"] = *main_grad;
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
-    ctx->saved_data["fusion"] = gradient_accumulation_fusion;
+    ctx->saved_data["fusion"] = fusion;
+    ctx->saved_data["wgrad_placeholder"] = wgrad_placeholder;
+    ctx->saved_data["weight_dtype"] = weight.scalar_type();  // the GEMM's copy may be cast
     ctx->saved_data["allreduce_dgrad"] = allreduce_dgrad;
     ctx->saved_data["sequence_parallel"] = sequence_parallel;
     ctx->saved_data["group"] = group;
@@ -170,7 +157,7 @@ struct LinearAsyncFunction : public Function<LinearAsyncFunction> {
     const bool allreduce_dgrad = ctx->saved_data["allreduce_dgrad"].toBool() && distributed;
     const bool sequence_parallel = ctx->saved_data["sequence_parallel"].toBool() && distributed;
     const at::Tensor grad_output = grads[0];
-    variable_list result(8);
+    variable_list result(9);
     if (!grad_output.defined()) return result;
 
     const bool need_input_grad = ctx->needs_input_grad(0);
@@ -200,10 +187,12 @@ struct LinearAsyncFunction : public Function<LinearAsyncFunction> {
     if (need_weight_grad) {
       const auto input_2d = total_input.reshape_symint({-1, total_input.sym_size(-1)});
       if (fusion) {
-        const auto weight_var = ctx->saved_data["weight"].toTensor();
-        auto main_grad = current_main_grad(weight_var);
+        auto main_grad = ctx->saved_data["main_grad"].toTensor();
         accumulate_weight_grad_(main_grad, grad_output_2d, input_2d);
-        result[1] = placeholder_weight_grad(weight_var);
+        const auto placeholder = ctx->saved_data["wgrad_placeholder"].toInt();
+        const auto options = weight.options().dtype(ctx->saved_data["weight_dtype"].toScalarType());
+        if (placeholder == kZeros) result[1] = at::zeros(weight.sizes(), options);
+        if (placeholder == kEmpty) result[1] = at::empty(weight.sizes(), options);
       } else {
         result[1] = grad_output_2d.t().mm(input_2d);
       }
@@ -217,16 +206,18 @@ struct LinearAsyncFunction : public Function<LinearAsyncFunction> {
 };
 
 at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight,
-                           const std::optional<at::Tensor>& bias, bool gradient_accumulation_fusion,
+                           const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& main_grad, int64_t wgrad_placeholder,
                            bool allreduce_dgrad, bool sequence_parallel,
                            c10::string_view group_name, int64_t group_size) {
   // Every rank checks its arguments before any collective, so bad input raises instead of hanging.
-  check_args(input, weight, bias, allreduce_dgrad, sequence_parallel, group_size);
+  check_args(input, weight, bias, main_grad, wgrad_placeholder, allreduce_dgrad, sequence_parallel,
+             group_size);
   const std::string group(group_name);
   const int64_t actual = comm::is_plain(input) ? comm::group_size(group) : group_size;
   TORCH_CHECK_VALUE(actual == group_size, kOp, ": process group '", group, "' has size ", actual,
                     " but the call passed group_size ", group_size);
-  return LinearAsyncFunction::apply(input, weight, bias, gradient_accumulation_fusion,
+  return LinearAsyncFunction::apply(input, weight, bias, main_grad, wgrad_placeholder,
                                     allreduce_dgrad, sequence_parallel, group, group_size);
 }
 
@@ -235,9 +226,8 @@ at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight,
 TORCH_LIBRARY_FRAGMENT(megatron_ext, m) {
   m.def(
       "linear_with_grad_accumulation_and_async_allreduce(Tensor input, Tensor weight, Tensor? "
-      "bias, "
-      "bool gradient_accumulation_fusion, bool allreduce_dgrad, bool sequence_parallel, "
-      "str group_name, int group_size) -> Tensor");
+      "bias, Tensor? main_grad, int wgrad_placeholder, bool allreduce_dgrad, "
+      "bool sequence_parallel, str group_name, int group_size) -> Tensor");
   m.impl(kOp,
          torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(linear_forward)));
   m.impl(kOp, torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(linear_autograd)));

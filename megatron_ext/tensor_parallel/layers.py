@@ -222,9 +222,11 @@ def linear_with_grad_accumulation_and_async_allreduce(
     gradient ``grad^T @ input`` (re-gathering the input under sequence parallelism) and the bias
     gradient are computed while it runs; then it is waited on.
 
-    With ``gradient_accumulation_fusion`` the weight gradient is added into ``weight.main_grad``
-    (in ``main_grad``'s dtype; the attribute is read when the backward runs, as Megatron-core does)
-    and ``weight.grad`` is left as it was. Under ``torch.autocast`` the GEMMs run in the autocast
+    With ``gradient_accumulation_fusion`` the weight gradient is added into the ``weight.main_grad``
+    the weight has at the forward (in ``main_grad``'s dtype; Megatron-core also takes it there) and
+    ``weight.grad`` is left as it was; under a DistributedDataParallel (a weight with
+    ``grad_added_to_main_grad``) the forward sets that flag and the weight's hook receives a
+    placeholder gradient. Under ``torch.autocast`` the GEMMs run in the autocast
     dtype, as under Megatron-core's ``custom_fwd``/``custom_bwd``. ``async_grad_allreduce`` is the
     older name of ``allreduce_dgrad``.
     """
@@ -249,30 +251,31 @@ def linear_with_grad_accumulation_and_async_allreduce(
                 f"linear_with_grad_accumulation_and_async_allreduce: {name} must be a torch.Tensor, "
                 f"got {type(value).__name__}"
             )
+    main_grad, placeholder = None, 0
     if gradient_accumulation_fusion:
-        # Checked here for an early error; the backward reads weight.main_grad again when it runs.
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "linear_with_grad_accumulation_and_async_allreduce: gradient_accumulation_fusion=True "
+                "is not supported under torch.compile (the backward adds into weight.main_grad)"
+            )
         main_grad = getattr(weight, "main_grad", None)
         if not isinstance(main_grad, torch.Tensor):
             raise ValueError(
                 "linear_with_grad_accumulation_and_async_allreduce: gradient_accumulation_fusion=True "
                 "needs weight.main_grad, a tensor of the weight's shape to accumulate the gradient in"
             )
-        if main_grad.shape != weight.shape:
-            raise ValueError(
-                "linear_with_grad_accumulation_and_async_allreduce: main_grad has shape "
-                f"{list(main_grad.shape)} but the weight has shape {list(weight.shape)}"
-            )
-        if not main_grad.dtype.is_floating_point:
-            raise ValueError(
-                "linear_with_grad_accumulation_and_async_allreduce: main_grad must be a floating tensor, "
-                f"got {main_grad.dtype}"
-            )
+        if hasattr(weight, "grad_added_to_main_grad"):
+            # A DistributedDataParallel's handshake: the weight's hook gets a placeholder gradient
+            # (zeros under zero_out_wgrad) and the flag tells it the gradient is in main_grad.
+            placeholder = 2 if getattr(weight, "zero_out_wgrad", False) else 1
+            weight.grad_added_to_main_grad = True
     name, group_size, _ = group_args(tp_group)
     return torch.ops.megatron_ext.linear_with_grad_accumulation_and_async_allreduce(
         input,
         weight,
         bias,
-        bool(gradient_accumulation_fusion),
+        main_grad,
+        placeholder,
         bool(allreduce_dgrad),
         bool(sequence_parallel),
         name,
