@@ -32,8 +32,8 @@ from megatron_ext.pipeline_parallel.schedule_tables import (
     virtual_stage,
 )
 from tests.distributed import run_distributed
-from tests.test_pipeline_interleaved import (
-    EXACT,
+from tests.conftest import EXACT
+from tests.toy_pipeline import (
     B,
     L,
     Recorder,

@@ -4,7 +4,6 @@ reading parallel_state."""
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 
@@ -69,22 +68,3 @@ def get_pp_prev_rank(pp_group: dist.ProcessGroup) -> int | None:
     if is_pp_first_stage(pp_group):
         return None
     return dist.get_process_group_ranks(pp_group)[_rank(pp_group) - 1]
-
-
-class _Viewless(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
-        out = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
-        return out.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
-def make_viewless(e: torch.Tensor) -> torch.Tensor:
-    """``e`` itself, or when it is a view, a tensor over the same memory that is not a view (so
-    it does not keep the view's base alive), with ``e``'s autograd history."""
-    if e._base is None:
-        return e
-    return _Viewless.apply(e)
