@@ -12,6 +12,18 @@ Transformer layers follow Megatron-core's ``TransformerBlock.sharded_state_dict`
 is one global tensor ``decoder.layers.<name>`` with a leading layer axis (the sharded offset
 ``(0, layer_number - 1, num_layers)``); with either flag, ``decoder.layers.<N>.<name>`` per
 global layer N. Layer numbers are global, so pipeline stages and virtual chunks name theirs alike.
+
+Keys are Megatron-core's (its local layer spec's): the modules keep Megatron's earlier names
+(``query_key_value``, ``dense``, ``dense_h_to_4h``, ``dense_4h_to_h``, ``post_attention_layernorm``)
+in ``state_dict()``, and ``sharded_state_dict()`` stores them as ``linear_qkv``, ``linear_proj``,
+``linear_fc1``, ``linear_fc2``, and the layer norms under the linear they feed
+(``self_attention.linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``), as
+Megatron-core's local and Transformer Engine specs both store them. Each tensor- or
+row-parallel linear in a layer adds the empty ``_extra_state`` object Megatron-core's linears
+save (its load asks for them); the linears' load pre-hook drops it
+(``tensor_parallel.layers.drop_extra_state``). The global tensors'
+layouts already agree: the fused QKV rows are grouped per query group ``[q.. k v]``, a gated
+``linear_fc1`` is stored ``[gate | up]``. So a whole GPT moves by key between the two libraries.
 """
 
 from __future__ import annotations
@@ -108,6 +120,57 @@ def module_sharded_state_dict(
         ):
             continue
         out[prefix + name] = sharded_tensor_like(tensor, prefix + name, tensor, sharded_offsets)
+    return out
+
+
+# megatron_ext's module names -> Megatron-core's keys, by the prefix of a name inside the module.
+ATTENTION_KEYS = {"query_key_value.": "linear_qkv.", "dense.": "linear_proj."}
+MLP_KEYS = {"dense_h_to_4h.": "linear_fc1.", "dense_4h_to_h.": "linear_fc2."}
+LAYER_KEYS = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "post_attention_layernorm.": "mlp.linear_fc1.layer_norm_",
+    **{f"self_attention.{k}": f"self_attention.{v}" for k, v in ATTENTION_KEYS.items()},
+    **{f"mlp.{k}": f"mlp.{v}" for k, v in MLP_KEYS.items()},
+}
+
+
+def megatron_core_name(name: str) -> str:
+    """A GPTModel tensor's name (``decoder.layers.<N>.<name>`` or stacked ``decoder.layers.<name>``)
+    as Megatron-core's key."""
+    head, sep, rest = name.partition("decoder.layers.")
+    if not sep:
+        return name
+    number, dot, inner = rest.partition(".")
+    if not (number.isdigit() and dot):
+        number, dot, inner = "", "", rest
+    for old, new in LAYER_KEYS.items():
+        if inner.startswith(old):
+            inner = new + inner[len(old) :]
+            break
+    return f"{head}{sep}{number}{dot}{inner}"
+
+
+def renamed_sharded_state_dict(
+    module: torch.nn.Module, prefix: str, sharded_offsets: tuple, keys: dict[str, str]
+) -> ShardedStateDict:
+    """``module_sharded_state_dict`` under Megatron-core's keys: a name inside ``module`` starting
+    with a key of ``keys`` is stored under its value instead (the dict keeps the module's names),
+    and each tensor- or row-parallel linear (``module`` itself included) adds an empty
+    ``_extra_state`` object, as Megatron-core's linears do."""
+    from megatron_ext.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron_ext.transformer.utils import make_sharded_object_for_checkpoint
+
+    out = module_sharded_state_dict(module, prefix, sharded_offsets)
+    for name, sub in module.named_modules():
+        if isinstance(sub, (ColumnParallelLinear, RowParallelLinear)):
+            key = f"{prefix}{name}{'.' if name else ''}_extra_state"
+            out[key] = make_sharded_object_for_checkpoint(None, key, sharded_offsets)
+    for sh in out.values():
+        inner = sh.key[len(prefix) :]
+        for old, new in keys.items():
+            if inner.startswith(old):
+                sh.key = prefix + new + inner[len(old) :]
+                break
     return out
 
 
