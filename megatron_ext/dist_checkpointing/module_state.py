@@ -23,7 +23,9 @@ row-parallel linear in a layer adds the empty ``_extra_state`` object Megatron-c
 save (its load asks for them); the linears' load pre-hook drops it
 (``tensor_parallel.layers.drop_extra_state``). The global tensors'
 layouts already agree: the fused QKV rows are grouped per query group ``[q.. k v]``, a gated
-``linear_fc1`` is stored ``[gate | up]``. So a whole GPT moves by key between the two libraries.
+``linear_fc1`` is stored ``[gate | up]`` (with ``singleton_local_shards`` as two tensors,
+``linear_fc1.weight_w`` and ``linear_fc1.weight_v``). So a whole GPT moves by key between the two
+libraries.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def _strided_build(
     dim: int,
     stride: int,
     prepend_offsets: tuple,
+    split_keys: bool,
     key: str,
     data: torch.Tensor,
     replica_id: ReplicaId,
@@ -60,10 +63,10 @@ def _strided_build(
     axis = dim + len(prepend_offsets)
     return [
         ShardedTensor.from_rank_offsets(
-            key,
+            f"{key}_{'wv'[k]}" if split_keys else key,
             piece,
             *prepend_offsets,
-            (axis, k * tp + rank, tp * stride),
+            (axis, rank, tp) if split_keys else (axis, k * tp + rank, tp * stride),
             replica_id=replica_id,
             prepend_axis_num=len(prepend_offsets),
         )
@@ -81,10 +84,13 @@ def sharded_tensor_like(
     like: torch.Tensor,
     prepend_offsets: tuple = (),
     replica_id: ReplicaId | None = None,
+    singleton_local_shards: bool = False,
     **kwargs: Any,
 ) -> ShardedBase:
     """``tensor`` (of ``like``'s local shape) as the ShardedTensor (or, for a strided split, the
-    factory) of global tensor ``key``, sharded as parameter ``like`` is."""
+    factory) of global tensor ``key``, sharded as parameter ``like`` is. A stride-2 split with
+    ``singleton_local_shards`` stores its halves as two global tensors ``key_w`` and ``key_v``
+    (Megatron-core's gated ``linear_fc1`` under that flag)."""
     if not getattr(like, "tensor_model_parallel", False):
         return make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets, replica_id, **kwargs)
     dim = like.partition_dim % tensor.dim()
@@ -100,17 +106,23 @@ def sharded_tensor_like(
     return ShardedTensorFactory(
         key,
         tensor,
-        partial(_strided_build, dim, stride, tuple(prepend_offsets)),
+        partial(_strided_build, dim, stride, tuple(prepend_offsets), singleton_local_shards and stride == 2),
         partial(_strided_merge, dim),
         replica_id,
     )
 
 
 def module_sharded_state_dict(
-    module: torch.nn.Module, prefix: str = "", sharded_offsets: tuple = (), skip: tuple[str, ...] = ()
+    module: torch.nn.Module,
+    prefix: str = "",
+    sharded_offsets: tuple = (),
+    skip: tuple[str, ...] = (),
+    metadata: dict | None = None,
 ) -> ShardedStateDict:
     """Every tensor of ``module.state_dict()`` (but the submodules named in ``skip``) under
-    ``prefix + name``, both as the key of the dict and of the ShardedTensor."""
+    ``prefix + name``, both as the key of the dict and of the ShardedTensor (``metadata``: its
+    ``singleton_local_shards``, see ``sharded_tensor_like``)."""
+    singleton = bool((metadata or {}).get("singleton_local_shards"))
     out: ShardedStateDict = {}
     for name, tensor in module.state_dict(prefix="", keep_vars=True).items():
         if (
@@ -119,7 +131,9 @@ def module_sharded_state_dict(
             or not isinstance(tensor, torch.Tensor)
         ):
             continue
-        out[prefix + name] = sharded_tensor_like(tensor, prefix + name, tensor, sharded_offsets)
+        out[prefix + name] = sharded_tensor_like(
+            tensor, prefix + name, tensor, sharded_offsets, singleton_local_shards=singleton
+        )
     return out
 
 
@@ -151,7 +165,11 @@ def megatron_core_name(name: str) -> str:
 
 
 def renamed_sharded_state_dict(
-    module: torch.nn.Module, prefix: str, sharded_offsets: tuple, keys: dict[str, str]
+    module: torch.nn.Module,
+    prefix: str,
+    sharded_offsets: tuple,
+    keys: dict[str, str],
+    metadata: dict | None = None,
 ) -> ShardedStateDict:
     """``module_sharded_state_dict`` under Megatron-core's keys: a name inside ``module`` starting
     with a key of ``keys`` is stored under its value instead (the dict keeps the module's names),
@@ -160,7 +178,7 @@ def renamed_sharded_state_dict(
     from megatron_ext.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron_ext.transformer.utils import make_sharded_object_for_checkpoint
 
-    out = module_sharded_state_dict(module, prefix, sharded_offsets)
+    out = module_sharded_state_dict(module, prefix, sharded_offsets, metadata=metadata)
     for name, sub in module.named_modules():
         if isinstance(sub, (ColumnParallelLinear, RowParallelLinear)):
             key = f"{prefix}{name}{'.' if name else ''}_extra_state"

@@ -485,7 +485,7 @@ class ColumnParallelLinear(torch.nn.Module):
         ``_extra_state`` object."""
         from megatron_ext.dist_checkpointing.module_state import renamed_sharded_state_dict
 
-        return renamed_sharded_state_dict(self, prefix, sharded_offsets, {})
+        return renamed_sharded_state_dict(self, prefix, sharded_offsets, {}, metadata)
 
     def forward(
         self,
@@ -622,7 +622,7 @@ class RowParallelLinear(torch.nn.Module):
         input, dim 1; the bias replicated), and Megatron-core's empty ``_extra_state`` object."""
         from megatron_ext.dist_checkpointing.module_state import renamed_sharded_state_dict
 
-        return renamed_sharded_state_dict(self, prefix, sharded_offsets, {})
+        return renamed_sharded_state_dict(self, prefix, sharded_offsets, {}, metadata)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.input_is_parallel or self.tensor_model_parallel_size == 1:

@@ -100,7 +100,7 @@ class ParallelAttention(torch.nn.Module):
         under Megatron-core's keys (``linear_qkv``, ``linear_proj``)."""
         from megatron_ext.dist_checkpointing.module_state import ATTENTION_KEYS, renamed_sharded_state_dict
 
-        return renamed_sharded_state_dict(self, prefix, sharded_offsets, ATTENTION_KEYS)
+        return renamed_sharded_state_dict(self, prefix, sharded_offsets, ATTENTION_KEYS, metadata)
 
     def forward(
         self,

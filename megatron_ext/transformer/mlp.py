@@ -81,7 +81,7 @@ class ParallelMLP(torch.nn.Module):
         under Megatron-core's keys (``linear_fc1``, ``linear_fc2``)."""
         from megatron_ext.dist_checkpointing.module_state import MLP_KEYS, renamed_sharded_state_dict
 
-        return renamed_sharded_state_dict(self, prefix, sharded_offsets, MLP_KEYS)
+        return renamed_sharded_state_dict(self, prefix, sharded_offsets, MLP_KEYS, metadata)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         intermediate, bias = self.dense_h_to_4h(hidden_states)

@@ -44,7 +44,7 @@ class ParallelTransformerLayer(torch.nn.Module):
         layer axis a block prepends) under Megatron-core's keys (``module_state.LAYER_KEYS``)."""
         from megatron_ext.dist_checkpointing.module_state import LAYER_KEYS, renamed_sharded_state_dict
 
-        return renamed_sharded_state_dict(self, prefix, sharded_offsets, LAYER_KEYS)
+        return renamed_sharded_state_dict(self, prefix, sharded_offsets, LAYER_KEYS, metadata)
 
     def forward(
         self,
