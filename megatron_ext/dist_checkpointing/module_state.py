@@ -18,7 +18,7 @@ Keys are Megatron-core's (its local layer spec's): the modules keep Megatron's e
 in ``state_dict()``, and ``sharded_state_dict()`` stores them as ``linear_qkv``, ``linear_proj``,
 ``linear_fc1``, ``linear_fc2``, and the layer norms under the linear they feed
 (``self_attention.linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``), as
-Megatron-core's local and Transformer Engine specs both store them. Each tensor- or
+Megatron-core's local and Transformer Engine specs both store them. Each column- or
 row-parallel linear in a layer adds the empty ``_extra_state`` object Megatron-core's linears
 save (its load asks for them); the linears' load pre-hook drops it
 (``tensor_parallel.layers.drop_extra_state``). The global tensors'
@@ -148,6 +148,13 @@ LAYER_KEYS = {
 }
 
 
+def _renamed(name: str, keys: dict[str, str]) -> str:
+    for old, new in keys.items():
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
 def megatron_core_name(name: str) -> str:
     """A GPTModel tensor's name (``decoder.layers.<N>.<name>`` or stacked ``decoder.layers.<name>``)
     as Megatron-core's key."""
@@ -157,11 +164,7 @@ def megatron_core_name(name: str) -> str:
     number, dot, inner = rest.partition(".")
     if not (number.isdigit() and dot):
         number, dot, inner = "", "", rest
-    for old, new in LAYER_KEYS.items():
-        if inner.startswith(old):
-            inner = new + inner[len(old) :]
-            break
-    return f"{head}{sep}{number}{dot}{inner}"
+    return f"{head}{sep}{number}{dot}{_renamed(inner, LAYER_KEYS)}"
 
 
 def renamed_sharded_state_dict(
@@ -173,7 +176,7 @@ def renamed_sharded_state_dict(
 ) -> ShardedStateDict:
     """``module_sharded_state_dict`` under Megatron-core's keys: a name inside ``module`` starting
     with a key of ``keys`` is stored under its value instead (the dict keeps the module's names),
-    and each tensor- or row-parallel linear (``module`` itself included) adds an empty
+    and each column- or row-parallel linear (``module`` itself included) adds an empty
     ``_extra_state`` object, as Megatron-core's linears do."""
     from megatron_ext.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron_ext.transformer.utils import make_sharded_object_for_checkpoint
@@ -184,11 +187,7 @@ def renamed_sharded_state_dict(
             key = f"{prefix}{name}{'.' if name else ''}_extra_state"
             out[key] = make_sharded_object_for_checkpoint(None, key, sharded_offsets)
     for sh in out.values():
-        inner = sh.key[len(prefix) :]
-        for old, new in keys.items():
-            if inner.startswith(old):
-                sh.key = prefix + new + inner[len(old) :]
-                break
+        sh.key = prefix + _renamed(sh.key[len(prefix) :], keys)
     return out
 
 
