@@ -1,9 +1,10 @@
 """Megatron-core's checkpointing API (``megatron_ext.dist_checkpointing.save`` / ``load`` of
 sharded state dicts): what one (tp, dp) layout saves loads at others with the global tensors'
 exact values (float64); bad sharding and shapes are refused on every rank; an async save
-completes on ``execute_sync``; the models' ``sharded_state_dict`` names tensors as the layout-free
-checkpoints do and reshards across (tp, pp); checkpoints move both ways between megatron_ext and
-Megatron-core 0.16's own ``torch_dist`` save and load."""
+completes on ``execute_sync``; the models' ``sharded_state_dict`` stores the layout-free
+checkpoints' tensors under Megatron-core's keys and reshards across (tp, pp); checkpoints move both
+ways between megatron_ext and Megatron-core 0.16's own ``torch_dist`` save and load (whole GPT
+models: ``test_megatron_core_checkpoint.py``)."""
 
 from __future__ import annotations
 
@@ -340,6 +341,7 @@ def _gpt_worker(path: str) -> None:
     it into models of other seeds at tp 1 x pp 1 (dp 4), tp 4 and tp 1 x pp 4: every tensor
     equals that of the model built at the loading layout with the saved model's seed."""
     from megatron_ext import dist_checkpointing as dc
+    from megatron_ext.dist_checkpointing.module_state import megatron_core_name
     from megatron_ext.dist_checkpointing.sharding import param_specs
 
     _init(1, 1)
@@ -348,17 +350,30 @@ def _gpt_worker(path: str) -> None:
         serial.sharded_state_dict(),
         serial.sharded_state_dict(metadata={"singleton_local_shards": True}),
     )
-    assert set(stacked) == set(per_layer) == set(serial.state_dict())  # the dict's keys: state-dict names
-    # Per-layer keys are the layout-free checkpoints' global names.
-    assert {v.key for v in per_layer.values()} == {s.global_name for s in param_specs(serial).values()}
+    # The dict's keys: state-dict names, and the linears' empty _extra_state objects.
+    extra = {k for k, v in per_layer.items() if isinstance(v, dc.ShardedObject)}
+    linears = {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"}
+    assert {k.rsplit(".", 2)[-2] for k in extra} == linears
+    assert len(extra) == 4 * 4 and all(k.endswith("._extra_state") for k in extra)
+    assert set(stacked) == set(per_layer) == set(serial.state_dict()) | extra
+    # Per-layer keys are the layout-free checkpoints' global names as Megatron-core names them.
+    assert {v.key for k, v in per_layer.items() if k not in extra} == {
+        megatron_core_name(s.global_name) for s in param_specs(serial).values()
+    }
     qkv = stacked["decoder.layers.2.self_attention.query_key_value.weight"]
     assert (qkv.key, qkv.global_shape, qkv.global_offset) == (
-        "decoder.layers.self_attention.query_key_value.weight",
+        "decoder.layers.self_attention.linear_qkv.weight",
         (4, 48, 16),
         (2, 0, 0),
     )
+    norm = stacked["decoder.layers.1.post_attention_layernorm.weight"]
+    assert (norm.key, norm.global_shape) == ("decoder.layers.mlp.linear_fc1.layer_norm_weight", (4, 16))
     fc1 = per_layer["decoder.layers.3.mlp.dense_h_to_4h.weight"]
-    assert isinstance(fc1, dc.ShardedTensorFactory) and fc1.key == "decoder.layers.3.mlp.dense_h_to_4h.weight"
+    assert isinstance(fc1, dc.ShardedTensorFactory) and fc1.key == "decoder.layers.3.mlp.linear_fc1.weight"
+    state = stacked["decoder.layers.0.self_attention.dense._extra_state"]
+    assert (state.key, state.global_shape, state.global_offset, state.data) == (
+        "decoder.layers.self_attention.linear_proj._extra_state", (4,), (0,), None
+    )
 
     for name, metadata in (("stacked", None), ("per_layer", {"non_homogeneous_layers": True})):
         save_dir = os.path.join(path, name)
@@ -369,7 +384,7 @@ def _gpt_worker(path: str) -> None:
             tied = sd["output_layer.weight"]
             assert (tied.key, tied.replica_id) == ("embedding.word_embeddings.weight", (1, 0, 0))
         dc.save(sd, save_dir)
-        if metadata:  # per-layer keys: the tensors save_checkpoint stores, by the same names
+        if metadata:  # per-layer keys: the tensors save_checkpoint stores, by Megatron-core's names
             dc.save_checkpoint(os.path.join(path, "layout_free"), 1, model)
             plain = dc.load_plain_tensors(save_dir)
             if dist.get_rank() == 0:
@@ -378,6 +393,7 @@ def _gpt_worker(path: str) -> None:
                 whole = to_torch(
                     os.path.join(path, "layout_free", "iter_0000001"), os.path.join(path, "whole.pt")
                 )["model"]
+                whole = {megatron_core_name(k): v for k, v in whole.items()}
                 assert sorted(plain) == sorted(whole)
                 assert all(torch.equal(plain[k], whole[k]) for k in plain)
         for tp, pp in ((1, 1), (4, 1), (1, 4)):
@@ -436,15 +452,8 @@ def _stacked_layers(mapping, tp_rank: int, tp: int, dp_rank: int, fill: bool) ->
     ]
 
 
-def _interop_worker(path: str) -> None:
-    """Megatron-core 0.16's save writes at tp 2 x dp 2, megatron_ext loads at tp 4 and tp 1; and
-    megatron_ext's save at tp 2 x dp 2 loads in Megatron-core at tp 4 and tp 1."""
-    import megatron.core.dist_checkpointing as mdc
-    from megatron.core.dist_checkpointing import mapping as mcore_mapping
-
-    from megatron_ext import dist_checkpointing as dc
-    from megatron_ext.dist_checkpointing import mapping as ext_mapping
-
+def megatron_core_save_on_cpu() -> None:
+    """Lets Megatron-core 0.16's torch_dist save run in a CPU-only rank of run_distributed."""
     # Megatron-core's torch_dist save needs CUDA in two calls on CPU tensors: it stages them
     # through FileSystemWriterAsync.preload_tensors, which ends with torch.cuda.synchronize(),
     # and save_state_dict_async_finalize broadcasts its failure flag as a tensor on
@@ -462,6 +471,18 @@ def _interop_worker(path: str) -> None:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
 
         filesystem_async._process_memory = lambda: 0
+
+
+def _interop_worker(path: str) -> None:
+    """Megatron-core 0.16's save writes at tp 2 x dp 2, megatron_ext loads at tp 4 and tp 1; and
+    megatron_ext's save at tp 2 x dp 2 loads in Megatron-core at tp 4 and tp 1."""
+    import megatron.core.dist_checkpointing as mdc
+    from megatron.core.dist_checkpointing import mapping as mcore_mapping
+
+    from megatron_ext import dist_checkpointing as dc
+    from megatron_ext.dist_checkpointing import mapping as ext_mapping
+
+    megatron_core_save_on_cpu()
 
     def check(loaded: dict, tp_rank: int, tp: int, dp_rank: int, dp: int, objects: bool) -> None:
         rows, cols = ROWS // tp, COLS // dp

@@ -12,6 +12,20 @@ Transformer layers follow Megatron-core's ``TransformerBlock.sharded_state_dict`
 is one global tensor ``decoder.layers.<name>`` with a leading layer axis (the sharded offset
 ``(0, layer_number - 1, num_layers)``); with either flag, ``decoder.layers.<N>.<name>`` per
 global layer N. Layer numbers are global, so pipeline stages and virtual chunks name theirs alike.
+
+Keys are Megatron-core's (its local layer spec's): the modules keep Megatron's earlier names
+(``query_key_value``, ``dense``, ``dense_h_to_4h``, ``dense_4h_to_h``, ``post_attention_layernorm``)
+in ``state_dict()``, and ``sharded_state_dict()`` stores them as ``linear_qkv``, ``linear_proj``,
+``linear_fc1``, ``linear_fc2``, and the layer norms under the linear they feed
+(``self_attention.linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``), as
+Megatron-core's local and Transformer Engine specs both store them. Each column- or
+row-parallel linear in a layer adds the empty ``_extra_state`` object Megatron-core's linears
+save (its load asks for them); the linears' load pre-hook drops it
+(``tensor_parallel.layers.drop_extra_state``). The global tensors'
+layouts already agree: the fused QKV rows are grouped per query group ``[q.. k v]``, a gated
+``linear_fc1`` is stored ``[gate | up]`` (with ``singleton_local_shards`` as two tensors,
+``linear_fc1.weight_w`` and ``linear_fc1.weight_v``). So a whole GPT moves by key between the two
+libraries.
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ def _strided_build(
     dim: int,
     stride: int,
     prepend_offsets: tuple,
+    split_keys: bool,
     key: str,
     data: torch.Tensor,
     replica_id: ReplicaId,
@@ -48,10 +63,10 @@ def _strided_build(
     axis = dim + len(prepend_offsets)
     return [
         ShardedTensor.from_rank_offsets(
-            key,
+            f"{key}_{'wv'[k]}" if split_keys else key,
             piece,
             *prepend_offsets,
-            (axis, k * tp + rank, tp * stride),
+            (axis, rank, tp) if split_keys else (axis, k * tp + rank, tp * stride),
             replica_id=replica_id,
             prepend_axis_num=len(prepend_offsets),
         )
@@ -69,10 +84,13 @@ def sharded_tensor_like(
     like: torch.Tensor,
     prepend_offsets: tuple = (),
     replica_id: ReplicaId | None = None,
+    singleton_local_shards: bool = False,
     **kwargs: Any,
 ) -> ShardedBase:
     """``tensor`` (of ``like``'s local shape) as the ShardedTensor (or, for a strided split, the
-    factory) of global tensor ``key``, sharded as parameter ``like`` is."""
+    factory) of global tensor ``key``, sharded as parameter ``like`` is. A stride-2 split with
+    ``singleton_local_shards`` stores its halves as two global tensors ``key_w`` and ``key_v``
+    (Megatron-core's gated ``linear_fc1`` under that flag)."""
     if not getattr(like, "tensor_model_parallel", False):
         return make_sharded_tensor_for_checkpoint(tensor, key, prepend_offsets, replica_id, **kwargs)
     dim = like.partition_dim % tensor.dim()
@@ -88,17 +106,23 @@ def sharded_tensor_like(
     return ShardedTensorFactory(
         key,
         tensor,
-        partial(_strided_build, dim, stride, tuple(prepend_offsets)),
+        partial(_strided_build, dim, stride, tuple(prepend_offsets), singleton_local_shards and stride == 2),
         partial(_strided_merge, dim),
         replica_id,
     )
 
 
 def module_sharded_state_dict(
-    module: torch.nn.Module, prefix: str = "", sharded_offsets: tuple = (), skip: tuple[str, ...] = ()
+    module: torch.nn.Module,
+    prefix: str = "",
+    sharded_offsets: tuple = (),
+    skip: tuple[str, ...] = (),
+    metadata: dict | None = None,
 ) -> ShardedStateDict:
     """Every tensor of ``module.state_dict()`` (but the submodules named in ``skip``) under
-    ``prefix + name``, both as the key of the dict and of the ShardedTensor."""
+    ``prefix + name``, both as the key of the dict and of the ShardedTensor (``metadata``: its
+    ``singleton_local_shards``, see ``sharded_tensor_like``)."""
+    singleton = bool((metadata or {}).get("singleton_local_shards"))
     out: ShardedStateDict = {}
     for name, tensor in module.state_dict(prefix="", keep_vars=True).items():
         if (
@@ -107,7 +131,63 @@ def module_sharded_state_dict(
             or not isinstance(tensor, torch.Tensor)
         ):
             continue
-        out[prefix + name] = sharded_tensor_like(tensor, prefix + name, tensor, sharded_offsets)
+        out[prefix + name] = sharded_tensor_like(
+            tensor, prefix + name, tensor, sharded_offsets, singleton_local_shards=singleton
+        )
+    return out
+
+
+# megatron_ext's module names -> Megatron-core's keys, by the prefix of a name inside the module.
+ATTENTION_KEYS = {"query_key_value.": "linear_qkv.", "dense.": "linear_proj."}
+MLP_KEYS = {"dense_h_to_4h.": "linear_fc1.", "dense_4h_to_h.": "linear_fc2."}
+LAYER_KEYS = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "post_attention_layernorm.": "mlp.linear_fc1.layer_norm_",
+    **{f"self_attention.{k}": f"self_attention.{v}" for k, v in ATTENTION_KEYS.items()},
+    **{f"mlp.{k}": f"mlp.{v}" for k, v in MLP_KEYS.items()},
+}
+
+
+def _renamed(name: str, keys: dict[str, str]) -> str:
+    for old, new in keys.items():
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def megatron_core_name(name: str) -> str:
+    """A GPTModel tensor's name (``decoder.layers.<N>.<name>`` or stacked ``decoder.layers.<name>``)
+    as Megatron-core's key."""
+    head, sep, rest = name.partition("decoder.layers.")
+    if not sep:
+        return name
+    number, dot, inner = rest.partition(".")
+    if not (number.isdigit() and dot):
+        number, dot, inner = "", "", rest
+    return f"{head}{sep}{number}{dot}{_renamed(inner, LAYER_KEYS)}"
+
+
+def renamed_sharded_state_dict(
+    module: torch.nn.Module,
+    prefix: str,
+    sharded_offsets: tuple,
+    keys: dict[str, str],
+    metadata: dict | None = None,
+) -> ShardedStateDict:
+    """``module_sharded_state_dict`` under Megatron-core's keys: a name inside ``module`` starting
+    with a key of ``keys`` is stored under its value instead (the dict keeps the module's names),
+    and each column- or row-parallel linear (``module`` itself included) adds an empty
+    ``_extra_state`` object, as Megatron-core's linears do."""
+    from megatron_ext.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron_ext.transformer.utils import make_sharded_object_for_checkpoint
+
+    out = module_sharded_state_dict(module, prefix, sharded_offsets, metadata=metadata)
+    for name, sub in module.named_modules():
+        if isinstance(sub, (ColumnParallelLinear, RowParallelLinear)):
+            key = f"{prefix}{name}{'.' if name else ''}_extra_state"
+            out[key] = make_sharded_object_for_checkpoint(None, key, sharded_offsets)
+    for sh in out.values():
+        sh.key = prefix + _renamed(sh.key[len(prefix) :], keys)
     return out
 
 

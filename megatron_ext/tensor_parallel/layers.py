@@ -286,6 +286,12 @@ def linear_with_grad_accumulation_and_async_allreduce(
 # --- layers ------------------------------------------------------------------------------------------
 
 
+def drop_extra_state(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """A load_state_dict pre-hook of the linears: drops the ``_extra_state`` entry Megatron-core's
+    linears save (empty in its local layers; megatron_ext's linears keep none)."""
+    state_dict.pop(f"{prefix}_extra_state", None)
+
+
 class VocabParallelEmbedding(torch.nn.Module):
     """Embedding whose vocabulary rows are split across the tensor-parallel group.
 
@@ -410,6 +416,7 @@ class ColumnParallelLinear(torch.nn.Module):
         tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
+        self.register_load_state_dict_pre_hook(drop_extra_state)
         name = "ColumnParallelLinear"
         settings = _check_config(config, name)
         _reject(
@@ -477,10 +484,11 @@ class ColumnParallelLinear(torch.nn.Module):
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict:
         """Megatron's checkpointing API: each tensor as a ShardedTensor (weight and bias split
-        along the output, dim 0, with the layer's stride)."""
-        from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
+        along the output, dim 0, with the layer's stride), and Megatron-core's empty
+        ``_extra_state`` object."""
+        from megatron_ext.dist_checkpointing.module_state import renamed_sharded_state_dict
 
-        return module_sharded_state_dict(self, prefix, sharded_offsets)
+        return renamed_sharded_state_dict(self, prefix, sharded_offsets, {}, metadata)
 
     def forward(
         self,
@@ -562,6 +570,7 @@ class RowParallelLinear(torch.nn.Module):
         tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
+        self.register_load_state_dict_pre_hook(drop_extra_state)
         name = "RowParallelLinear"
         settings = _check_config(config, name)
         _reject(name, is_expert=is_expert)
@@ -613,10 +622,10 @@ class RowParallelLinear(torch.nn.Module):
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict:
         """Megatron's checkpointing API: each tensor as a ShardedTensor (the weight split along the
-        input, dim 1; the bias replicated)."""
-        from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
+        input, dim 1; the bias replicated), and Megatron-core's empty ``_extra_state`` object."""
+        from megatron_ext.dist_checkpointing.module_state import renamed_sharded_state_dict
 
-        return module_sharded_state_dict(self, prefix, sharded_offsets)
+        return renamed_sharded_state_dict(self, prefix, sharded_offsets, {}, metadata)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.input_is_parallel or self.tensor_model_parallel_size == 1:

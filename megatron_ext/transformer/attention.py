@@ -96,10 +96,11 @@ class ParallelAttention(torch.nn.Module):
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict:
-        """Megatron's checkpointing API: each tensor as a ShardedTensor (as the layers inside are split)."""
-        from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
+        """Megatron's checkpointing API: each tensor as a ShardedTensor (as the layers inside are split)
+        under Megatron-core's keys (``linear_qkv``, ``linear_proj``)."""
+        from megatron_ext.dist_checkpointing.module_state import ATTENTION_KEYS, renamed_sharded_state_dict
 
-        return module_sharded_state_dict(self, prefix, sharded_offsets)
+        return renamed_sharded_state_dict(self, prefix, sharded_offsets, ATTENTION_KEYS, metadata)
 
     def forward(
         self,

@@ -77,10 +77,11 @@ class ParallelMLP(torch.nn.Module):
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict:
-        """Megatron's checkpointing API: each tensor as a ShardedTensor (as the layers inside are split)."""
-        from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
+        """Megatron's checkpointing API: each tensor as a ShardedTensor (as the layers inside are split)
+        under Megatron-core's keys (``linear_fc1``, ``linear_fc2``)."""
+        from megatron_ext.dist_checkpointing.module_state import MLP_KEYS, renamed_sharded_state_dict
 
-        return module_sharded_state_dict(self, prefix, sharded_offsets)
+        return renamed_sharded_state_dict(self, prefix, sharded_offsets, MLP_KEYS, metadata)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         intermediate, bias = self.dense_h_to_4h(hidden_states)

@@ -41,10 +41,10 @@ class ParallelTransformerLayer(torch.nn.Module):
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict:
         """Megatron's checkpointing API: each tensor as a ShardedTensor (``sharded_offsets``: the
-        layer axis a block prepends)."""
-        from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
+        layer axis a block prepends) under Megatron-core's keys (``module_state.LAYER_KEYS``)."""
+        from megatron_ext.dist_checkpointing.module_state import LAYER_KEYS, renamed_sharded_state_dict
 
-        return module_sharded_state_dict(self, prefix, sharded_offsets)
+        return renamed_sharded_state_dict(self, prefix, sharded_offsets, LAYER_KEYS, metadata)
 
     def forward(
         self,
