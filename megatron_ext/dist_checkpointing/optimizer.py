@@ -1,0 +1,56 @@
+"""Optimizer state keyed by the model's sharding (Megatron-core's
+``dist_checkpointing.optimizer``): a state tensor shaped like a parameter is saved as that
+parameter's ShardedTensor (or factory) with the key ``<prefix>.<parameter's key>`` and the
+parameter's replica ids, so it reshards across layouts exactly as the parameter does."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from megatron_ext.dist_checkpointing.dict_utils import nested_values
+from megatron_ext.dist_checkpointing.mapping import (
+    ShardedBase,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+
+KEEP_VARS_HINT = (
+    "the model's sharded state dict must hold the parameters themselves (as the modules' "
+    "sharded_state_dict() do), not copies"
+)
+
+
+def sharded_params_by_tensor(model_sharded_state_dict: ShardedStateDict) -> dict[int, ShardedBase]:
+    """``id(tensor)`` -> the model's ShardedTensor or factory holding that tensor (the first one
+    where several do)."""
+    out: dict[int, ShardedBase] = {}
+    for sh in nested_values(model_sharded_state_dict):
+        if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and sh.data is not None:
+            out.setdefault(id(sh.data), sh)
+    return out
+
+
+def make_sharded_optimizer_tensor(
+    model_param: ShardedTensor | ShardedTensorFactory, optim_param: torch.Tensor, prefix: str
+) -> ShardedTensor | ShardedTensorFactory:
+    """``optim_param`` (of the parameter's local shape) sharded as ``model_param``, under the key
+    ``<prefix>.<model_param.key>``."""
+    key = f"{prefix}.{model_param.key}"
+    if isinstance(model_param, ShardedTensorFactory):
+        return replace(model_param, key=key, data=optim_param)
+    if tuple(optim_param.shape) != tuple(model_param.local_shape):
+        raise ValueError(
+            f"{key}: optimizer tensor of shape {tuple(optim_param.shape)}, the parameter's local shape "
+            f"is {tuple(model_param.local_shape)}"
+        )
+    return replace(model_param, key=key, data=optim_param, dtype=optim_param.dtype)
+
+
+def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -> None:
+    """Prepends ``prefix`` to the key of every sharded leaf (in place)."""
+    for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, ShardedBase):
+            sh.key = prefix + sh.key
