@@ -1,10 +1,10 @@
 """Megatron-core's checkpointing API for optimizers and the DDP wrapper: a GPT trained at tp 2 x dp 2
 (or tp 2 x pp 2) whose model and optimizer ``sharded_state_dict`` are saved with
 ``dist_checkpointing.save`` and loaded at another layout (tp 4 x dp 1, tp 1 x dp 4) continues
-exactly as the run that never stopped (float64: losses and parameters to 1e-12), with the plain and
-the distributed optimizer; an fp16 optimizer's state (main copies, Adam moments, step, loss scaler)
-saved again after such a load is the state it was loaded from; unsupported sharding types are
-refused on every rank."""
+exactly as the run that never stopped (float64: losses and parameters to 1e-12), with the plain
+(Llama-style model: strided SwiGLU factories) and the distributed optimizer; an fp16 optimizer's
+state (main copies, Adam moments, step, loss scaler) saved again after such a load is the state it
+was loaded from; unsupported sharding types are refused on every rank."""
 
 from __future__ import annotations
 
@@ -92,13 +92,13 @@ def _load(path: str, ddp, optimizer, metadata=None) -> None:
     optimizer.load_state_dict(loaded["optimizer"])
 
 
-def _resume_worker(path: str, distributed: bool, saved_at: tuple[int, int, int], resume_at: tuple[int, int]):
+def _resume_worker(path: str, arch: str, distributed: bool, saved_at: tuple, resume_at: tuple[int, int]):
     """Trains SAVED_AFTER steps at ``saved_at`` (tp, pp, dp), saves, loads at ``resume_at``
     (tp, dp) into a model of another seed and trains MORE steps; also the run that never stopped,
     at ``resume_at``. Records the comparisons of both runs' losses and final parameters (this
     rank's, at the same layout)."""
     train_gpt = load_train_gpt()
-    extra = ["--dtype", "float64"] + (["--use-distributed-optimizer"] if distributed else [])
+    extra = ["--dtype", "float64", "--arch", arch] + (["--use-distributed-optimizer"] if distributed else [])
     tp, pp, dp = saved_at
     args, corpus = _layout(train_gpt, tp, dp, extra, pp=pp)
     ddp, optimizer = _model(train_gpt, args, distributed)
@@ -140,22 +140,23 @@ DIST_KEYS = ["exp_avg", "exp_avg_sq", "fp32_param"]
 
 @pytest.mark.slow  # trains the example GPT three times (30-50 s on 2 loaded cores)
 @pytest.mark.parametrize(
-    "distributed,saved_at,resume_at,kinds,key",
+    "arch,distributed,saved_at,resume_at,kinds,key",
     [
-        (False, (2, 1, 2), (4, 1), (["exp_avg", "exp_avg_sq"], SAVED_AFTER),
-         "optimizer.state.exp_avg.module.embedding.word_embeddings.weight"),
-        (True, (2, 1, 2), (1, 4), ("fully_sharded_model_space", DIST_KEYS),
+        # Llama: the SwiGLU [gate | up] weight's state is a factory of tp-strided pieces.
+        ("llama", False, (2, 1, 2), (4, 1), (["exp_avg", "exp_avg_sq"], SAVED_AFTER),
+         "optimizer.state.exp_avg.module.decoder.layers.mlp.dense_h_to_4h.weight"),
+        ("gpt", True, (2, 1, 2), (1, 4), ("fully_sharded_model_space", DIST_KEYS),
          "optimizer.state.fp32_param.module.embedding.word_embeddings.weight"),
         # Two pipeline stages (the last one's tied output weight a replica of the embedding) to one.
-        (True, (2, 2, 1), (1, 4), ("fully_sharded_model_space", DIST_KEYS),
+        ("gpt", True, (2, 2, 1), (1, 4), ("fully_sharded_model_space", DIST_KEYS),
          "optimizer.state.fp32_param.module.decoder.layers.self_attention.query_key_value.weight"),
     ],
 )
 def test_resume_at_another_layout_equals_uninterrupted(
-    tmp_path, distributed, saved_at, resume_at, kinds, key
+    tmp_path, arch, distributed, saved_at, resume_at, kinds, key
 ):
-    results = run_distributed(4, _resume_worker, str(tmp_path / "ckpt"), distributed, saved_at, resume_at,
-                              timeout=600)
+    results = run_distributed(4, _resume_worker, str(tmp_path / "ckpt"), arch, distributed, saved_at,
+                              resume_at, timeout=600)
     assert all(key in out["keys"] for out in results)
     for out in results:
         assert out["kinds"] == kinds
