@@ -394,8 +394,10 @@ class MegatronOptimizer:
         (key ``optimizer.state.<state>.<parameter key>``), the step as ``state["common_step"]``
         and each group's parameter indices local (``LocalNonpersistentObject``), as
         Megatron-core's plain optimizers give it."""
-        from megatron_ext.dist_checkpointing.mapping import LocalNonpersistentObject
-        from megatron_ext.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+        from megatron_ext.dist_checkpointing.optimizer import (
+            local_nonpersistent,
+            make_sharded_optimizer_tensor,
+        )
 
         slot_of = {id(s.main): s for s in self._slots}
         state: dict[Any, Any] = {}
@@ -412,7 +414,8 @@ class MegatronOptimizer:
                 }
                 indices.append(len(state) - 1)
             settings = copy.deepcopy({k: v for k, v in group.items() if k != "params"})
-            groups.append({**settings, "params": LocalNonpersistentObject(indices)})
+            like = next(iter(sharded.values()), None)
+            groups.append({**settings, "params": local_nonpersistent(like, indices)})
         if self._has_step:
             state["common_step"] = _scalar_step(self._steps)
         return {"state": state, "param_groups": groups}
