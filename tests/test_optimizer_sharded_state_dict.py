@@ -231,41 +231,63 @@ def test_fp16_state_round_trips_and_refusals(tmp_path):
         assert "is not in the model's sharded state dict" in not_params
 
 
-def test_megatron_core_sharded_tensors_key_the_state():
-    """A model sharded state dict of Megatron-core's own classes (its model code over megatron_ext's
-    optimizers): the optimizer's state comes back as Megatron-core's ShardedTensors and
-    LocalNonpersistentObject, and what they load into a fresh optimizer is the state."""
-    mapping = pytest.importorskip("megatron.core.dist_checkpointing.mapping")
-    from megatron_ext.dist_checkpointing.dict_utils import dict_list_map_outplace
+@pytest.mark.parametrize("package", ["megatron_ext", "megatron.core"])
+def test_plain_and_chained_state_round_trip(package):
+    """Adam over a Linear, and a ChainedOptimizer of two, keyed by the ShardedTensors of
+    ``package`` (Megatron-core's own classes: its model code over megatron_ext's optimizers): the
+    entries come back of that package's classes (chained ones prefixed ``chained_<i>.``), and
+    what they load into fresh optimizers is the state."""
+    if package == "megatron.core":
+        mapping = pytest.importorskip("megatron.core.dist_checkpointing.mapping")
+    else:
+        from megatron_ext.dist_checkpointing import mapping
+    from megatron_ext.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
+    from megatron_ext.optimizer import ChainedOptimizer
 
-    def adam_over(net):
-        optimizer = get_megatron_optimizer(OptimizerConfig(lr=0.1, clip_grad=0.0), [net])
-        model_sd = {n: mapping.ShardedTensor.from_rank_offsets(n, p) for n, p in net.named_parameters()}
-        return optimizer, model_sd
-
-    torch.manual_seed(0)
-    net = torch.nn.Linear(3, 2, dtype=torch.float64)
-    optimizer, model_sd = adam_over(net)
-    for _ in range(2):
-        net(torch.randn(4, 3, dtype=torch.float64)).square().sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    sd = optimizer.sharded_state_dict(model_sd)
-    exp_avg = sd["state"][0]["exp_avg"]
-    assert type(exp_avg) is mapping.ShardedTensor and exp_avg.key == "optimizer.state.exp_avg.weight"
-    assert type(sd["param_groups"][0]["params"]) is mapping.LocalNonpersistentObject
-    assert int(sd["state"]["common_step"]) == 2
+    def adam_over(nets):
+        optimizers = [get_megatron_optimizer(OptimizerConfig(lr=0.1, clip_grad=0.0), [n]) for n in nets]
+        model_sd = {
+            f"{i}.{n}": mapping.ShardedTensor.from_rank_offsets(f"{i}.{n}", p)
+            for i, net in enumerate(nets)
+            for n, p in net.named_parameters()
+        }
+        return (optimizers[0] if len(nets) == 1 else ChainedOptimizer(optimizers)), model_sd
 
     def as_loaded(x):  # what dist_checkpointing.load gives for each leaf
         if isinstance(x, mapping.ShardedTensor):
             return x.data.clone()
         return x.unwrap() if isinstance(x, mapping.LocalNonpersistentObject) else x
 
-    fresh, fresh_model_sd = adam_over(torch.nn.Linear(3, 2, dtype=torch.float64))
-    fresh.sharded_state_dict(fresh_model_sd, is_loading=True)
-    fresh.load_state_dict(dict_list_map_outplace(as_loaded, sd))
-    saved, loaded = optimizer.param_state_by_name(), fresh.param_state_by_name()
-    for name in ("weight", "bias"):
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(loaded[name][key], saved[name][key]), (name, key)
-    assert fresh.state_dict()["step"] == 2
+    def linears(seed):
+        torch.manual_seed(seed)
+        return [torch.nn.Linear(3, 2, dtype=torch.float64) for _ in range(2)]
+
+    for count in (1, 2):
+        nets = linears(0)[:count]
+        optimizer, model_sd = adam_over(nets)
+        for _ in range(2):
+            for net in nets:
+                net(torch.randn(4, 3, dtype=torch.float64)).square().sum().backward()
+            for o in getattr(optimizer, "chained_optimizers", [optimizer]):  # (no groups for a global norm)
+                o.step()
+            optimizer.zero_grad()
+        sd = optimizer.sharded_state_dict(model_sd)
+        tensors = [v for v in nested_values(sd) if isinstance(v, mapping.ShardedTensor)]
+        assert len(tensors) == 4 * count  # exp_avg and exp_avg_sq of a weight and a bias each
+        prefix = "" if count == 1 else "chained_1."
+        assert f"{prefix}optimizer.state.exp_avg.{count - 1}.weight" in {t.key for t in tensors}
+        first = sd if count == 1 else sd[0]
+        assert type(first["param_groups"][0]["params"]) is mapping.LocalNonpersistentObject
+        assert int(first["state"]["common_step"]) == 2
+
+        fresh, fresh_model_sd = adam_over(linears(1)[:count])
+        fresh.sharded_state_dict(fresh_model_sd, is_loading=True)
+        fresh.load_state_dict(dict_list_map_outplace(as_loaded, sd))
+        parts = [getattr(o, "chained_optimizers", [o]) for o in (optimizer, fresh)]
+        for a, b in zip(*parts, strict=True):
+            saved, loaded = a.param_state_by_name(), b.param_state_by_name()
+            assert saved.keys() == loaded.keys() == {"weight", "bias"}
+            for name in saved:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(loaded[name][key], saved[name][key]), (count, name, key)
+            assert b.state_dict()["step"] == 2
