@@ -132,10 +132,10 @@ def _small_worker(dtype: torch.dtype):
 
     # A load over gathers in flight is not overwritten by them.
     assert ddp.param_gather_in_flight
-    assert not all(torch.equal(p.detach(), sd["module." + n]) for n, p in ref_model.named_parameters())
-    model.load_state_dict({k[len("module."):]: v for k, v in sd.items()})
+    assert not all(torch.equal(p.detach(), sd[n]) for n, p in ref_model.named_parameters())
+    model.load_state_dict(sd)  # (the wrapper's state dict is the module's: no "module." prefix)
     ddp(x)
-    assert all(torch.equal(p.detach(), sd["module." + n]) for n, p in model.named_parameters())
+    assert all(torch.equal(p.detach(), sd[n]) for n, p in model.named_parameters())
     ref.load_state_dict(sd)
 
     # Hooks off: param_sync gathers at once (or, with param_sync=False, leaves the gathers to

@@ -311,6 +311,30 @@ class DistributedDataParallel(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
+    # State dicts, as Megatron-core's wrapper gives them ------------------------------------------
+
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict:
+        """The wrapped module's state dict (no ``module.`` in the names)."""
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False) -> Any:
+        """Into the wrapped module (names as ``state_dict()`` gives them)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """The wrapped module's sharded state dict under ``prefix + "module."`` (what
+        Megatron-core's wrapper, a MegatronModule, gives through its one child; its training
+        loop unwraps the model first). A module without ``sharded_state_dict`` gets the default
+        one: every tensor sharded as its tensor-parallel attributes say, else replicated."""
+        inner = f"{prefix}module."
+        if hasattr(self.module, "sharded_state_dict"):
+            return self.module.sharded_state_dict(inner, sharded_offsets, metadata)
+        from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
+
+        return module_sharded_state_dict(self.module, inner, sharded_offsets)
+
     # Introspection --------------------------------------------------------------------------
 
     @property

@@ -16,6 +16,7 @@ left in flight for the forward pre-hooks of the next forward to wait for.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -55,7 +56,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     ``config.use_distributed_optimizer``. The gradient norm and the inf/NaN check reduce over the
     data-parallel group (each gradient element lives on one data-parallel rank) and then over the
     model-parallel group.
+
+    ``sharded_state_dict`` (Megatron-core's checkpointing API) stores the state in *model space*:
+    per parameter, its main copy and optimizer state gathered over the data-parallel group and
+    shaped like the parameter, sharded as the model's ShardedTensor of it (saved by the
+    parameter's main replica, data-parallel rank 0), so a checkpoint loads at any (tp, pp, dp).
     """
+
+    # The sharding types whose checkpoints load at another (tp, pp) (Megatron-core's name).
+    checkpoint_fully_reshardable_formats = frozenset({"fully_reshardable", "fully_sharded_model_space"})
+    _STATE_KEY_OF_PARAM = {"fully_reshardable": "param", "fully_sharded_model_space": "fp32_param"}
 
     @classmethod
     def create(
@@ -176,3 +186,105 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         with torch.no_grad():  # the parameters without a slice on this rank
             for name, p in named_model_parameters(self.model_chunks):
                 p.copy_(d[name]["param"])
+
+    # Megatron-core's checkpointing API -------------------------------------------------------------
+
+    def sharded_state_dict(
+        self,
+        model_sharded_state_dict: dict,
+        is_loading: bool = False,
+        sharding_type: str | None = None,
+        metadata: dict | None = None,
+    ) -> dict[str, Any]:
+        """``{"optimizer": {"param_groups": [settings and "step", no parameters]}, "grad_scaler",
+        "param_state": {index: {<main>, "exp_avg", "exp_avg_sq"}}, "param_state_sharding_type"}``
+        as Megatron-core's; ``param_state`` holds, per trainable parameter (in
+        ``named_model_parameters`` order), the whole main copy and state of this rank's part of
+        it, sharded as the model's ShardedTensor of the parameter (key
+        ``optimizer.state.<main or state>.<parameter key>``, the parameter's replica ids).
+
+        ``sharding_type`` (deprecated in Megatron-core) or ``metadata["distrib_optim_sharding_type"]``:
+        ``"fully_sharded_model_space"`` (the default; main copy ``fp32_param``) or
+        ``"fully_reshardable"`` (main copy ``param``). Both gather over the data-parallel group
+        when saving (a collective) and store the same model-space tensors; Megatron-core's
+        ``fully_sharded_model_space`` would have every data-parallel rank write its flat range
+        instead, which needs ``ShardedTensor.flattened_range`` (unsupported here and in
+        Megatron-core 0.16). Other types (``dp_reshardable``, ``dp_zero_gather_scatter``,
+        ``fsdp_dtensor``, ...) raise ValueError. ``is_loading``: a request for
+        ``dist_checkpointing.load`` (nothing gathered), whose result ``load_state_dict`` takes."""
+        from megatron_ext.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+        if sharding_type is None:
+            sharding_type = (metadata or {}).get("distrib_optim_sharding_type", "fully_sharded_model_space")
+        self._check_sharding_type(sharding_type)
+        sharded = self._sharded_params(model_sharded_state_dict)
+        named = named_model_parameters(self.model_chunks)
+        if is_loading:
+            state = {
+                name: {
+                    key: torch.empty(p.shape, dtype=torch.float32 if p.dtype in SIXTEEN_BIT else p.dtype)
+                    for key in ("param",) + self._state_keys
+                }
+                for name, p in named
+            }
+        else:
+            state = self.param_state_by_name()
+        main_key = self._STATE_KEY_OF_PARAM[sharding_type]
+        param_state = {}
+        for index, (name, _) in enumerate(named):
+            param_state[index] = {
+                (main_key if key == "param" else key): make_sharded_optimizer_tensor(
+                    sharded[name], value, f"optimizer.state.{main_key if key == 'param' else key}"
+                )
+                for key, value in state[name].items()
+            }
+        groups = [
+            {**copy.deepcopy({k: v for k, v in g.items() if k != "params"}), "step": self._steps}
+            for g in self.optimizer.param_groups
+        ]
+        sd: dict[str, Any] = {"optimizer": {"param_groups": groups}}
+        if self.grad_scaler is not None:
+            sd["grad_scaler"] = self.grad_scaler.state_dict()
+        sd["param_state"] = param_state
+        sd["param_state_sharding_type"] = sharding_type
+        return sd
+
+    def _check_sharding_type(self, sharding_type: Any) -> None:
+        if sharding_type not in self._STATE_KEY_OF_PARAM:
+            raise ValueError(
+                f"DistributedOptimizer: sharding_type {sharding_type!r} is not supported by megatron_ext; "
+                f"expected one of {sorted(self._STATE_KEY_OF_PARAM)}"
+            )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Also takes ``sharded_state_dict()``'s output once loaded: the groups' settings, the
+        step, the grad scaler, then each rank's slices of the model-space state (and the
+        parameters from the main copies)."""
+        if "param_state" not in state_dict:
+            super().load_state_dict(state_dict)
+            return
+        sharding_type = state_dict.get("param_state_sharding_type")
+        self._check_sharding_type(sharding_type)
+        groups = state_dict["optimizer"]["param_groups"]
+        if len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(
+                f"the state dict has {len(groups)} parameter groups, this optimizer "
+                f"{len(self.optimizer.param_groups)}"
+            )
+        for group, saved in zip(self.optimizer.param_groups, groups):
+            group.update({k: v for k, v in saved.items() if k not in ("params", "step")})
+        self._steps = int(groups[0].get("step", 0)) if groups else 0
+        if "grad_scaler" in state_dict and self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        main_key = self._STATE_KEY_OF_PARAM[sharding_type]
+        named = named_model_parameters(self.model_chunks)
+        if len(state_dict["param_state"]) != len(named):
+            raise ValueError(
+                f"param_state holds {len(state_dict['param_state'])} parameters, this optimizer "
+                f"{len(named)}"
+            )
+        by_name = {
+            name: {("param" if k == main_key else k): v for k, v in state_dict["param_state"][i].items()}
+            for i, (name, _) in enumerate(named)
+        }
+        self.load_param_state_by_name(by_name)

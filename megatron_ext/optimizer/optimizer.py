@@ -17,6 +17,7 @@ back into the model.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -333,10 +334,18 @@ class MegatronOptimizer:
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Takes ``state_dict()``'s output; a dict with ``step`` alone (what a layout-independent
+        """Takes ``state_dict()``'s output, or ``sharded_state_dict()``'s once loaded (by
+        ``dist_checkpointing.load``); a dict with ``step`` alone (what a layout-independent
         checkpoint stores beside ``param_state_by_name``) sets the step count only."""
+        if "state" in state_dict and "param_groups" in state_dict:  # FP32Optimizer's sharded form
+            state_dict = {"optimizer": state_dict}
         if "optimizer" in state_dict:
-            self.optimizer.load_state_dict(state_dict["optimizer"])
+            optim, common_step = _with_per_param_step(state_dict["optimizer"])
+            self.optimizer.load_state_dict(optim)
+            if common_step is not None and "step" not in state_dict:
+                state_dict = {**state_dict, "step": common_step}
+        if "fp32_from_fp16_params" in state_dict:
+            self._load_fp32_copies(state_dict["fp32_from_fp16_params"])
         if "main_params" in state_dict:
             mains = state_dict["main_params"]
             if len(mains) != len(self._slots):
@@ -362,6 +371,106 @@ class MegatronOptimizer:
 
     def _sync_model_params_from_main(self) -> None:
         self._copy_main_params_to_model_params()
+
+    # Megatron-core's checkpointing API -------------------------------------------------------------
+
+    def _sharded_params(self, model_sharded_state_dict: dict) -> dict[str, Any]:
+        """Each trainable parameter's ShardedTensor (or factory) in the model's sharded state
+        dict, by the parameter's name here."""
+        from megatron_ext.dist_checkpointing.optimizer import KEEP_VARS_HINT, sharded_params_by_tensor
+
+        by_tensor = sharded_params_by_tensor(model_sharded_state_dict)
+        out = {}
+        for name, p in named_model_parameters(self.model_chunks):
+            if id(p) not in by_tensor:
+                raise ValueError(
+                    f"parameter {name!r} is not in the model's sharded state dict: {KEEP_VARS_HINT}"
+                )
+            out[name] = by_tensor[id(p)]
+        return out
+
+    def _sharded_torch_state(self, sharded: dict[str, Any]) -> dict[str, Any]:
+        """The torch optimizer's state dict with every state tensor sharded as its parameter
+        (key ``optimizer.state.<state>.<parameter key>``), the step as ``state["common_step"]``
+        and each group's parameter indices local (``LocalNonpersistentObject``), as
+        Megatron-core's plain optimizers give it."""
+        from megatron_ext.dist_checkpointing.optimizer import (
+            local_nonpersistent,
+            make_sharded_optimizer_tensor,
+        )
+
+        slot_of = {id(s.main): s for s in self._slots}
+        state: dict[Any, Any] = {}
+        groups = []
+        for group in self.optimizer.param_groups:
+            indices = []
+            for main in group["params"]:
+                s = slot_of[id(main)]
+                state[len(state)] = {
+                    key: make_sharded_optimizer_tensor(
+                        sharded[s.name], self._slot_state(s, key).detach(), f"optimizer.state.{key}"
+                    )
+                    for key in self._state_keys
+                }
+                indices.append(len(state) - 1)
+            settings = copy.deepcopy({k: v for k, v in group.items() if k != "params"})
+            like = next(iter(sharded.values()), None)
+            groups.append({**settings, "params": local_nonpersistent(like, indices)})
+        if self._has_step:
+            state["common_step"] = _scalar_step(self._steps)
+        return {"state": state, "param_groups": groups}
+
+    @property
+    def _has_step(self) -> bool:
+        return self._state_keys != ("momentum_buffer",)
+
+    def _fp32_copy_slots(self) -> list[list[_Slot]]:
+        """Per torch group, the slots whose main parameter is a copy (of a 16-bit parameter)."""
+        slot_of = {id(s.main): s for s in self._slots}
+        groups = [[slot_of[id(main)] for main in group["params"]] for group in self.optimizer.param_groups]
+        return [[s for s in group if s.main is not s.model_param] for group in groups]
+
+    def sharded_state_dict(
+        self, model_sharded_state_dict: dict, is_loading: bool = False, metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """Megatron-core's mixed-precision form: ``{"optimizer": <the torch optimizer's state,
+        sharded as the parameters>, "fp32_from_fp16_params": [[main copy per 16-bit parameter]
+        per group] (keys ``optimizer.state.fp32_param.<parameter key>``), "grad_scaler"}``.
+        ``model_sharded_state_dict`` is the model's ``sharded_state_dict()`` (its tensors must be
+        the parameters); ``is_loading``: a request for ``dist_checkpointing.load`` (state not yet
+        created is requested as zeros), whose result ``load_state_dict`` takes."""
+        from megatron_ext.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+        sharded = self._sharded_params(model_sharded_state_dict)
+        sd: dict[str, Any] = {"optimizer": self._sharded_torch_state(sharded)}
+        sd["fp32_from_fp16_params"] = [
+            [
+                make_sharded_optimizer_tensor(sharded[s.name], s.main.detach(), "optimizer.state.fp32_param")
+                for s in group
+            ]
+            for group in self._fp32_copy_slots()
+        ]
+        if self.grad_scaler is not None:
+            sd["grad_scaler"] = self.grad_scaler.state_dict()
+        return sd
+
+    def _load_fp32_copies(self, loaded: list[list[torch.Tensor]]) -> None:
+        groups = self._fp32_copy_slots()
+        sizes = [len(g) for g in groups]
+        if [len(g) for g in loaded] != sizes:
+            raise ValueError(
+                f"fp32_from_fp16_params holds {[len(g) for g in loaded]} main copies per group, this "
+                f"optimizer {sizes}"
+            )
+        with torch.no_grad():
+            for group, values in zip(groups, loaded):
+                for s, value in zip(group, values):
+                    if tuple(value.shape) != tuple(s.main.shape):
+                        raise ValueError(
+                            f"fp32_from_fp16_params: {s.name!r} has shape {tuple(value.shape)}, "
+                            f"expected {tuple(s.main.shape)}"
+                        )
+                    s.main.copy_(value)
 
     def _slot_state(self, s: _Slot, key: str) -> torch.Tensor:
         state = self.optimizer.state.get(s.main, {})
@@ -410,6 +519,18 @@ class MegatronOptimizer:
                     state[key] = piece.to(s.main.dtype).clone()
                 self.optimizer.state[s.main] = state
                 s.model_param.copy_(entry["param"])
+
+
+def _with_per_param_step(optim: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """A torch optimizer state dict from a sharded one whose ``state`` holds one
+    ``common_step``: each parameter's state gets it as ``step``; also the step count (None
+    without a ``common_step``)."""
+    state = optim.get("state", {})
+    if "common_step" not in state:
+        return optim, None
+    step = state["common_step"]
+    per_param = {k: {**v, "step": _scalar_step(int(step))} for k, v in state.items() if k != "common_step"}
+    return {**optim, "state": per_param}, int(step)
 
 
 def _strip_module(name: str) -> str:
@@ -478,6 +599,14 @@ class FP32Optimizer(MegatronOptimizer):
                param_groups: list[dict[str, Any]]) -> FP32Optimizer:
         slots = _plain_slots(named_model_parameters(model_chunks), copy_16bit=False)
         return cls(build_torch_optimizer(config, slots, param_groups), config, None, slots, model_chunks)
+
+    def sharded_state_dict(
+        self, model_sharded_state_dict: dict, is_loading: bool = False, metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """The torch optimizer's state dict, each state tensor sharded as its parameter (key
+        ``optimizer.state.<state>.<parameter key>``), the step as ``state["common_step"]``, as
+        Megatron-core's ``FP32Optimizer`` gives it (the parameters are the model's to save)."""
+        return self._sharded_torch_state(self._sharded_params(model_sharded_state_dict))
 
 
 class ProxyDict:
@@ -582,6 +711,31 @@ class ChainedOptimizer(MegatronOptimizer):
             )
         for optimizer, state in zip(self.chained_optimizers, state_dict):
             optimizer.load_state_dict(state)
+
+    def sharded_state_dict(
+        self, model_sharded_state_dict: dict, is_loading: bool = False, **kwargs: Any
+    ) -> dict[Any, Any]:
+        """One chained optimizer: its own. Several: ``{index: its sharded state dict}``, the keys
+        of optimizer ``index``'s tensors prefixed ``chained_<index>.`` unless
+        ``metadata["chained_optim_avoid_prefix"]`` (with a fully reshardable
+        ``distrib_optim_sharding_type`` or none), as Megatron-core's."""
+        from megatron_ext.dist_checkpointing.optimizer import add_prefix_for_sharding
+        from megatron_ext.optimizer.distrib_optimizer import DistributedOptimizer
+
+        if len(self.chained_optimizers) == 1:
+            only = self.chained_optimizers[0]
+            return only.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        metadata = kwargs.get("metadata") or {}
+        kind = metadata.get("distrib_optim_sharding_type")
+        reshardable = kind is None or kind in DistributedOptimizer.checkpoint_fully_reshardable_formats
+        add_prefix = not reshardable or not metadata.get("chained_optim_avoid_prefix", False)
+        out = {}
+        for index, optimizer in enumerate(self.chained_optimizers):
+            sd = optimizer.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+            if add_prefix:
+                add_prefix_for_sharding(sd, f"chained_{index}.")
+            out[index] = sd
+        return out
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
