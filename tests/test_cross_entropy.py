@@ -353,6 +353,7 @@ def _cross_entropy_worker(tp_sizes: list[int]) -> list[tuple]:
     return compared.made
 
 
+@pytest.mark.slow
 def test_parallel_equals_serial_world4():
     results = run_distributed(4, _cross_entropy_worker, [1, 2, 4])
     for made in results:

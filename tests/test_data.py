@@ -67,5 +67,6 @@ def _data_worker() -> None:
     assert torch.equal(got["text"], expected["text"])
 
 
+@pytest.mark.slow
 def test_broadcast_data():
     run_distributed(4, _data_worker)

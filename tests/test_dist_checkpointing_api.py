@@ -272,6 +272,7 @@ def _save_and_reshard_worker(path: str) -> dict[str, str]:
     return _refusals(path)
 
 
+@pytest.mark.slow
 def test_save_reshard_and_refusals(tmp_path):
     refusals = run_distributed(4, _save_and_reshard_worker, str(tmp_path))
     assert all(r == refusals[0] for r in refusals)  # every rank raised the same error
@@ -298,6 +299,7 @@ def _async_worker(path: str) -> None:
     _check_loaded(loaded, *layout)
 
 
+@pytest.mark.slow
 def test_async_save(tmp_path):
     run_distributed(4, _async_worker, str(tmp_path / "async"))
 
@@ -407,6 +409,7 @@ def _gpt_worker(path: str) -> None:
                 assert torch.equal(v, expected[k]), (name, tp, pp, k)
 
 
+@pytest.mark.slow
 def test_gpt_sharded_state_dict_reshards(tmp_path):
     run_distributed(4, _gpt_worker, str(tmp_path))
 
@@ -522,6 +525,7 @@ def _interop_worker(path: str) -> None:
             )
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_megatron_core_and_megatron_ext(tmp_path):
     pytest.importorskip("megatron.core")
     run_distributed(4, _interop_worker, str(tmp_path), timeout=600)

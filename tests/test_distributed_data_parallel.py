@@ -260,6 +260,7 @@ def _ddp_worker() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_ddp_averages_and_overlaps_world4():
     results = run_distributed(4, _ddp_worker)
     for rank, out in enumerate(results):
@@ -320,6 +321,7 @@ def _group_worker() -> None:
     ps.destroy_model_parallel()
 
 
+@pytest.mark.slow
 def test_ddp_in_parallel_state_groups():
     run_distributed(4, _group_worker)
 
@@ -437,6 +439,7 @@ def _ddp_config_worker() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_ddp_config_main_grads_and_reduce_scatter():
     for out in run_distributed(2, _ddp_config_worker):
         for (overlap, distributed), (launched, buckets) in out.items():
@@ -483,6 +486,7 @@ def _finalize_tokens_worker() -> None:
         finalize_model_grads([model], pg_collection=partial)
 
 
+@pytest.mark.slow
 def test_finalize_per_token_scaling_and_pg_collection():
     run_distributed(2, _finalize_tokens_worker)
 
@@ -545,6 +549,7 @@ def _fusion_worker() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_fusion_keeps_overlap():
     for out in run_distributed(2, _fusion_worker):
         steps = list(zip(out[True], out[False]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -88,6 +89,7 @@ def _worker() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_tensor_parallel_pipeline_and_frozen_reductions():
     for out in run_distributed(4, _worker):
         tp_rank, pp_rank, _ = out["rank"]

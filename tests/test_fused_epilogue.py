@@ -270,6 +270,7 @@ def _layer_flags_worker() -> list[tuple]:
     return compared.made
 
 
+@pytest.mark.slow
 def test_transformer_layer_fusion_flags_on_equal_off_and_parallel_equals_serial():
     results = run_distributed(2, _layer_flags_worker)
     for made in results:

@@ -4,6 +4,7 @@ untied output layer, for a mean loss and a loss-masked one."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_ext import parallel_state as ps
@@ -77,6 +78,7 @@ def _worker() -> list[tuple]:
     return compared.made
 
 
+@pytest.mark.slow
 def test_fused_output_cross_entropy_equals_unfused():
     results = run_distributed(2, _worker)
     for made in results:

@@ -93,6 +93,7 @@ def _tied_embedding_worker() -> dict:
     return got
 
 
+@pytest.mark.slow
 def test_tensor_parallel_gpt_equals_serial():
     results = run_distributed(2, _tensor_parallel_worker)
     for made in results:

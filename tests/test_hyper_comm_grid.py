@@ -44,6 +44,7 @@ def _groups_worker() -> dict:
     }
 
 
+@pytest.mark.slow
 def test_groups_equal_parallel_state():
     for out in run_distributed(4, _groups_worker):
         assert out == {"tp": True, "dp": True}

@@ -399,6 +399,7 @@ def _layers_worker() -> None:
             ps.destroy_model_parallel()
 
 
+@pytest.mark.slow
 def test_layers_match_serial_at_tp_1_2_4():
     run_distributed(4, _layers_worker)
 

@@ -107,6 +107,7 @@ def _split_worker(cases) -> list[float]:
         (4, [(2, {}), (1, {"sequence_parallel": True, "qk_layernorm": True})]),
     ],
 )
+@pytest.mark.slow
 def test_tensor_parallel_llama_equals_serial(world, cases):
     results = run_distributed(world, _split_worker, cases)
     assert all(r == results[0] for r in results)  # every rank computed the same global loss

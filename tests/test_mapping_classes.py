@@ -214,6 +214,7 @@ def _check_frozen_linear(group, n, r, compared: Comparisons):
         tp_.linear_with_frozen_weight(xs, w, None, False, False, False, group, [])
 
 
+@pytest.mark.slow
 def test_region_classes_and_all_to_all():
     results = run_distributed(3, _worker)
     for made in results:

@@ -65,6 +65,7 @@ def _mpu_worker() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_mpu_names():
     for rank, got in enumerate(run_distributed(4, _mpu_worker)):
         assert got["initialized"] == [False, True, False]

@@ -465,6 +465,7 @@ LAYOUTS = {
 @pytest.mark.parametrize(
     "world", [pytest.param(w, marks=pytest.mark.slow) if w == 8 else w for w in sorted(LAYOUTS)]
 )  # 8 ranks: slow
+@pytest.mark.slow
 def test_layouts(world):
     for rank, per_layout in enumerate(run_distributed(world, _layouts_worker, LAYOUTS[world])):
         assert len(per_layout) == len(LAYOUTS[world])

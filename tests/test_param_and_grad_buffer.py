@@ -236,6 +236,7 @@ def _reduction_worker() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_reductions_readiness_and_instances():
     for out in run_distributed(4, _reduction_worker):
         assert all(out.values())  # started by the last gradient's registration
@@ -292,6 +293,7 @@ def _fp32_worker() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_reduce_scatter_with_fp32_accumulation():
     for out in run_distributed(4, _fp32_worker):
         assert out == {False: True, True: True, "plain_differs": True}
@@ -384,6 +386,7 @@ def _constructor_worker() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_megatron_constructor_and_groups():
     results = run_distributed(4, _constructor_worker)
     for rank, out in enumerate(results):

@@ -278,6 +278,7 @@ def _check_sequence_parallel_shape(layers) -> None:
     ps.destroy_model_parallel()
 
 
+@pytest.mark.slow
 def test_schedules_match_serial():
     run_distributed(WORLD, _schedules_worker)
 
@@ -394,6 +395,7 @@ def _p2p_and_errors_worker() -> None:
     _errors_worker()
 
 
+@pytest.mark.slow
 def test_p2p_communication_and_errors_raise_on_every_rank():
     # One spawned world for both: spawning costs more than the checks.
     run_distributed(WORLD, _p2p_and_errors_worker)

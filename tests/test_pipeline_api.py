@@ -145,6 +145,7 @@ def _stage_helpers() -> dict:
     }
 
 
+@pytest.mark.slow
 def test_pipeline_parallel_utils():
     from megatron_ext.pipeline_parallel import utils
     from tests.distributed import run_distributed

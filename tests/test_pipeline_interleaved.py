@@ -353,6 +353,7 @@ def _check_errors(layers, comm, pgs) -> None:
     _run_layout(layers, 2, 2, 4, None)
 
 
+@pytest.mark.slow
 def test_interleaved_matches_serial_and_megatron_order():
     run_distributed(WORLD, _interleaved_worker, timeout=600)
 

@@ -347,5 +347,6 @@ def _random_worker() -> None:
     _check_checkpoint_without_output()
 
 
+@pytest.mark.slow
 def test_rng_tracker_and_checkpoint():
     run_distributed(4, _random_worker)

@@ -307,6 +307,7 @@ def _worker() -> list[tuple]:
     return compared.made
 
 
+@pytest.mark.slow
 def test_classes_at_tensor_parallel_size_3():
     results = run_distributed(3, _worker)
     for made in results:

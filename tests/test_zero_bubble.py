@@ -310,6 +310,7 @@ def _zero_bubble_worker() -> None:
     ps.destroy_model_parallel()
 
 
+@pytest.mark.slow
 def test_zero_bubble_schedules_equal_serial():
     run_distributed(4, _zero_bubble_worker)
 
