@@ -144,12 +144,12 @@ DIST_KEYS = ["exp_avg", "exp_avg_sq", "fp32_param"]
     [
         # Llama: the SwiGLU [gate | up] weight's state is a factory of tp-strided pieces.
         ("llama", False, (2, 1, 2), (4, 1), (["exp_avg", "exp_avg_sq"], SAVED_AFTER),
-         "optimizer.state.exp_avg.module.decoder.layers.mlp.dense_h_to_4h.weight"),
+         "optimizer.state.exp_avg.module.decoder.layers.mlp.linear_fc1.weight"),
         ("gpt", True, (2, 1, 2), (1, 4), ("fully_sharded_model_space", DIST_KEYS),
          "optimizer.state.fp32_param.module.embedding.word_embeddings.weight"),
         # Two pipeline stages (the last one's tied output weight a replica of the embedding) to one.
         ("gpt", True, (2, 2, 1), (1, 4), ("fully_sharded_model_space", DIST_KEYS),
-         "optimizer.state.fp32_param.module.decoder.layers.self_attention.query_key_value.weight"),
+         "optimizer.state.fp32_param.module.decoder.layers.self_attention.linear_qkv.weight"),
     ],
 )
 def test_resume_at_another_layout_equals_uninterrupted(
