@@ -62,9 +62,14 @@ def dcp_state(
     return state
 
 
-def _write(state: dict[str, Any], checkpoint_dir: str, thread_count: int, group: Any = None) -> str | None:
-    """Writes ``state`` with DCP (collective over ``group``); returns this rank's error or None."""
-    from megatron_ext.dist_checkpointing.checkpoint import _FAILURES, _describe
+WriteFailure = tuple[list[int], str]  # (the ranks whose writes failed, what failed)
+
+
+def _write(
+    state: dict[str, Any], checkpoint_dir: str, thread_count: int, group: Any = None
+) -> WriteFailure | None:
+    """Writes ``state`` with DCP (collective over ``group``); returns the failure or None."""
+    from megatron_ext.dist_checkpointing.checkpoint import _FAILURES, _DCPException, _describe
 
     try:
         dcp.save(
@@ -75,14 +80,23 @@ def _write(state: dict[str, Any], checkpoint_dir: str, thread_count: int, group:
         )
         return None
     except _FAILURES as e:
-        return _describe(e)
+        ranks = sorted(e.failures) if isinstance(e, _DCPException) else [dist.get_rank()]
+        return ranks, _describe(e)
 
 
-def _raise_write_errors(checkpoint_dir: str, error: str | None) -> None:
-    """Every rank raises the same CheckpointWriteError if any rank's write failed."""
-    from megatron_ext.dist_checkpointing.checkpoint import _agree
+def _raise_write_errors(checkpoint_dir: str, failure: WriteFailure | None) -> None:
+    """If any rank's write failed, every rank raises a CheckpointWriteError naming the failed
+    ranks; rank 0's (the coordinator's, as in Megatron-core) also says what failed. Collective."""
+    from megatron_ext.dist_checkpointing.checkpoint import _all_gather
 
-    _agree(error, f"cannot save checkpoint {checkpoint_dir!r}: ", CheckpointWriteError)
+    failures = [f for f in _all_gather(failure) if f is not None]
+    if not failures:
+        return
+    ranks = sorted({r for failed, _ in failures for r in failed})
+    prefix = f"cannot save checkpoint {checkpoint_dir!r}: "
+    if dist.get_rank() == 0:
+        raise CheckpointWriteError(prefix + "; ".join(sorted({what for _, what in failures})))
+    raise CheckpointWriteError(prefix + f"writing failed on rank(s) {ranks} (rank 0 raises the errors)")
 
 
 _async_group: tuple[Any, dist.ProcessGroup] | None = None
@@ -148,7 +162,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             for sh in self._shards(sharded_state_dict)
         ]
         state, group = dcp_state(staged), _group_for_async_saves()
-        outcome: dict[str, str | None] = {"error": None}
+        outcome: dict[str, WriteFailure | None] = {"error": None}
 
         def write() -> None:
             outcome["error"] = _write(state, checkpoint_dir, self.thread_count, group)
