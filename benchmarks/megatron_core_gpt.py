@@ -44,7 +44,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-MCORE_MODULES = ("parallel_state", "tensor_parallel", "pipeline_parallel", "distributed", "optimizer")
+MCORE_MODULES = (
+    "parallel_state",
+    "tensor_parallel",
+    "pipeline_parallel",
+    "distributed",
+    "optimizer",
+    "dist_checkpointing",
+)
 _ON_MEGATRON_EXT = False
 
 
@@ -78,9 +85,9 @@ class _MegatronCoreFallback(importlib.abc.MetaPathFinder):
 
 def use_megatron_ext() -> None:
     """Resolves ``megatron.core.{parallel_state, tensor_parallel, pipeline_parallel, distributed,
-    optimizer}`` and their submodules to megatron_ext's modules; a submodule megatron_ext does not
-    have is Megatron-core's own (listed in MEGATRON_CORE_FALLBACKS). Call before anything imports
-    ``megatron.core``."""
+    optimizer, dist_checkpointing}`` and their submodules (at any depth) to megatron_ext's modules;
+    a submodule megatron_ext does not have is Megatron-core's own (listed in
+    MEGATRON_CORE_FALLBACKS). Call before anything imports ``megatron.core``."""
     global _ON_MEGATRON_EXT
     if "megatron.core" in sys.modules:
         raise RuntimeError("use_megatron_ext() must run before megatron.core is imported")
@@ -88,10 +95,9 @@ def use_megatron_ext() -> None:
     for name in MCORE_MODULES:
         module = importlib.import_module(f"megatron_ext.{name}")
         aliases[f"megatron.core.{name}"] = module
-        for info in pkgutil.iter_modules(getattr(module, "__path__", [])):
-            aliases[f"megatron.core.{name}.{info.name}"] = importlib.import_module(
-                f"megatron_ext.{name}.{info.name}"
-            )
+        for info in pkgutil.walk_packages(getattr(module, "__path__", []), f"megatron_ext.{name}."):
+            alias = "megatron.core." + info.name.removeprefix("megatron_ext.")
+            aliases[alias] = importlib.import_module(info.name)
     root = importlib.util.find_spec("megatron.core").submodule_search_locations[0]
     sys.modules.update(aliases)
     sys.meta_path.insert(0, _MegatronCoreFallback(root))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 
 def nested_values(x: Any) -> Iterator[Any]:
     """The leaves of nested dicts and lists."""
@@ -102,3 +104,39 @@ def merge(x1: Any, x2: Any, key: tuple = ()) -> Any:
     else:
         raise ValueError(f"cannot merge {type(x1).__name__} and {type(x2).__name__} at key {key}")
     return x1
+
+
+def diff(x1: Any, x2: Any, prefix: tuple = ()) -> tuple[list, list, list]:
+    """(keys only in ``x1``, keys only in ``x2``, ``(key, type1, type2)`` of the leaves that
+    differ) of two nested dicts/lists/tuples, keys as tuples of the path. Tensors are equal when
+    their shapes, dtypes and every element are."""
+    only_left: list = []
+    only_right: list = []
+    mismatch: list = []
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        only_left = [prefix + (k,) for k in x1.keys() - x2.keys()]
+        only_right = [prefix + (k,) for k in x2.keys() - x1.keys()]
+        pairs = [(k, x1[k], x2[k]) for k in x1.keys() & x2.keys()]
+    elif isinstance(x1, (list, tuple)) and type(x1) is type(x2):
+        only_left = [prefix + (i,) for i in range(len(x2), len(x1))]
+        only_right = [prefix + (i,) for i in range(len(x1), len(x2))]
+        pairs = list(zip(range(len(x1)), x1, x2))
+    else:
+        if isinstance(x1, torch.Tensor) and isinstance(x2, torch.Tensor):
+            same = x1.shape == x2.shape and x1.dtype == x2.dtype and torch.equal(x1.cpu(), x2.cpu())
+        elif isinstance(x1, torch.Tensor) or isinstance(x2, torch.Tensor):
+            same = False
+        else:
+            try:
+                same = bool(x1 == x2)
+            except (RuntimeError, ValueError):
+                same = False
+        if not same:
+            mismatch.append((prefix, type(x1), type(x2)))
+        return only_left, only_right, mismatch
+    for k, v1, v2 in pairs:
+        left, right, mis = diff(v1, v2, prefix + (k,))
+        only_left += left
+        only_right += right
+        mismatch += mis
+    return only_left, only_right, mismatch

@@ -19,25 +19,17 @@ checkpoint saved at any other.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
-import threading
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import (
-    DefaultLoadPlanner,
-    DefaultSavePlanner,
-    FileSystemReader,
-    FileSystemWriter,
-)
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from megatron_ext.dist_checkpointing.checkpoint import (
@@ -63,9 +55,16 @@ from megatron_ext.dist_checkpointing.mapping import (
     StateDict,
     apply_factories,
     apply_factory_merges,
-    is_main_replica,
 )
-from megatron_ext.dist_checkpointing.sharding import sharded_parts
+from megatron_ext.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron_ext.dist_checkpointing.strategies.base import (
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    get_default_strategy,
+)
+from megatron_ext.dist_checkpointing.strategies.torch import dcp_state
 from megatron_ext.dist_checkpointing.validation import (
     StrictHandling,
     determine_global_metadata,
@@ -81,37 +80,30 @@ BACKEND = ("torch_dist", 1)
 _CONTENT_METADATA_KEY = "content_metadata"
 
 
-class AsyncRequest(NamedTuple):
-    """A save still being written (Megatron-core's fields). ``async_fn(*async_fn_args)`` waits
-    for this rank's files; ``finalize_fns`` then run on every rank (they complete the checkpoint
-    with ``metadata.json``). ``execute_sync()`` does both; collective."""
+def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:
+    return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
 
-    async_fn: Callable | None
-    async_fn_args: tuple
-    finalize_fns: list[Callable]
-    async_fn_kwargs: dict = {}
-    preload_fn: Callable | None = None
-    is_frozen: bool = False
-    call_idx: int = 0
 
-    def add_finalize_fn(self, fn: Callable) -> None:
-        if self.is_frozen:
-            raise RuntimeError("Cannot add finalization functions to a frozen AsyncRequest")
-        self.finalize_fns.append(fn)
-
-    def execute_sync(self) -> None:
-        if self.async_fn is not None:
-            self.async_fn(*self.async_fn_args, **self.async_fn_kwargs)
-        dist.barrier()
-        for fn in self.finalize_fns:
-            fn()
-
-    def freeze(self) -> AsyncRequest:
-        return self._replace(is_frozen=True)
+def _save_strategy(strategy: Any) -> SaveShardedStrategy:
+    """A save strategy as given (an object or a ``(backend, version)`` tuple; None: the default,
+    looked up at each call)."""
+    if strategy is None:
+        return get_default_save_sharded_strategy()
+    if isinstance(strategy, SaveShardedStrategy):
+        return strategy
+    if isinstance(strategy, (tuple, list)):
+        return get_default_strategy(StrategyAction.SAVE_SHARDED, *strategy)
+    raise ValueError(
+        f"sharded_strategy must be None, a SaveShardedStrategy or (backend, version), got {strategy!r}"
+    )
 
 
 def _check_strategy(strategy: Any, what: str) -> None:
     """Only Megatron-core's defaults: ``torch_dist`` (v1) for tensors, ``torch`` for common."""
+    if isinstance(strategy, (LoadShardedStrategy, SaveCommonStrategy)) or (
+        what == "sharded" and isinstance(strategy, SaveShardedStrategy)
+    ):
+        return
     allowed = {"sharded": [None, BACKEND, ("torch_dist",)], "common": [None, ("torch", 1), ("torch",)]}[what]
     if (tuple(strategy) if isinstance(strategy, (tuple, list)) else strategy) not in allowed:
         raise ValueError(
@@ -146,35 +138,6 @@ def _sharded_leaves(sharded_state_dict: ShardedStateDict) -> list[ShardedBase]:
     return [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedBase)]
 
 
-def _as_chunk(sh: ShardedTensor) -> tuple[tuple[int, ...], torch.Tensor]:
-    """(global offset, the data with its prepended axes of length 1)."""
-    data = sh.data.detach()
-    if sh.prepend_axis_num:
-        data = data.view((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
-    return tuple(sh.global_offset), data
-
-
-def _dcp_state(
-    shards: list[ShardedBase], global_shapes: dict | None = None, loading: bool = False
-) -> dict[str, Any]:
-    """The flat dict DCP saves or loads for ``shards``: a tensor alias per ShardedTensor key, a
-    list of objects per ShardedObject shard (what Megatron-core stores; loading, a placeholder
-    that DCP replaces with that list)."""
-    tensors: dict[str, list[ShardedTensor]] = defaultdict(list)
-    state: dict[str, Any] = {}
-    for sh in shards:
-        if isinstance(sh, ShardedTensor):
-            tensors[sh.key].append(sh)
-        elif loading:
-            state[sh.unique_key] = io.BytesIO()
-        else:
-            state.setdefault(sh.unique_key, []).append(sh.data)
-    for key, group in tensors.items():
-        shape = (global_shapes or {}).get(key, group[0].global_shape)
-        state[key] = sharded_parts(shape, [_as_chunk(sh) for sh in group])
-    return state
-
-
 def _save_common(common_state_dict: StateDict, checkpoint_dir: str) -> None:
     error = None
     if dist.get_rank() == 0:
@@ -188,8 +151,8 @@ def _save_common(common_state_dict: StateDict, checkpoint_dir: str) -> None:
     _agree(error, f"cannot save checkpoint {checkpoint_dir!r}: ")
 
 
-def _finalize(checkpoint_dir: str, write_error: str | None) -> None:
-    _agree(write_error, f"cannot save checkpoint {checkpoint_dir!r}: ")
+def _finalize(checkpoint_dir: str) -> None:
+    """Completes the checkpoint: rank 0 writes ``metadata.json``; collective."""
     if dist.get_rank() == 0:
         config = {
             "sharded_backend": BACKEND[0],
@@ -200,33 +163,6 @@ def _finalize(checkpoint_dir: str, write_error: str | None) -> None:
         with open(os.path.join(checkpoint_dir, CONFIG_FNAME), "w") as f:
             json.dump(config, f)
     dist.barrier()
-
-
-def _write(state: dict[str, Any], checkpoint_dir: str, group: dist.ProcessGroup | None = None) -> str | None:
-    """Writes ``state`` with DCP; returns this rank's error (None if none)."""
-    try:
-        dcp.save(
-            state,
-            storage_writer=FileSystemWriter(checkpoint_dir),
-            planner=DefaultSavePlanner(flatten_state_dict=False),
-            process_group=group,
-        )
-        return None
-    except _FAILURES as e:
-        return _describe(e)
-
-
-_async_group: tuple[Any, dist.ProcessGroup] | None = None
-
-
-def _group_for_async_saves() -> dist.ProcessGroup:
-    """A gloo group of all ranks for the background writes, so their collectives never
-    interleave with the training's on the default group."""
-    global _async_group
-    world = dist.distributed_c10d._get_default_group()
-    if _async_group is None or _async_group[0] is not world:
-        _async_group = (world, dist.new_group(backend="gloo"))
-    return _async_group[1]
 
 
 def save(
@@ -245,12 +181,17 @@ def save(
     ``common.pt`` (rank 0's), the main replicas of the shards to DCP's files, then rank 0 writes
     ``metadata.json``. ``validate_access_integrity``: first check that the ranks' main replicas
     cover every tensor exactly once (``validate_sharding_integrity``).
-    ``async_sharded_save``: return an :class:`AsyncRequest` at once; the shards (copied at the
-    call, so training may change the tensors) are written in a background thread, and the
-    checkpoint is complete after ``request.execute_sync()`` on every rank.
-    Errors are raised as the same :class:`CheckpointingException` on every rank.
+    ``sharded_strategy``: None (``get_default_save_sharded_strategy()``), a ``torch_dist``
+    strategy object (``TorchDistSaveShardedStrategy``: its ``thread_count``, files per rank) or
+    ``(backend, version)``.
+    ``async_sharded_save``: return an :class:`AsyncRequest` at once; the shards are copied at the
+    call (training may change the tensors) and written by the request's ``async_fn`` (in a
+    background thread once ``AsyncCallsQueue.schedule_async_request`` runs it); the checkpoint is
+    complete after its finalization (``maybe_finalize_async_calls``, or ``execute_sync()``) on
+    every rank. Errors are raised as the same :class:`CheckpointingException` on every rank; a
+    failed write as :class:`CheckpointWriteError`, which is also DCP's ``CheckpointException``.
     """
-    _check_strategy(sharded_strategy, "sharded")
+    strategy = _save_strategy(sharded_strategy)
     _check_strategy(common_strategy, "common")
     checkpoint_dir = str(checkpoint_dir)
     if content_metadata is not None:
@@ -262,8 +203,7 @@ def save(
     sharded_part, common_state_dict = extract_matching_values(
         persistent, lambda v: isinstance(v, ShardedBase)
     )
-    shards = _sharded_leaves(sharded_part)
-    for sh in shards:
+    for sh in _sharded_leaves(sharded_part):
         if isinstance(sh, ShardedTensor) and sh.data is None:
             raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
     if validate_access_integrity:
@@ -271,26 +211,15 @@ def save(
             preprocess_common_before_consistancy_check(common_state_dict)
         validate_sharding_integrity(determine_global_metadata(sharded_part)[1])
     _save_common(common_state_dict, checkpoint_dir)
-    main = [sh for sh in shards if is_main_replica(sh.replica_id)]
     if not async_sharded_save:
-        _finalize(checkpoint_dir, _write(_dcp_state(main), checkpoint_dir))
+        strategy.save(sharded_part, checkpoint_dir)
+        _finalize(checkpoint_dir)
         return None
-
-    staged = [
-        sh if not isinstance(sh, ShardedTensor) else replace(sh, data=sh.data.detach().to("cpu", copy=True))
-        for sh in main
-    ]
-    state, group = _dcp_state(staged), _group_for_async_saves()
-    outcome: dict[str, str | None] = {}
-    writer = threading.Thread(
-        target=lambda: outcome.__setitem__("error", _write(state, checkpoint_dir, group)), daemon=True
-    )
-    writer.start()
-
-    def wait() -> None:
-        writer.join()
-
-    return AsyncRequest(wait, (), [lambda: _finalize(checkpoint_dir, outcome.get("error"))])
+    if not hasattr(strategy, "async_save"):
+        raise CheckpointingException(f"Cannot apply async_save to non-async strategy {strategy}")
+    request = strategy.async_save(sharded_part, checkpoint_dir)
+    request.finalize_fns.append(lambda: _finalize(checkpoint_dir))
+    return request
 
 
 def load_common_state_dict(checkpoint_dir: str) -> StateDict:
@@ -464,7 +393,7 @@ def load(
         for sh in shards
         if isinstance(sh, ShardedTensor) and sh.allow_shape_mismatch
     }
-    state = _dcp_state(shards, stored_shapes, loading=True)
+    state = dcp_state(shards, stored_shapes, loading=True)
     error = None
     try:
         dcp.load(state, storage_reader=FileSystemReader(checkpoint_dir), planner=DefaultLoadPlanner())
