@@ -22,11 +22,14 @@ namespace megatron_ext::comm {
 // True for a tensor no Python subclass or functionalization wraps: eager code.
 bool is_plain(const at::Tensor& x);
 
-// A started collective: its output, and the work to wait on (null when traced). ``what`` and
-// ``group_name`` name the collective in a failure's message, ``input`` is the tensor it describes.
+// A started collective: its output, and the work to wait on (null when traced). A two-rank sum
+// is an exchange: ``work`` receives the peer's tensor into ``tensor`` while ``send`` sends
+// ``input``, this rank's own, which ``wait`` then adds. ``what`` and ``group_name`` name the
+// collective in a failure's message, ``input`` is the tensor it describes.
 struct Pending {
   at::Tensor tensor;
   c10::intrusive_ptr<c10d::Work> work;
+  c10::intrusive_ptr<c10d::Work> send = {};
   at::Tensor input = {};
   std::string what = {};
   std::string group_name = {};
