@@ -35,6 +35,23 @@ def load_train_gpt() -> types.ModuleType:
     return module
 
 
+def gpt_step(train_gpt, args, corpus, step: int, ddp, optimizer) -> tuple[list[dict], tuple]:
+    """One training step of the example GPT through the schedule: each micro-batch's loss dict (on
+    the last pipeline stage) and what ``optimizer.step()`` returned."""
+    from megatron_ext import parallel_state as ps
+    from megatron_ext.pipeline_parallel import get_forward_backward_func
+
+    optimizer.zero_grad()
+    needs_data = ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()
+    losses = get_forward_backward_func()(
+        forward_step_func=train_gpt.forward_step,
+        data_iterator=iter(train_gpt.step_microbatches(corpus, step, args)) if needs_data else None,
+        model=ddp, num_microbatches=args.global_batch_size // (args.micro_batch_size * args.dp),
+        seq_length=args.seq_len, micro_batch_size=args.micro_batch_size, forward_only=False,
+    )
+    return losses, optimizer.step()
+
+
 def has_kernel(op: str, key: str) -> bool:
     """Whether the op ``megatron_ext::<op>`` has a kernel for the dispatch key ``key``."""
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_ext::{op}", key)

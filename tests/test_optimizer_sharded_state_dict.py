@@ -25,8 +25,7 @@ from megatron_ext.optimizer import (
     OptimizerConfig,
     get_megatron_optimizer,
 )
-from megatron_ext.pipeline_parallel import get_forward_backward_func
-from tests.conftest import SMALL_GPT, Comparisons, _plain, assert_comparisons, load_train_gpt
+from tests.conftest import SMALL_GPT, Comparisons, _plain, assert_comparisons, gpt_step, load_train_gpt
 from tests.distributed import run_distributed
 
 SAVED_AFTER, MORE = 2, 2  # steps before the checkpoint, steps after it
@@ -42,15 +41,7 @@ def _layout(train_gpt, tp: int, dp: int, extra: list[str], pp: int = 1):
 
 def _step(train_gpt, args, corpus, step: int, ddp, optimizer) -> float | None:
     """One training step; the global batch's mean loss (on the last pipeline stage, else None)."""
-    optimizer.zero_grad()
-    needs_data = ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()
-    losses = get_forward_backward_func()(
-        forward_step_func=train_gpt.forward_step,
-        data_iterator=iter(train_gpt.step_microbatches(corpus, step, args)) if needs_data else None,
-        model=ddp, num_microbatches=args.global_batch_size // (args.micro_batch_size * args.dp),
-        seq_length=args.seq_len, micro_batch_size=args.micro_batch_size, forward_only=False,
-    )
-    optimizer.step()
+    losses, _ = gpt_step(train_gpt, args, corpus, step, ddp, optimizer)
     if not ps.is_pipeline_last_stage():
         return None
     loss = torch.stack([d["lm loss"] for d in losses]).mean()

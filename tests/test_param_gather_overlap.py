@@ -24,8 +24,7 @@ from megatron_ext.optimizer import (
     OptimizerConfig,
     get_megatron_optimizer,
 )
-from megatron_ext.pipeline_parallel import get_forward_backward_func
-from tests.conftest import SMALL_GPT, load_train_gpt
+from tests.conftest import SMALL_GPT, gpt_step, load_train_gpt
 from tests.distributed import run_distributed
 
 
@@ -210,15 +209,7 @@ def _gpt_build(train_gpt, args, distributed: bool, overlap: bool, fused: bool):
 
 
 def _gpt_step(train_gpt, args, corpus, step, ddp, optimizer):
-    optimizer.zero_grad()
-    needs_data = ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage()
-    losses = get_forward_backward_func()(
-        forward_step_func=train_gpt.forward_step,
-        data_iterator=iter(train_gpt.step_microbatches(corpus, step, args)) if needs_data else None,
-        model=ddp, num_microbatches=args.global_batch_size // (args.micro_batch_size * args.dp),
-        seq_length=args.seq_len, micro_batch_size=args.micro_batch_size, forward_only=False,
-    )
-    ok, grad_norm, _ = optimizer.step()
+    losses, (ok, grad_norm, _) = gpt_step(train_gpt, args, corpus, step, ddp, optimizer)
     assert ok
     return [d["lm loss"].item() for d in losses], grad_norm
 
