@@ -315,20 +315,32 @@ def _serial_then_resume_worker(serial_dir: str, converted: str):
 def test_convert_to_one_file_and_back(saved_at_tp2_pp2, tmp_path):
     save_dir, full, _ = saved_at_tp2_pp2
     first, second = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
-    assert "52 parameters, iteration 2" in _convert("to-torch", os.path.join(save_dir, "iter_0000002"), first)
+    assert "16 model tensors, 48 optimizer tensors, iteration 2" in _convert(
+        "to-torch", os.path.join(save_dir, "iter_0000002"), first
+    )
     _convert("from-torch", first, str(tmp_path / "converted"))
     _convert("to-torch", str(tmp_path / "converted"), second)
     a, b = (torch.load(p, weights_only=False) for p in (first, second))
-    assert a["checkpoint"]["iteration"] == 2 and a["optimizer"]["step"] == 2
-    assert sorted(a["rng"]) == ["tp0_pp0_dp0", "tp0_pp1_dp0", "tp1_pp0_dp0", "tp1_pp1_dp0"]
-    assert b["checkpoint"] == a["checkpoint"] and b["rng"] == a["rng"]
+    assert a["checkpoint"]["iteration"] == 2 and a["common"]["optimizer"]["step"] == 2
+    rng = [f"rng_state/shard_{pp}.{tp}.0_2.2.1" for pp in (0, 1) for tp in (0, 1)]
+    linears = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+    extra_state = [f"decoder.layers.{name}._extra_state/shard_{i}_4" for name in linears for i in range(4)]
+    assert sorted(a["objects"]) == sorted(rng + extra_state)
+    assert all(a["objects"][k] == [None] for k in extra_state)
+    assert b["checkpoint"] == a["checkpoint"] and b["common"] == a["common"]
+    assert sorted(b["objects"]) == sorted(a["objects"])
+    assert all(torch.equal(b["objects"][k][0]["cpu"], a["objects"][k][0]["cpu"]) for k in rng)
     torch.testing.assert_close(
         (b["model"], b["optimizer"]), (a["model"], a["optimizer"]), rtol=0, atol=0
     )  # exact
-    # global names and shapes: the tied output weight is the embedding, layers have global indices
+    # Megatron-core's keys and global shapes: the tied output weight is the embedding, the layers
+    # are stacked along a leading axis of 4
     assert a["model"]["embedding.word_embeddings.weight"].shape == (256, 32)
-    assert a["model"]["decoder.layers.3.self_attention.query_key_value.weight"].shape == (96, 32)
+    assert a["model"]["decoder.layers.self_attention.linear_qkv.weight"].shape == (4, 96, 32)
     assert "output_layer.weight" not in a["model"]
+    assert sorted(a["optimizer"]) == sorted(
+        f"optimizer.state.{k}.{key}" for key in a["model"] for k in ("exp_avg", "exp_avg_sq", "param")
+    )
     # the one-file tensors are the serial model's after the same two steps; the converted
     # checkpoint resumes the uninterrupted run
     ((serial_losses, resumed),) = run_distributed(
@@ -345,28 +357,66 @@ def test_convert_to_one_file_and_back(saved_at_tp2_pp2, tmp_path):
         torch.testing.assert_close(serial[group], a[group], rtol=1e-9, atol=1e-12)
 
 
-def test_global_names_of_interleaved_chunks():
-    # A virtual pipeline gives a rank several chunks holding non-consecutive layers; the global
-    # name comes from each layer's layer_number, the optimizer's name carries the chunk prefix.
-    from megatron_ext.dist_checkpointing import param_specs
+def _format_1_worker(save_dir: str, old: str):
+    """Trains 2 serial steps and saves; at that save also writes the same state in the earlier
+    format (FORMAT_1) as its save did: DCP entries by megatron_ext's names, one tensor per layer."""
+    import io
 
-    class Layer(torch.nn.Module):
-        def __init__(self, number: int):
-            super().__init__()
-            self.layer_number = number
-            self.linear = torch.nn.Linear(2, 2)
+    import torch.distributed.checkpoint as dcp
 
-    class Chunk(torch.nn.Module):
-        def __init__(self, numbers):
-            super().__init__()
-            self.decoder = torch.nn.Module()
-            self.decoder.layers = torch.nn.ModuleList(Layer(n) for n in numbers)
+    from megatron_ext.dist_checkpointing import checkpoint
 
-    specs = param_specs([Chunk([2, 3]), Chunk([6, 7])])  # stage 1 of pp 2, 2 chunks of 2 layers
-    assert specs["chunk0.decoder.layers.1.linear.weight"].global_name == "decoder.layers.2.linear.weight"
-    assert specs["chunk1.decoder.layers.0.linear.bias"].global_name == "decoder.layers.5.linear.bias"
-    with pytest.raises(RuntimeError, match="map to the same global name 'decoder.layers.1.linear.weight'"):
-        param_specs([Chunk([2]), Chunk([2])])
+    train_gpt = load_train_gpt()
+    save_checkpoint = train_gpt.save_checkpoint
+
+    def blob(obj) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return buffer.getvalue()
+
+    def save_both(save_dir, iteration, model, optimizer, **kwargs):
+        final = save_checkpoint(save_dir, iteration, model, optimizer, **kwargs)
+        chunk = model[0] if isinstance(model, list) else model  # one chunk (DDP-wrapped)
+        bare = lambda name: name.removeprefix("module.")  # noqa: E731
+        state = {
+            "model": {bare(n): p.detach() for n, p in chunk.named_parameters()},
+            "optimizer": {
+                "step": int(optimizer.state_dict()["step"]),
+                "param_state": {bare(n): e for n, e in optimizer.param_state_by_name().items()},
+            },
+            "rng": {"tp0_pp0_dp0": blob(checkpoint._rng_states())},
+        }
+        dcp.save(state, checkpoint_id=old)
+        with open(os.path.join(final, "checkpoint.json")) as f:
+            marker = json.load(f)
+        files = {n: checkpoint._sha256(os.path.join(old, n)) for n in sorted(os.listdir(old))}
+        with open(os.path.join(old, "checkpoint.json"), "w") as f:
+            json.dump({**marker, "format": checkpoint.FORMAT_1, "files": files}, f)
+        return final
+
+    train_gpt.save_checkpoint = save_both
+    train_gpt.train(checkpoint_args(train_gpt, 1, 1, 1, "--steps", "2", "--save", save_dir))
+    return _load_worker(old, (1, 1, 1))
+
+
+def test_upgrade_of_a_format_1_checkpoint(tmp_path):
+    # A checkpoint of the earlier format is refused by name, and `convert upgrade` rewrites it as
+    # exactly the checkpoint today's save writes of the same state.
+    save_dir, old, new = str(tmp_path / "run"), str(tmp_path / "old"), str(tmp_path / "new")
+    (refused,) = run_distributed(1, _format_1_worker, save_dir, old)
+    assert refused.startswith(f"CheckpointingException: cannot load checkpoint {old!r}: checkpoint {old!r}: "
+                              "format 'megatron_ext.dist_checkpointing/1', expected "
+                              "'megatron_ext.dist_checkpointing/2'"), refused
+    assert f"megatron_ext.dist_checkpointing.convert upgrade {old} NEW_DIR" in refused
+    assert _convert("upgrade", old, new) == f"{new}: written\n"
+    first, second = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
+    _convert("to-torch", os.path.join(save_dir, "iter_0000002"), first)
+    _convert("to-torch", new, second)
+    a, b = (torch.load(p, weights_only=False) for p in (first, second))
+    assert b["checkpoint"] == a["checkpoint"] and b["common"] == a["common"] == {"optimizer": {"step": 2}}
+    assert sorted(b["model"]) == sorted(a["model"]) and len(a["model"]) == 16
+    assert sorted(b["optimizer"]) == sorted(a["optimizer"]) and sorted(b["objects"]) == sorted(a["objects"])
+    torch.testing.assert_close(b, a, rtol=0, atol=0)  # every tensor and RNG state, exactly
 
 
 def _distributed_optimizer_worker(save_dir: str):

@@ -214,6 +214,14 @@ def _refusals(path: str) -> dict[str, str]:
     with pytest.raises(CheckpointingException, match="tensor nope is not in the checkpoint") as e:
         dc.load(missing, os.path.join(path, "saved"))
     out["missing"] = str(e.value)
+    # only rank 0 asks for a key the checkpoint lacks: every rank raises, none waits for the others
+    request = _state_dict(tp_rank, tp, dp_rank, dp, fill=False)
+    if dist.get_rank() == 0:
+        request["extra"] = ShardedTensor.from_rank_offsets("extra", torch.zeros(2))
+    unexpected = r"requested keys not in the checkpoint: \['extra'\]"
+    with pytest.raises(CheckpointingException, match=unexpected) as e:
+        dc.load(request, os.path.join(path, "saved"), strict="raise_unexpected")
+    out["unexpected"] = str(e.value)
     with pytest.raises(CheckpointingException, match="is not a distributed checkpoint"):
         dc.load({}, path)
     return out
@@ -344,7 +352,6 @@ def _gpt_worker(path: str) -> None:
     equals that of the model built at the loading layout with the saved model's seed."""
     from megatron_ext import dist_checkpointing as dc
     from megatron_ext.dist_checkpointing.module_state import megatron_core_name
-    from megatron_ext.dist_checkpointing.sharding import param_specs
 
     _init(1, 1)
     serial = _gpt(1)
@@ -358,9 +365,9 @@ def _gpt_worker(path: str) -> None:
     assert {k.rsplit(".", 2)[-2] for k in extra} == linears
     assert len(extra) == 4 * 4 and all(k.endswith("._extra_state") for k in extra)
     assert set(stacked) == set(per_layer) == set(serial.state_dict()) | extra
-    # Per-layer keys are the layout-free checkpoints' global names as Megatron-core names them.
+    # Per-layer keys are the serial model's names as Megatron-core names them.
     assert {v.key for k, v in per_layer.items() if k not in extra} == {
-        megatron_core_name(s.global_name) for s in param_specs(serial).values()
+        megatron_core_name(k) for k in serial.state_dict()
     }
     qkv = stacked["decoder.layers.2.self_attention.query_key_value.weight"]
     assert (qkv.key, qkv.global_shape, qkv.global_offset) == (
@@ -386,7 +393,7 @@ def _gpt_worker(path: str) -> None:
             tied = sd["output_layer.weight"]
             assert (tied.key, tied.replica_id) == ("embedding.word_embeddings.weight", (1, 0, 0))
         dc.save(sd, save_dir)
-        if metadata:  # per-layer keys: the tensors save_checkpoint stores, by Megatron-core's names
+        if not metadata:  # save_checkpoint stores these very tensors (and its optimizer, rng state)
             dc.save_checkpoint(os.path.join(path, "layout_free"), 1, model)
             plain = dc.load_plain_tensors(save_dir)
             if dist.get_rank() == 0:
@@ -395,7 +402,6 @@ def _gpt_worker(path: str) -> None:
                 whole = to_torch(
                     os.path.join(path, "layout_free", "iter_0000001"), os.path.join(path, "whole.pt")
                 )["model"]
-                whole = {megatron_core_name(k): v for k, v in whole.items()}
                 assert sorted(plain) == sorted(whole)
                 assert all(torch.equal(plain[k], whole[k]) for k in plain)
         for tp, pp in ((1, 1), (4, 1), (1, 4)):

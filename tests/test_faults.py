@@ -140,9 +140,8 @@ def _listing(save_dir: str) -> list[str]:
 
 
 def _save_guards_worker(save_dir: str) -> dict:
-    import torch.distributed.checkpoint.filesystem as dcp_filesystem
-
     from megatron_ext.dist_checkpointing import checkpoint
+    from megatron_ext.dist_checkpointing.strategies import filesystem_async
 
     out = {}
     first = _run("--steps", "4", "--save", save_dir, "--save-interval", "1", "--keep-last", "2")
@@ -159,7 +158,7 @@ def _save_guards_worker(save_dir: str) -> dict:
     dist.barrier()
 
     # a full disk while rank 1 writes its files of iteration 5, then while rank 0 completes it
-    write_item = dcp_filesystem._write_item
+    write_item = filesystem_async._write_item
 
     def no_space(*args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -170,9 +169,9 @@ def _save_guards_worker(save_dir: str) -> dict:
 
     resume = ("--steps", "5", "--load", save_dir, "--save", save_dir)
     if dist.get_rank() == 1:
-        dcp_filesystem._write_item = disk_full
+        filesystem_async._write_item = disk_full
     out["disk_full_write"] = _error(_run, *resume)
-    dcp_filesystem._write_item = write_item
+    filesystem_async._write_item = write_item
     out["after_disk_full_write"] = _listing(save_dir)
     dist.barrier()
     fsync_dir = checkpoint._fsync_dir
@@ -217,14 +216,15 @@ def test_save_guards_full_disk_and_pruning(tmp_path):
     for key in ("after_refusals", "after_disk_full_write", "after_disk_full_commit"):
         assert out[key] == tracked + ["tracker 4"], key  # nothing half-written is left
     tmp = os.path.join(save_dir, ".tmp.iter_0000005")
-    for key, where in (("disk_full_write", "rank 1: OSError: [Errno 28] No space left on device"),
-                       ("disk_full_commit", "OSError: [Errno 28] No space left on device")):
+    no_space = "[Errno 28] No space left on device"
+    for key, where in (("disk_full_write", f"rank 1: RuntimeError: Worker failure: {no_space}"),
+                       ("disk_full_commit", f"OSError: {no_space}")):
         assert out[key].startswith(
             f"CheckpointingException: cannot save checkpoint {os.path.join(save_dir, 'iter_0000005')!r}: "
         ), out[key]
         assert (
             where in out[key] and f"(removed {tmp!r}; iteration 4 is still the newest checkpoint)" in out[key]
-        )
+        ), out[key]
     start, losses = out["resumed"]
     assert start == 4 and len(losses) == 1
     assert out["after_resume"] == ["iter_0000004", "iter_0000005", TRACKER, "tracker 5"]

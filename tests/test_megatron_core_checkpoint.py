@@ -9,8 +9,9 @@ with the same shapes, offsets and replicas (stacked layers, per-layer keys, and 
 singleton local shards). Megatron-core's
 checkpoint saved there by its own ``dist_checkpointing.save`` loads into megatron_ext's model at
 tp 1 and tp 4, whose logits equal those of Megatron-core's model that loaded it at tp 1;
-megatron_ext's checkpoint loads into Megatron-core's model at tp 1, whose logits equal those of
-megatron_ext's serial model with the saved weights. Skipped without megatron-core."""
+megatron_ext's training checkpoint (``save_checkpoint``) loads into Megatron-core's model at tp 1
+by Megatron-core's ``dist_checkpointing.load``, whose logits equal those of megatron_ext's serial
+model with the saved weights. Skipped without megatron-core."""
 
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def _worker(path: str) -> dict:
         for i, metadata in enumerate(METADATA):
             sd = ext.sharded_state_dict(metadata=metadata)
             out[arch, "entries", i, "megatron_ext"] = _entries(sd, "megatron_ext")
-        dc.save(ext.sharded_state_dict(), ext_dir)
+        dc.save_checkpoint(ext_dir, 1, ext)  # a training checkpoint: dc.save of the model's and RNG state
 
         # Megatron-core's checkpoint, loaded by Megatron-core at tp 1 and by megatron_ext at tp 1 and 4.
         serial = Run(arch=arch)
@@ -130,7 +131,7 @@ def _worker(path: str) -> dict:
             _megatron_ext_model(serial, SEED + 1), serial
         ).numpy()
         model = _megatron_core_model(serial, SEED + 4)
-        model.load_state_dict(mdc.load(model.sharded_state_dict(), ext_dir))
+        model.load_state_dict(mdc.load(model.sharded_state_dict(), os.path.join(ext_dir, "iter_0000001")))
         out[arch, "megatron_ext checkpoint", "megatron_core tp1"] = _logits(model, serial).numpy()
     from megatron.core import parallel_state
 

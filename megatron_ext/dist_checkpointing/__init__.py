@@ -1,7 +1,7 @@
-"""Sharded checkpoints that load at any tensor/pipeline/data-parallel layout: the training
-checkpoints of ``save_checkpoint`` / ``load_checkpoint`` (checkpoint.py) and Megatron-core's API,
-``save`` / ``load`` of sharded state dicts in its ``torch_dist`` format (serialization.py); both
-write through the same DCP aliases (sharding.py)."""
+"""Sharded checkpoints that load at any tensor/pipeline/data-parallel layout: Megatron-core's API,
+``save`` / ``load`` of sharded state dicts in its ``torch_dist`` format (serialization.py), and on
+it the training checkpoints of ``save_checkpoint`` / ``load_checkpoint`` (checkpoint.py: the
+model's and optimizer's sharded state, made atomic, verified and refused alike on every rank)."""
 
 from megatron_ext.dist_checkpointing.checkpoint import (
     CONVERTIBLE_CONFIG_FIELDS,
@@ -37,7 +37,7 @@ from megatron_ext.dist_checkpointing.serialization import (
     save,
 )
 from megatron_ext.dist_checkpointing.validation import StrictHandling, validate_sharding_integrity
-from megatron_ext.dist_checkpointing.sharding import param_specs, replicated, sharded_tensor, tp_partitioned
+from megatron_ext.dist_checkpointing.sharding import replicated, sharded_tensor, tp_partitioned
 
 __all__ = [
     "AsyncRequest",
@@ -66,7 +66,6 @@ __all__ = [
     "find_checkpoint",
     "latest_iteration",
     "load_checkpoint",
-    "param_specs",
     "prune_checkpoints",
     "read_marker",
     "replicated",

@@ -1,9 +1,17 @@
-"""Saving and loading training state as a resharding ``torch.distributed.checkpoint``.
+"""Training checkpoints that load at any tensor/pipeline/data-parallel layout, atomic and verified.
 
-A checkpoint is a directory ``<save>/iter_XXXXXXX`` holding DCP's files and ``checkpoint.json``,
-the completion marker (format, iteration, the layout it was saved at, caller metadata such as the
-data position, and the SHA-256 of every file). ``<save>/latest_checkpointed_iteration.txt`` names
-the newest complete one.
+A checkpoint is a directory ``<save>/iter_XXXXXXX`` written by ``serialization.save`` (Megatron-
+core's ``torch_dist`` format) plus ``checkpoint.json``, the completion marker (format, iteration,
+the layout it was saved at, the model's configuration, caller metadata such as the data position,
+and the SHA-256 of every file). ``<save>/latest_checkpointed_iteration.txt`` names the newest
+complete one. What is stored is one sharded state dict:
+
+- ``model`` (``model0``, ``model1``, ... with several chunks): each chunk's ``sharded_state_dict()``,
+  so every tensor is its global tensor under Megatron-core's key;
+- ``optimizer``: ``param_state_by_name()``, each tensor sharded as its parameter under
+  ``optimizer.state.<state name>.<parameter key>`` (whatever the optimizer: plain or distributed,
+  so either loads the other's), and in the common part the step and fp16 loss scaler;
+- ``rng_state``: each rank's random states, an object shard at (pp rank, tp rank, dp rank).
 
 Atomicity: ranks write into ``<save>/.tmp.iter_XXXXXXX``; only after every rank's files are
 written and hashed does rank 0 write the marker and rename the directory into place, then update
@@ -17,8 +25,9 @@ A save never moves the tracker backwards or overwrites a newer checkpoint unless
 (``overwrite=True``); ``keep_last`` prunes the older complete checkpoints after a save.
 
 Loading checks, on every rank and before any tensor is read, that the marker exists, that the
-files' hashes match, and that the stored parameters are exactly the model's (names and global
-shapes); the outcome is shared over the world group so every rank raises the same error.
+files' hashes match, that the model's configuration is the saved one, and that the stored tensors
+are exactly the model's (keys and global shapes) and the optimizer's; the outcome is shared over
+the world group so every rank raises the same error.
 """
 
 from __future__ import annotations
@@ -26,7 +35,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
-import io
 import json
 import os
 import re
@@ -36,25 +44,35 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException as _DCPException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_ext import parallel_state
-from megatron_ext.comm_errors import reported
 from megatron_ext.distributed.finalize_model_grads import _find_ddp
-from megatron_ext.dist_checkpointing.core import CheckpointingException
-from megatron_ext.dist_checkpointing.sharding import (
-    ParamSpec,
-    model_chunks,
-    param_specs,
-    stored_shape,
-    unique_specs,
+from megatron_ext.dist_checkpointing import serialization
+from megatron_ext.dist_checkpointing.core import (
+    _FAILURES,
+    CheckpointingException,
+    CheckpointWriteError,
+    _agree,
+    _all_gather,
+    _describe,
 )
+from megatron_ext.dist_checkpointing.dict_utils import extract_matching_values, nested_values
+from megatron_ext.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    apply_factories,
+)
+from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
+from megatron_ext.dist_checkpointing.optimizer import make_sharded_optimizer_tensor, sharded_params_by_tensor
+from megatron_ext.dist_checkpointing.sharding import _strip_wrappers, _unwrap, model_chunks, stored_shape
+from megatron_ext.optimizer.optimizer import chunk_prefix
 from megatron_ext.tensor_parallel.random import get_cuda_rng_tracker
 
-FORMAT = "megatron_ext.dist_checkpointing/1"
+FORMAT = "megatron_ext.dist_checkpointing/2"
+FORMAT_1 = "megatron_ext.dist_checkpointing/1"  # the earlier format: see convert.upgrade
+_OPTIMIZER_PREFIX = "optimizer.state."  # + "<state name>.<parameter key>"
 MARKER = "checkpoint.json"
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -123,50 +141,92 @@ def _layout() -> dict[str, int]:
     }
 
 
-def _rng_key() -> str:
-    return (
-        f"tp{parallel_state.get_tensor_model_parallel_rank()}"
-        f"_pp{parallel_state.get_pipeline_model_parallel_rank()}"
-        f"_dp{parallel_state.get_data_parallel_rank()}"
+def _rng_object(states: Any = None) -> ShardedObject:
+    """This rank's random states as the object shard (pp rank, tp rank, dp rank) of ``rng_state``."""
+    layout = _layout()
+    return ShardedObject(
+        "rng_state",
+        states,
+        (layout["pp"], layout["tp"], layout["dp"]),
+        (
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank(),
+        ),
     )
 
 
-def _to_bytes(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def _from_bytes(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def _rng_bytes() -> bytes:
+def _rng_states() -> dict[str, Any]:
     states = {"tracker": get_cuda_rng_tracker().get_states(), "cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
-    return _to_bytes(states)
+    return states
 
 
-def _set_rng(data: bytes) -> None:
-    states = _from_bytes(data)
+def _set_rng(states: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(states["tracker"])
     torch.set_rng_state(states["cpu"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def _optimizer_by_global_name(
-    optimizer: Any, specs: dict[str, ParamSpec]
-) -> dict[str, tuple[str, ParamSpec, dict[str, torch.Tensor]]]:
-    """The optimizer's per-parameter state by global name, with its own name and the spec."""
+def _sharded_model(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, ShardedStateDict]:
+    """Each chunk's ``sharded_state_dict()`` (wrappers such as DDP removed) under ``model``, or
+    ``model0``, ``model1``, ... with several chunks; a module without one: its tensors by name."""
+    chunks = model_chunks(model)
     out = {}
-    for name, state in optimizer.param_state_by_name().items():
-        if name not in specs:
-            raise ValueError(f"the optimizer names a parameter {name!r} that the model does not have")
-        if specs[name].copy_of is None:  # a tied copy's state equals its original's
-            out[specs[name].global_name] = (name, specs[name], state)
+    for i, chunk in enumerate(chunks):
+        inner = _unwrap(chunk)
+        sharded = getattr(inner, "sharded_state_dict", None)
+        out["model" if len(chunks) == 1 else f"model{i}"] = (
+            sharded() if sharded is not None else module_sharded_state_dict(inner)
+        )
     return out
+
+
+def _sharded_param_state(
+    model: torch.nn.Module | list[torch.nn.Module],
+    model_state: dict[str, ShardedStateDict],
+    param_state: dict[str, dict[str, torch.Tensor]],
+) -> dict[str, dict[str, Any]]:
+    """``param_state`` (``optimizer.param_state_by_name()``: per parameter name, tensors of the
+    parameter's local shape) sharded as the model's ShardedTensor of each parameter, under the
+    keys ``optimizer.state.<name in the entry>.<parameter's key>``."""
+    by_tensor = sharded_params_by_tensor(model_state)
+    params: dict[str, torch.nn.Parameter] = {}
+    chunks = model_chunks(model)
+    for i, chunk in enumerate(chunks):
+        prefix = chunk_prefix(i, len(chunks))
+        for name, param in chunk.named_parameters():
+            params[prefix + name] = param
+            params.setdefault(prefix + _strip_wrappers(name), param)
+    out = {}
+    for name, entry in param_state.items():
+        sharded = by_tensor.get(id(params.get(name)))
+        if sharded is None:
+            raise ValueError(
+                f"the optimizer names a parameter {name!r} that the model's sharded state dict does not hold"
+            )
+        out[name] = {
+            k: make_sharded_optimizer_tensor(sharded, v, _OPTIMIZER_PREFIX + k) for k, v in entry.items()
+        }
+    return out
+
+
+def _without_local_copies(tree: dict[str, Any], seen: dict, copies: list) -> None:
+    """Removes (in place) the ShardedTensors of ``tree`` whose shard this rank already requests
+    elsewhere (the tied output weight held by the embedding's rank, ZB-V's V layout), recording
+    (copy, original) for after the load: DCP takes each shard once per rank."""
+    for k, v in list(tree.items()):
+        if isinstance(v, dict):
+            _without_local_copies(v, seen, copies)
+        elif isinstance(v, ShardedTensor):
+            where = (v.key, tuple(v.global_offset))
+            if where in seen:
+                copies.append((v.data, seen[where]))
+                del tree[k]
+            else:
+                seen[where] = v.data
 
 
 def _sha256(path: str) -> str:
@@ -190,13 +250,6 @@ def _finish_param_gathers(model: torch.nn.Module | list[torch.nn.Module]) -> Non
         ddp = _find_ddp(chunk)
         if ddp is not None:
             ddp.finish_param_sync()
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size()
-    with reported("all-gather of the checkpoint's per-rank records", None):
-        dist.all_gather_object(out, obj)
-    return out
 
 
 def _model_config(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, Any] | None:
@@ -260,26 +313,6 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _agree(error: str | None, prefix: str, exception: type[Exception] = CheckpointingException) -> None:
-    """Shares every rank's error (None for none): all ranks raise the same exception or none does."""
-    errors = sorted({e for e in _all_gather(error) if e})
-    if errors:
-        raise exception(prefix + "; ".join(errors))
-
-
-# What a save's steps may raise: DCP's own exception is a BaseException.
-_FAILURES = (Exception, _DCPException)
-
-
-def _describe(e: BaseException) -> str:
-    """One line for an error: DCP's per-rank failures without their tracebacks."""
-    if isinstance(e, CheckpointingException):
-        return str(e)
-    if isinstance(e, _DCPException):
-        return "; ".join(f"rank {r}: {_describe(exc)}" for r, (exc, _) in sorted(e.failures.items()))
-    return f"{type(e).__name__}: {e}"
-
-
 def save_checkpoint(
     save_dir: str,
     iteration: int,
@@ -302,17 +335,16 @@ def save_checkpoint(
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     _finish_param_gathers(model)
-    specs = param_specs(model)
-    state: dict[str, Any] = {"model": {s.global_name: s.sharded() for s in unique_specs(specs)}}
+    state: dict[str, Any] = _sharded_model(model)
     if optimizer is not None:
-        param_state = {}
-        for global_name, (_, spec, entry) in _optimizer_by_global_name(optimizer, specs).items():
-            param_state[global_name] = {k: spec.sharded(v) for k, v in entry.items()}
         optimizer_state = optimizer.state_dict()
-        state["optimizer"] = {"step": int(optimizer_state["step"]), "param_state": param_state}
+        state["optimizer"] = {
+            "step": int(optimizer_state["step"]),
+            "param_state": _sharded_param_state(model, state, optimizer.param_state_by_name()),
+        }
         if optimizer_state.get("grad_scaler"):  # fp16 loss scaling: the same on every rank
-            state["optimizer"]["grad_scaler"] = _to_bytes(optimizer_state["grad_scaler"])
-    state["rng"] = {_rng_key(): _rng_bytes()}
+            state["optimizer"]["grad_scaler"] = optimizer_state["grad_scaler"]
+    state["rng_state"] = _rng_object(_rng_states())
 
     final = checkpoint_dir(save_dir, iteration)
     tmp = os.path.join(save_dir, f".tmp.iter_{iteration:07d}")
@@ -341,12 +373,14 @@ def save_checkpoint(
     for step in ("write", "hash"):
         try:
             if step == "write":
-                dcp.save(state, storage_writer=FileSystemWriter(tmp))
+                serialization.save(state, tmp)
                 if _after_rank_wrote is not None:
                     _after_rank_wrote()
                 outcome = None
             else:  # every rank's files (and rank 0's .metadata) are written
                 outcome = _hash_my_share(tmp, sorted(os.listdir(tmp)))
+        except CheckpointWriteError as e:  # raised on every rank; rank 0's names what failed
+            error, outcome = (_describe(e) if rank0 else None), None
         except _FAILURES as e:
             error, outcome = _describe(e), None
         results = _all_gather((error, outcome))
@@ -472,8 +506,9 @@ def _write_tracker(save_dir: str, iteration: int) -> None:
     _fsync_dir(save_dir)
 
 
-def read_marker(path: str) -> dict[str, Any]:
-    """The completion marker of checkpoint ``path``; raises if it is missing or unreadable."""
+def read_marker(path: str, expected: str = FORMAT) -> dict[str, Any]:
+    """The completion marker of checkpoint ``path``; raises if it is missing, unreadable or of
+    another format than ``expected``."""
     marker_path = os.path.join(path, MARKER)
     if not os.path.isdir(path):
         raise CheckpointingException(f"checkpoint {path!r} does not exist")
@@ -486,9 +521,15 @@ def read_marker(path: str) -> dict[str, Any]:
             marker = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointingException(f"checkpoint {path!r}: {MARKER} is unreadable ({e})") from None
-    if marker.get("format") != FORMAT:
+    if marker.get("format") != expected:
+        upgrade = (
+            f" (stored by megatron_ext's names, one tensor per layer; `python -m "
+            f"megatron_ext.dist_checkpointing.convert upgrade {path} NEW_DIR` rewrites it)"
+            if marker.get("format") == FORMAT_1 and expected == FORMAT
+            else ""
+        )
         raise CheckpointingException(
-            f"checkpoint {path!r}: format {marker.get('format')!r}, expected {FORMAT!r}"
+            f"checkpoint {path!r}: format {marker.get('format')!r}, expected {expected!r}{upgrade}"
         )
     return marker
 
@@ -505,47 +546,56 @@ def verify_files(path: str, marker: dict[str, Any], names: list[str]) -> list[st
     return problems
 
 
-def _stored_optimizer_keys(metadata: Metadata, global_name: str) -> list[str]:
-    prefix = f"optimizer.param_state.{global_name}."
-    return sorted(k[len(prefix) :] for k in metadata.state_dict_metadata if k.startswith(prefix))
+def _requested_tensors(state: dict[str, Any]) -> list[ShardedTensor]:
+    """The ShardedTensors a load of ``state`` reads (factories built, on a copy)."""
+    request, _ = extract_matching_values(state, lambda v: True)
+    apply_factories(request)
+    return [v for v in nested_values(request) if isinstance(v, ShardedTensor)]
 
 
-def _check_optimizer(metadata: Metadata, current: dict[str, tuple[str, ParamSpec, dict]]) -> list[str]:
-    if "optimizer.step" not in metadata.state_dict_metadata:
-        return ["it holds no optimizer state"]
+def _check_tensors(stored: dict[str, Any], requested: list[ShardedTensor], all_keys: set[str]) -> list[str]:
+    """Problems between the checkpoint's tensors (DCP metadata) and those this rank requests;
+    ``all_keys``: every rank's requested keys."""
     problems = []
-    for global_name, (_, _, entry) in current.items():
-        stored = _stored_optimizer_keys(metadata, global_name)
-        if stored != sorted(entry):
+    for sh in requested:
+        what = "optimizer state" if sh.key.startswith(_OPTIMIZER_PREFIX) else "parameter"
+        if sh.key not in stored:
+            if what == "parameter":
+                problems.append(f"parameter {sh.key} {list(sh.global_shape)} is not in the checkpoint")
+        elif stored_shape(stored[sh.key]) != tuple(sh.global_shape):
             problems.append(
-                f"the optimizer state of {global_name} holds {stored} in the checkpoint, "
-                f"the optimizer has {sorted(entry)}"
+                f"{what} {sh.key} has global shape {list(stored_shape(stored[sh.key]) or [])} in the "
+                f"checkpoint but {list(sh.global_shape)} in the model"
             )
-    return problems
-
-
-def _check_model(metadata: Metadata, specs: list[ParamSpec], all_names: set[str]) -> list[str]:
-    problems = []
-    stored = metadata.state_dict_metadata
-    for spec in specs:
-        key = f"model.{spec.global_name}"
-        expected = tuple(spec.sharded().global_shape)
-        if key not in stored:
-            problems.append(f"parameter {spec.global_name} {list(expected)} is not in the checkpoint")
-        elif stored_shape(stored[key]) != expected:
-            problems.append(
-                f"parameter {spec.global_name} has global shape "
-                f"{list(stored_shape(stored[key]) or [])} in the "
-                f"checkpoint but {list(expected)} in the model"
-            )
-    extra = sorted(
-        k[len("model.") :] for k in stored if k.startswith("model.") and k[len("model.") :] not in all_names
-    )
+    model_keys = {k for k, md in stored.items() if stored_shape(md) and not k.startswith(_OPTIMIZER_PREFIX)}
+    extra = sorted(model_keys - all_keys)
     if extra:
         problems.append(
             f"the checkpoint has parameters the model lacks: {extra[:5]}{' ...' if len(extra) > 5 else ''}"
         )
     return problems
+
+
+def _check_optimizer(stored: dict[str, Any], requested: list[ShardedTensor]) -> list[str]:
+    """The optimizer's state names per parameter against the checkpoint's."""
+
+    def by_param(keys: Any) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for key in keys:
+            if key.startswith(_OPTIMIZER_PREFIX):
+                name, _, param_key = key[len(_OPTIMIZER_PREFIX) :].partition(".")
+                out.setdefault(param_key, []).append(name)
+        return out
+
+    held = by_param(stored)
+    if not held:
+        return ["it holds no optimizer state"]
+    return [
+        f"the optimizer state of {param_key} holds {sorted(held.get(param_key, []))} in the checkpoint, "
+        f"the optimizer has {sorted(names)}"
+        for param_key, names in by_param({sh.key for sh in requested}).items()
+        if sorted(held.get(param_key, [])) != sorted(names)
+    ]
 
 
 def load_checkpoint(
@@ -564,13 +614,11 @@ def load_checkpoint(
     """
     resolved = find_checkpoint(path)
     _finish_param_gathers(model)
-    specs = param_specs(model)
-    unique = unique_specs(specs)
-    all_names = set().union(*_all_gather([s.global_name for s in unique]))
-    current = _optimizer_by_global_name(optimizer, specs) if optimizer is not None else {}
+    state: dict[str, Any] = _sharded_model(model)
+    targets: dict[str, dict[str, torch.Tensor]] = {}
     problems: list[str] = []
     marker: dict[str, Any] = {}
-    metadata: Metadata | None = None
+    stored: dict[str, Any] = {}
     try:
         if resolved is None:
             raise CheckpointingException(f"{path!r} is neither a checkpoint nor a directory with {TRACKER}")
@@ -580,14 +628,28 @@ def load_checkpoint(
             resolved, marker, sorted(marker["files"])[dist.get_rank() :: dist.get_world_size()]
         )
         if not problems:
-            metadata = FileSystemReader(resolved).read_metadata()
-            problems += _check_model(metadata, unique, all_names)
-            if optimizer is not None:
-                problems += _check_optimizer(metadata, current)
+            stored = FileSystemReader(resolved).read_metadata().state_dict_metadata
     except CheckpointingException as e:
         problems.append(str(e))
     except Exception as e:  # noqa: BLE001  (an unreadable file must fail every rank alike)
         problems.append(f"{type(e).__name__}: {e}")
+    if optimizer is not None:
+        # Targets in the stored dtypes (a 16-bit model's main copies and state are float32).
+        current = optimizer.param_state_by_name()
+        keys = _sharded_param_state(model, state, current)
+        for name, entry in current.items():
+            targets[name] = {}
+            for k, now in entry.items():
+                md = stored.get(keys[name][k].key)
+                dtype = md.properties.dtype if stored_shape(md) else now.dtype
+                targets[name][k] = torch.empty(now.shape, dtype=dtype, device=now.device)
+        state["optimizer"] = {"param_state": _sharded_param_state(model, state, targets)}
+    requested = _requested_tensors(state)
+    all_keys = set().union(*_all_gather({sh.key for sh in requested}))
+    if stored:
+        problems += _check_tensors(stored, requested, all_keys)
+        if optimizer is not None:
+            problems += _check_optimizer(stored, requested)
     reports = _all_gather(problems)
     failed = [(rank, p) for rank, ps in enumerate(reports) for p in ps]
     if failed:
@@ -600,45 +662,22 @@ def load_checkpoint(
         raise CheckpointingException(
             f"cannot load checkpoint {resolved or path!r}: " + "; ".join(lines[:shown]) + more
         )
-    assert metadata is not None
 
-    state: dict[str, Any] = {"model": {s.global_name: s.sharded() for s in unique}}
-    optimizer_targets: dict[str, dict[str, torch.Tensor]] = {}
-    if optimizer is not None:
-        param_state = {}
-        for global_name, (name, spec, entry_now) in current.items():
-            entry = {}
-            for k, now in entry_now.items():
-                dtype = metadata.state_dict_metadata[
-                    f"optimizer.param_state.{global_name}.{k}"
-                ].properties.dtype
-                target = torch.empty(spec.param.shape, dtype=dtype, device=now.device)
-                optimizer_targets.setdefault(name, {})[k] = target
-                entry[k] = spec.sharded(target)
-            param_state[global_name] = entry
-        state["optimizer"] = {"step": 0, "param_state": param_state}
-        if "optimizer.grad_scaler" in metadata.state_dict_metadata:
-            state["optimizer"]["grad_scaler"] = b""
     rng_loaded = load_rng and marker["layout"] == _layout()
     if rng_loaded:
-        state["rng"] = {_rng_key(): b""}
-    dcp.load(state, storage_reader=FileSystemReader(resolved))
+        state["rng_state"] = _rng_object()
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    _without_local_copies(state, {}, copies)
+    loaded = serialization.load(state, resolved)
     with torch.no_grad():
-        for spec in {id(s): s for s in specs.values() if s.copy_of is not None}.values():
-            spec.param.copy_(spec.copy_of.param)
+        for copy, original in copies:
+            copy.copy_(original)
     if optimizer is not None:
-        for name in optimizer.param_state_by_name():
-            original = specs[name].copy_of
-            if original is not None:
-                targets = optimizer_targets[current[original.global_name][0]]
-                optimizer_targets[name] = {k: v.clone() for k, v in targets.items()}
-
-    if optimizer is not None:
-        scalars = {"step": state["optimizer"]["step"]}
-        if "grad_scaler" in state["optimizer"]:
-            scalars["grad_scaler"] = _from_bytes(state["optimizer"]["grad_scaler"])
+        scalars = {"step": loaded["optimizer"]["step"]}
+        if "grad_scaler" in loaded["optimizer"]:
+            scalars["grad_scaler"] = loaded["optimizer"]["grad_scaler"]
         optimizer.load_state_dict(scalars)
-        optimizer.load_param_state_by_name(optimizer_targets)
+        optimizer.load_param_state_by_name(targets)
     if rng_loaded:
-        _set_rng(state["rng"][_rng_key()])
+        _set_rng(loaded["rng_state"])
     return {**marker, "rng_loaded": rng_loaded, "path": resolved}

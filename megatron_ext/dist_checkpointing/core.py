@@ -1,6 +1,14 @@
-"""The exception every checkpoint refusal raises (Megatron-core's ``dist_checkpointing.core``)."""
+"""The exception every checkpoint refusal raises (Megatron-core's ``dist_checkpointing.core``),
+and how every rank comes to raise the same one."""
 
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException as _DCPException
+
+from megatron_ext.comm_errors import reported
 
 
 class CheckpointingException(RuntimeError):
@@ -17,3 +25,30 @@ class CheckpointWriteError(CheckpointingException, _DCPException):
 
     def __str__(self) -> str:
         return self.args[0]
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    with reported("all-gather of the checkpoint's per-rank records", None):
+        dist.all_gather_object(out, obj)
+    return out
+
+
+def _agree(error: str | None, prefix: str, exception: type[Exception] = CheckpointingException) -> None:
+    """Shares every rank's error (None for none): all ranks raise the same exception or none does."""
+    errors = sorted({e for e in _all_gather(error) if e})
+    if errors:
+        raise exception(prefix + "; ".join(errors))
+
+
+# What a save's steps may raise: DCP's own exception is a BaseException.
+_FAILURES = (Exception, _DCPException)
+
+
+def _describe(e: BaseException) -> str:
+    """One line for an error: DCP's per-rank failures without their tracebacks."""
+    if isinstance(e, CheckpointingException):
+        return str(e)
+    if isinstance(e, _DCPException):
+        return "; ".join(f"rank {r}: {_describe(exc)}" for r, (exc, _) in sorted(e.failures.items()))
+    return f"{type(e).__name__}: {e}"

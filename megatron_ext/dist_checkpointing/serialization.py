@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from megatron_ext.dist_checkpointing.checkpoint import (
+from megatron_ext.dist_checkpointing.core import (
     _FAILURES,
     CheckpointingException,
     _agree,
@@ -154,15 +154,20 @@ def _save_common(common_state_dict: StateDict, checkpoint_dir: str) -> None:
 def _finalize(checkpoint_dir: str) -> None:
     """Completes the checkpoint: rank 0 writes ``metadata.json``; collective."""
     if dist.get_rank() == 0:
-        config = {
-            "sharded_backend": BACKEND[0],
-            "sharded_backend_version": BACKEND[1],
-            "common_backend": "torch",
-            "common_backend_version": 1,
-        }
-        with open(os.path.join(checkpoint_dir, CONFIG_FNAME), "w") as f:
-            json.dump(config, f)
+        write_config(checkpoint_dir)
     dist.barrier()
+
+
+def write_config(checkpoint_dir: str) -> None:
+    """Writes ``metadata.json``, the backends the checkpoint was written with."""
+    config = {
+        "sharded_backend": BACKEND[0],
+        "sharded_backend_version": BACKEND[1],
+        "common_backend": "torch",
+        "common_backend_version": 1,
+    }
+    with open(os.path.join(checkpoint_dir, CONFIG_FNAME), "w") as f:
+        json.dump(config, f)
 
 
 def save(
@@ -373,8 +378,9 @@ def load(
             f"{sorted(missing)}; "
             f"requested keys not in the checkpoint: {sorted(unexpected)}"
         )
-        if (missing or unexpected) and strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
-            raise CheckpointingException(message)
+        raising = strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL)
+        # every rank raises (the unexpected keys are per rank): none is left waiting for the others
+        _agree(message if (missing or unexpected) and raising else None, "")
         if (missing or unexpected) and strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
             logger.warning(message)
     if validate_access_integrity:

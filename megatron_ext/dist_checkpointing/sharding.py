@@ -1,24 +1,19 @@
-"""Where each rank's parameter shards sit in the global (unsplit, unstaged) model.
+"""How a rank's pieces of a global tensor reach ``torch.distributed.checkpoint`` (DCP).
 
-A checkpoint stores every parameter as its global tensor under a global name, so that it loads
-at any tensor/pipeline/data-parallel layout:
-
-- names: the name in the serial model. Pipeline stages hold consecutive (or, with a virtual
-  pipeline, interleaved) layers under stage-local indices ``layers.0, layers.1, ...``; each layer
-  knows its global ``layer_number`` (1-based), which replaces the local index. The last stage's
-  copy of a tied word embedding is stored as the first stage's ``embedding.word_embeddings.weight``.
-- shards: a tensor-parallel parameter (``tensor_model_parallel``) is cut along ``partition_dim``
-  into ``tp * partition_stride`` equal pieces dealt round-robin, so TP rank r holds pieces
-  r, r + tp, r + 2 tp, ... (``_initialize_affine_weight_cpu`` splits a master weight the same
-  way). Each piece is written at its global offset (DCP's ``CheckpointableTensor`` fields); DCP
-  reads back whatever overlaps a rank's pieces at the new layout.
+Every checkpoint stores each tensor as one global tensor, so that it loads at any
+tensor/pipeline/data-parallel layout. A rank's copy is one or more pieces of it: a
+tensor-parallel parameter (``tensor_model_parallel``) cut along ``partition_dim`` into
+``tp * partition_stride`` equal pieces dealt round-robin, so TP rank r holds pieces r, r + tp,
+r + 2 tp, ... (``_initialize_affine_weight_cpu`` splits a master weight the same way). The aliases
+made here carry each piece's global offset (DCP's ``CheckpointableTensor`` fields, or before torch
+2.14 the hooks DTensor implements): DCP writes each piece there and reads back, at the new layout,
+whatever overlaps a rank's pieces. ``strategies.torch.dcp_state`` makes them for every
+ShardedTensor that ``serialization.save`` / ``load`` handle.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,14 +26,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from megatron_ext import parallel_state
-from megatron_ext.optimizer.optimizer import chunk_prefix
 
 TIED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
 # torch 2.14 added DCP's CheckpointableTensor protocol (the four fields below); older DCP learns a
 # tensor's chunks only through the hooks DTensor implements.
 _DCP_READS_SHARD_FIELDS = hasattr(torch.distributed.checkpoint, "CheckpointableTensor")
-_LAYER_PREFIX = re.compile(r"^(?P<head>(?:.*\.)?layers)\.(?P<index>\d+)$")
 
 
 def sharded_tensor(
@@ -166,100 +158,8 @@ def _strip_wrappers(name: str) -> str:
     return name
 
 
-@dataclass
-class ParamSpec:
-    local_name: str  # as the optimizer contract names it ("chunk{i}." prefix with several chunks)
-    global_name: str
-    param: torch.nn.Parameter
-    # The tied word embedding's copy held by the same rank as the embedding (ZB-V's V layout):
-    # saved once, through ``copy_of``, and loaded into both.
-    copy_of: ParamSpec | None = None
-
-    def sharded(self, tensor: torch.Tensor | None = None) -> torch.Tensor:
-        """``tensor`` (default: the parameter's data), which has the parameter's local shape,
-        sharded as the parameter is."""
-        t = self.param.detach() if tensor is None else tensor
-        if t.shape != self.param.shape:
-            raise ValueError(
-                f"{self.local_name}: a tensor of shape {tuple(t.shape)} for a parameter of shape "
-                f"{tuple(self.param.shape)}"
-            )
-        if not getattr(self.param, "tensor_model_parallel", False):
-            return replicated(t)
-        return tp_partitioned(
-            t,
-            self.param.partition_dim,
-            getattr(self.param, "partition_stride", 1),
-            parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_world_size(),
-        )
-
-
-def _global_prefixes(chunk: torch.nn.Module) -> dict[str, str]:
-    """Stage-local layer prefixes (``decoder.layers.0``) -> global ones (``decoder.layers.5``)."""
-    prefixes = {}
-    for name, module in chunk.named_modules():
-        match = _LAYER_PREFIX.match(name)
-        number = getattr(module, "layer_number", None)
-        if match and isinstance(number, int):
-            prefixes[name] = f"{match['head']}.{number - 1}"
-    return prefixes
-
-
-def _global_name(name: str, prefixes: dict[str, str], chunk: torch.nn.Module) -> str:
-    if (
-        name == "output_layer.weight"
-        and getattr(chunk, "share_embeddings_and_output_weights", False)
-        and not getattr(chunk, "pre_process", True)
-    ):
-        return TIED_EMBEDDING_NAME
-    parts = name.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        prefix = ".".join(parts[:i])
-        if prefix in prefixes:
-            return ".".join([prefixes[prefix]] + parts[i:])
-    return name
-
-
 def model_chunks(model: torch.nn.Module | list[torch.nn.Module]) -> list[torch.nn.Module]:
     return list(model) if isinstance(model, (list, tuple)) else [model]
-
-
-def param_specs(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, ParamSpec]:
-    """This rank's parameters by local name (both as ``chunk.named_parameters()`` spells it and
-    with wrapper prefixes like DDP's ``module.`` removed), each with its global name."""
-    chunks = model_chunks(model)
-    specs: dict[str, ParamSpec] = {}
-    seen: dict[str, ParamSpec] = {}
-    for i, wrapped in enumerate(chunks):
-        chunk = _unwrap(wrapped)
-        prefixes = _global_prefixes(chunk)
-        prefix = chunk_prefix(i, len(chunks))
-        for name, param in wrapped.named_parameters():
-            bare = _strip_wrappers(name)
-            spec = ParamSpec(prefix + name, _global_name(bare, prefixes, chunk), param)
-            if spec.global_name == TIED_EMBEDDING_NAME and spec.global_name in seen:
-                spec.copy_of = seen[spec.global_name]
-            elif spec.global_name in seen:
-                raise RuntimeError(
-                    f"parameters {seen[spec.global_name].local_name!r} and {spec.local_name!r} "
-                    "map to the same global name "
-                    f"{spec.global_name!r}; are the layers' layer_number attributes global?"
-                )
-            seen.setdefault(spec.global_name, spec)
-            specs[prefix + name] = spec
-            specs.setdefault(prefix + bare, spec)
-    return specs
-
-
-def unique_specs(specs: dict[str, ParamSpec]) -> list[ParamSpec]:
-    """Each parameter once, a tied copy (``copy_of``) not at all."""
-    out, ids = [], set()
-    for spec in specs.values():
-        if id(spec) not in ids and spec.copy_of is None:
-            ids.add(id(spec))
-            out.append(spec)
-    return out
 
 
 def stored_shape(md: Any) -> tuple[int, ...] | None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ext import parallel_state
-from megatron_ext.dist_checkpointing.checkpoint import _agree
+from megatron_ext.dist_checkpointing.core import _agree
 from megatron_ext.transformer import TransformerConfig
 
 _ACTIVATIONS: dict[str, Callable] = {

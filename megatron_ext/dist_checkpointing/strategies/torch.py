@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from megatron_ext.dist_checkpointing.core import CheckpointWriteError
+from megatron_ext.dist_checkpointing.core import _FAILURES, CheckpointWriteError, _all_gather, _describe
+from torch.distributed.checkpoint.api import CheckpointException as _DCPException
 from megatron_ext.dist_checkpointing.dict_utils import nested_values
 from megatron_ext.dist_checkpointing.mapping import ShardedBase, ShardedTensor, is_main_replica
 from megatron_ext.dist_checkpointing.sharding import sharded_parts
@@ -69,7 +70,6 @@ def _write(
     state: dict[str, Any], checkpoint_dir: str, thread_count: int, group: Any = None
 ) -> WriteFailure | None:
     """Writes ``state`` with DCP (collective over ``group``); returns the failure or None."""
-    from megatron_ext.dist_checkpointing.checkpoint import _FAILURES, _DCPException, _describe
 
     try:
         dcp.save(
@@ -87,8 +87,6 @@ def _write(
 def _raise_write_errors(checkpoint_dir: str, failure: WriteFailure | None) -> None:
     """If any rank's write failed, every rank raises a CheckpointWriteError naming the failed
     ranks; rank 0's (the coordinator's, as in Megatron-core) also says what failed. Collective."""
-    from megatron_ext.dist_checkpointing.checkpoint import _all_gather
-
     failures = [f for f in _all_gather(failure) if f is not None]
     if not failures:
         return
