@@ -652,6 +652,39 @@ def _group(kind: str, what: str, check_initialized: bool = True) -> Any:
     )
 
 
+# Megatron-core keeps each group in a module global; code that reads one (its own tests do) gets
+# the group, or None before initialize_model_parallel, from these names.
+_GLOBAL_NAMES = {
+    **{f"_{desc}": kind for kind, desc in _GROUP_DESCS.items()},
+    **{f"_{desc}_GLOO": f"{kind}-gloo" for kind, desc in _GROUP_DESCS.items()},
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "intra-edp",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO": "intra-edp-gloo",
+    "_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP": "inter-edp",
+    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS": "hcp",
+}
+_GLOBAL_RANK_NAMES = {
+    "_MODEL_PARALLEL_GLOBAL_RANKS": "mp",
+    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "tp",
+    "_PIPELINE_GLOBAL_RANKS": "pp",
+    "_DATA_PARALLEL_GLOBAL_RANKS": "dp",
+    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": "dp-cp",
+    "_CONTEXT_PARALLEL_GLOBAL_RANKS": "cp",
+    "_EMBEDDING_GLOBAL_RANKS": "embd",
+    "_POSITION_EMBEDDING_GLOBAL_RANKS": "pos_embd",
+    "_EXPERT_MODEL_PARALLEL_RANKS": "ep",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Megatron-core's module globals of the groups (``_MODEL_PARALLEL_GROUP``,
+    ``_DATA_PARALLEL_GROUP_GLOO``, ``_PIPELINE_GLOBAL_RANKS``, ...), read-only."""
+    if name in _GLOBAL_NAMES:
+        return _GROUPS.get(_GLOBAL_NAMES[name])
+    if name in _GLOBAL_RANK_NAMES:
+        return _GROUP_RANKS.get(_GLOBAL_RANK_NAMES[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _ranks(kind: str, what: str) -> list[int]:
     _group(kind, what)
     return _GROUP_RANKS[kind]

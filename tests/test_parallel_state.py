@@ -148,7 +148,15 @@ def _layouts_worker(layouts) -> list[dict]:
             t = torch.tensor([float(rank)])
             dist.all_reduce(t, group=group)
             got[name] = t.item()
+        # Megatron-core's module globals name the same groups (None once destroyed).
+        got["globals"] = (
+            ps._MODEL_PARALLEL_GROUP is ps.get_model_parallel_group(),
+            ps._TENSOR_MODEL_PARALLEL_GROUP is ps.get_tensor_model_parallel_group(),
+            ps._DATA_PARALLEL_GROUP_GLOO is ps.get_data_parallel_group_gloo(),
+            ps._PIPELINE_GLOBAL_RANKS == dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
+        )
         ps.destroy_model_parallel()
+        got["globals_after_destroy"] = (ps._MODEL_PARALLEL_GROUP, ps._PIPELINE_GLOBAL_RANKS)
         got["initialized_after_destroy"] = ps.model_parallel_is_initialized()
         out.append(got)
     return out
@@ -157,6 +165,7 @@ def _layouts_worker(layouts) -> list[dict]:
 def _check_layout(got: dict, world: int, tp: int, pp: int, rank: int) -> None:
     e = _expected(world, tp, pp, rank)
     assert got["initialized"] and not got["initialized_after_destroy"]
+    assert got["globals"] == (True, True, True, True) and got["globals_after_destroy"] == (None, None)
     assert (got["tp"], got["tp_rank"]) == (tp, e["tp_rank"])
     assert (got["pp"], got["pp_rank"]) == (pp, e["pp_rank"])
     assert (got["dp"], got["dp_rank"]) == (e["dp"], e["dp_rank"])

@@ -183,7 +183,7 @@ def build_chunks(layers, pp: int, rank: int, v: int, config, recorder: Recorder,
 def _run_layout(layers, pp: int, v: int, m: int, g: int | None, *, forward_only: bool = False,
                 deallocate: bool = False, comm: P2PCommunicator | None = None,
                 pgs: ProcessGroupCollection | None = None, counts: list[int] | None = None,
-                sync_funcs: bool = False) -> None:
+                sync_funcs: bool = False, decoder_seq_length: int | None = None) -> None:
     pp_group = comm.pp_group if comm is not None else ps.get_pipeline_model_parallel_group()
     rank = pp_group.rank()
     where = f"pp={pp} v={v} m={m} g={g} rank={rank} forward_only={forward_only}"
@@ -218,7 +218,7 @@ def _run_layout(layers, pp: int, v: int, m: int, g: int | None, *, forward_only:
     store = func(
         forward_step_func=forward_step, data_iterator=[iter(batches) for _ in range(v)], model=chunks,
         num_microbatches=m, seq_length=S, micro_batch_size=B, forward_only=forward_only,
-        p2p_communicator=comm, pg_collection=pgs,
+        p2p_communicator=comm, pg_collection=pgs, decoder_seq_length=decoder_seq_length,
     )
     ref_losses, ref_grads = serial_reference(layers, batches)
     if rank == pp - 1:
@@ -279,6 +279,9 @@ def _interleaved_worker() -> None:
         _run_layout(layers, pp, 2, 2 * pp, None, counts=counts)
         _run_layout(layers, pp, 2, 2 * pp, None, deallocate=True)
         _run_layout(layers, pp, 3, pp, None, sync_funcs=True)
+        # As in Megatron-core, the interleaved schedule sends seq_length positions whatever
+        # decoder_seq_length says (the 1F1B schedule sends decoder_seq_length).
+        _run_layout(layers, pp, 2, pp, None, decoder_seq_length=S + 3)
         ps.destroy_model_parallel()
 
     # Custom process groups: parallel_state has pipelines of 2, the schedule runs all 4 ranks

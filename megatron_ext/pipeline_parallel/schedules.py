@@ -1148,12 +1148,13 @@ def forward_backward_pipelining_with_interleaving(
     warms up with ``2 (pp - r - 1) + (v - 1) g`` forwards. The pipeline bubble is
     ``(pp - 1) / (v m)`` of the ideal time instead of 1F1B's ``(pp - 1) / m``. As in Megatron-core,
     ``g`` must lie in ``[pp, m]`` (ValueError) and ``m mod g`` be 0 or at least ``pp``
-    (RuntimeError).
+    (RuntimeError). The stages exchange ``seq_length`` positions; ``decoder_seq_length`` is
+    ignored here, as in Megatron-core's interleaved schedule.
     """
     return _pipelined(
         "interleaved", forward_step_func=forward_step_func, data_iterator=data_iterator,
         model=model, num_microbatches=num_microbatches, seq_length=seq_length,
-        micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+        micro_batch_size=micro_batch_size, decoder_seq_length=None,
         forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
         first_val_step=first_val_step,
         adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
