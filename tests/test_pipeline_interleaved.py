@@ -347,6 +347,9 @@ def _check_errors(layers, comm, pgs) -> None:
         func(**{**kwargs, "model": chunks[0]})
     with pytest.raises(ValueError, match="one data iterator per model chunk: got 1 for 2"):
         func(**{**kwargs, "data_iterator": [iter(make_batches(4))]})
+    # Megatron-core's order: the micro-batch groups are refused before the iterators are counted
+    with pytest.raises(RuntimeError, match="leaves a last group of 1"):
+        func(**{**kwargs, "data_iterator": [iter(make_batches(4))], "num_microbatches": 5})
     with pytest.raises(ValueError, match="Invalid combination of p2p_communicator, pg_collection"):
         func(**{**kwargs, "p2p_communicator": comm})
     with pytest.raises(ValueError, match=r"the pipeline schedule: pg_collection lacks \['dp_cp'\]"):

@@ -959,18 +959,8 @@ def _pipelined(
     if kind == "zb-v" and len(chunks) != 2:
         raise ValueError(f"the zb-v schedule runs 2 model chunks per rank (a V: chunk 0 is stage "
                          f"rank, chunk 1 stage 2 * pp - 1 - rank), got {len(chunks)}")
-    if isinstance(data_iterator, list) or interleaved:
-        iterators = _as_chunks("data_iterator", data_iterator, many=True, need_list=interleaved)
-        if interleaved and len(iterators) != len(chunks):
-            raise ValueError(
-                f"the {kind} schedule needs one data iterator per model chunk: got "
-                f"{len(iterators)} for {len(chunks)} chunks"
-            )
-        iterators = iterators * len(chunks) if len(iterators) == 1 else iterators
-    else:
-        iterators = [data_iterator] * len(chunks)
-    if len(iterators) != len(chunks):
-        raise ValueError(f"got {len(iterators)} data iterators for {len(chunks)} model chunks")
+    if interleaved:  # checked here, counted after the table's checks (Megatron-core's order)
+        _as_chunks("data_iterator", data_iterator, many=True, need_list=True)
     if adjust_tensor_shapes_fn is not None:
         raise ValueError("adjust_tensor_shapes_fn is not supported: every stage sends [s, b, h]")
     layout = parallel_state.get_pipeline_model_parallel_layout()
@@ -1024,6 +1014,18 @@ def _pipelined(
         tables = [zbv_table(num_microbatches, pp_size, r, forward_only) for r in range(pp_size)]
     else:
         tables = [one_f_one_b_table(num_microbatches, pp_size, r, forward_only) for r in range(pp_size)]
+    if isinstance(data_iterator, list) or interleaved:
+        iterators = _as_chunks("data_iterator", data_iterator, many=True, need_list=interleaved)
+        if interleaved and len(iterators) != len(chunks):
+            raise ValueError(
+                f"the {kind} schedule needs one data iterator per model chunk: got "
+                f"{len(iterators)} for {len(chunks)} chunks"
+            )
+        iterators = iterators * len(chunks) if len(iterators) == 1 else iterators
+    else:
+        iterators = [data_iterator] * len(chunks)
+    if len(iterators) != len(chunks):
+        raise ValueError(f"got {len(iterators)} data iterators for {len(chunks)} model chunks")
 
     with _timed(config, "forward-backward", 1):
         store, total_tokens = run_schedule(
