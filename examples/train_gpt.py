@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import sys
 import sysconfig
@@ -38,7 +39,13 @@ from megatron_ext.distributed import (
 )
 from megatron_ext.distributed.distributed_data_parallel import DEFAULT_BUCKET_SIZE_BYTES
 from megatron_ext.models import GPTModel
-from megatron_ext.models.hf import config_from_hf, export_hf_state_dict, hf_config_dict, load_hf_state_dict
+from megatron_ext.models.hf import (
+    config_from_hf,
+    export_hf_state_dict,
+    hf_config_dict,
+    hf_tensor_names,
+    load_hf_state_dict,
+)
 from megatron_ext.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron_ext.pipeline_parallel import get_forward_backward_func
 from megatron_ext.tensor_parallel.utils import comm_device
@@ -178,7 +185,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--export-hf", default=None,
                    help="after training, write the weights as Hugging Face safetensors + config.json to this "
-                        "directory (Llama-shaped models: --arch llama or --load-hf)")
+                        "directory (Llama-shaped models: --arch llama or --load-hf); it must be new or "
+                        "empty unless --export-hf-overwrite, and never the --load-hf directory")
+    p.add_argument("--export-hf-overwrite", action="store_true",
+                   help="with --export-hf: replace the model in that directory (its config.json, "
+                        "*.safetensors and index are removed first)")
     p.add_argument("--no-load-rng", action="store_true", help="with --load, keep the fresh random states")
     p.set_defaults(hf_config=None)  # --load-hf's config.json, read by check_args
     p.add_argument("--no-load-optim", action="store_true", help="with --load, keep the fresh optimizer state")
@@ -187,11 +198,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Every rank runs this on the same arguments, so every rank raises the same error."""
+    check_numbers(args)
     args.hf_config = read_hf_config(args.load_hf) if args.load_hf is not None else None
     if args.export_hf is not None and args.arch != "llama" and args.load_hf is None:
         raise ValueError("--export-hf writes Llama-shaped models: use --arch llama or --load-hf")
-    if args.export_hf is not None and os.path.exists(args.export_hf) and not os.path.isdir(args.export_hf):
-        raise ValueError(f"--export-hf {args.export_hf!r} is not a directory")
+    check_export_dir(args)
+    if args.save is not None:
+        check_writable_dir("--save", args.save)
     if args.hf_config is not None:
         config, kwargs = config_from_hf(args.hf_config)
         args.arch, args.layers, args.hidden = "hf", config.num_layers, config.hidden_size
@@ -282,10 +295,6 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
-    if args.clip_grad < 0:
-        raise ValueError(f"--clip-grad must be >= 0, got {args.clip_grad}")
-    if args.weight_decay < 0:
-        raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
     if args.sequence_parallel and args.seq_len % args.tp != 0:
         raise ValueError(
             f"--seq-len {args.seq_len} is not divisible by --tp {args.tp} (needed by --sequence-parallel)"
@@ -302,20 +311,88 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.keep_last is not None and (args.keep_last < 1 or args.save is None):
         raise ValueError(f"--keep-last {args.keep_last} needs --save and must be >= 1")
-    if not 0.0 <= args.dropout < 1.0:
-        raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
     check_checkpoint_paths(args)
     resolve_timeout(args)
 
 
+# The float flags: each finite (and in float32's range, where the optimizer takes it as a float32
+# scalar) and within its bounds. NaN passes no comparison, so every check is written as what holds.
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    for flag, value, low, high, closed in (
+        ("--lr", args.lr, 0.0, FLOAT32_MAX, True),
+        ("--clip-grad", args.clip_grad, 0.0, FLOAT32_MAX, True),
+        ("--weight-decay", args.weight_decay, 0.0, FLOAT32_MAX, True),
+        ("--dropout", args.dropout, 0.0, 1.0, False),
+    ):
+        if not (low <= value <= high and (closed or value < high)):
+            bounds = f"[{low:g}, {high:g}" + ("]" if closed else ")")
+            raise ValueError(f"{flag} must be a finite number in {bounds}, got {value}")
+    if args.timeout is not None and not 0 < args.timeout < 1e9:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+
+
+# What a Hugging Face model directory holds; --export-hf-overwrite removes these first.
+HF_MODEL_FILES = ("config.json", "model.safetensors.index.json")
+
+
+def check_writable_dir(flag: str, path: str) -> None:
+    """``path`` is a directory, or can be made one: its nearest existing ancestor is a writable
+    directory."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is not a directory")
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    target = path if os.path.isdir(path) else ancestor
+    if not os.path.isdir(target):
+        raise ValueError(f"{flag} {path!r} cannot be created: {target!r} is not a directory")
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r}: {target!r} is not writable")
+
+
+def check_export_dir(args: argparse.Namespace) -> None:
+    """--export-hf: a new or empty directory (or one to replace, when asked), never the model
+    --load-hf reads."""
+    if args.export_hf is None:
+        if args.export_hf_overwrite:
+            raise ValueError("--export-hf-overwrite needs --export-hf")
+        return
+    check_writable_dir("--export-hf", args.export_hf)
+    if args.load_hf is not None and os.path.realpath(args.export_hf) == os.path.realpath(args.load_hf):
+        raise ValueError(
+            f"--export-hf {args.export_hf!r} is the --load-hf directory: exporting would overwrite the "
+            "model this run starts from; export to another directory"
+        )
+    if os.path.isdir(args.export_hf) and os.listdir(args.export_hf) and not args.export_hf_overwrite:
+        names = sorted(os.listdir(args.export_hf))
+        raise ValueError(
+            f"--export-hf {args.export_hf!r} is not empty ({', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}): choose a new directory, or pass "
+            "--export-hf-overwrite to replace the model in it"
+        )
+
+
 def read_hf_config(path: str) -> dict:
-    """--load-hf's config.json, whose shape replaces the model arguments."""
+    """--load-hf's config.json, whose shape replaces the model arguments, after checking that the
+    directory's safetensors files (and index) are readable and one model."""
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise ValueError(f"--load-hf {path!r} holds no config.json; expected a Hugging Face model directory")
-    with open(file) as f:
-        hf_config = json.load(f)
-    config, kwargs = config_from_hf(hf_config)  # refuses what it cannot map
+    try:
+        with open(file) as f:
+            hf_config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--load-hf: {file!r} is not valid JSON: {e}") from None
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"--load-hf: {file!r} holds a JSON {type(hf_config).__name__}, expected an object")
+    try:
+        config, kwargs = config_from_hf(hf_config)  # refuses what it cannot map
+        hf_tensor_names(path)
+    except (ValueError, NotImplementedError, OSError) as e:
+        raise ValueError(f"--load-hf {path!r}: {e}") from None
     if kwargs["vocab_size"] < BYTE_VOCAB:
         raise ValueError(
             f"--load-hf {path!r}: a vocabulary of {kwargs['vocab_size']} < {BYTE_VOCAB} tokens cannot "
@@ -626,8 +703,9 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
         grad_norms.append(grad_norm)
         losses.append(global_mean_loss(step_losses, device))
         tokens_per_s.append(tokens_per_step / (time.perf_counter() - start))
+        # the norm is computed only to clip: none without --clip-grad, none for a skipped step
         log_event(args, step=step + 1, loss=losses[-1], tokens_per_s=tokens_per_s[-1],
-                  grad_norm=grad_norm, skipped=not update_successful)
+                  grad_norm=grad_norm if args.clip_grad > 0 else None, skipped=not update_successful)
         if progress is not None:
             progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s[-1]:.0f}")
             progress.update(1)
@@ -658,6 +736,9 @@ def export_hf(args: argparse.Namespace, models: list[GPTModel]) -> str:
         from safetensors.torch import save_file
 
         os.makedirs(args.export_hf, exist_ok=True)
+        for name in os.listdir(args.export_hf):  # the model being replaced (--export-hf-overwrite)
+            if name in HF_MODEL_FILES or name.endswith(".safetensors"):
+                os.remove(os.path.join(args.export_hf, name))
         tensors = {name: t.contiguous() for name, t in state.items()}
         if hf_config.get("tie_word_embeddings"):
             del tensors["lm_head.weight"]  # the embedding, as save_pretrained stores a tied model
@@ -701,7 +782,18 @@ def log_event(args: argparse.Namespace, **record) -> None:
     """Rank 0 appends one JSON line to --log-json, at once, so a run that dies leaves its steps."""
     if args.log_json and dist.get_rank() == 0:
         with open(args.log_json, "a") as f:
-            f.write(json.dumps({**record, "time": time.time()}) + "\n")
+            f.write(json.dumps(strict_json({**record, "time": time.time()}), allow_nan=False) + "\n")
+
+
+def strict_json(value):
+    """``value`` with every NaN or infinite float as None: JSON has no such numbers."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
 
 
 def save(

@@ -67,7 +67,7 @@ from megatron_ext.dist_checkpointing.mapping import (
 from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
 from megatron_ext.dist_checkpointing.optimizer import make_sharded_optimizer_tensor, sharded_params_by_tensor
 from megatron_ext.dist_checkpointing.sharding import _strip_wrappers, _unwrap, model_chunks, stored_shape
-from megatron_ext.optimizer.optimizer import chunk_prefix
+from megatron_ext.optimizer.optimizer import chunk_prefix, named_model_parameters
 from megatron_ext.tensor_parallel.random import get_cuda_rng_tracker
 
 FORMAT = "megatron_ext.dist_checkpointing/2"
@@ -124,7 +124,9 @@ def find_checkpoint(path: str) -> str | None:
     names, else None."""
     if os.path.isfile(os.path.join(path, MARKER)):
         return path
-    if os.path.isdir(path) and any(n == ".metadata" or n.endswith(".distcp") for n in os.listdir(path)):
+    unfinished = os.path.basename(os.path.normpath(path)).startswith(".tmp.iter_")
+    if os.path.isdir(path) and (unfinished or any(n == ".metadata" or n.endswith(".distcp")
+                                                  for n in os.listdir(path))):
         return path  # written by a save that did not finish: loading says so
     if not os.path.isdir(path):
         return None
@@ -335,18 +337,20 @@ def save_checkpoint(
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     _finish_param_gathers(model)
+    final = checkpoint_dir(save_dir, iteration)
+    param_state = optimizer.param_state_by_name() if optimizer is not None else {}
+    _refuse_nonfinite(model, param_state, f"cannot save checkpoint {final!r}: ", save_dir)
     state: dict[str, Any] = _sharded_model(model)
     if optimizer is not None:
         optimizer_state = optimizer.state_dict()
         state["optimizer"] = {
             "step": int(optimizer_state["step"]),
-            "param_state": _sharded_param_state(model, state, optimizer.param_state_by_name()),
+            "param_state": _sharded_param_state(model, state, param_state),
         }
         if optimizer_state.get("grad_scaler"):  # fp16 loss scaling: the same on every rank
             state["optimizer"]["grad_scaler"] = optimizer_state["grad_scaler"]
     state["rng_state"] = _rng_object(_rng_states())
 
-    final = checkpoint_dir(save_dir, iteration)
     tmp = os.path.join(save_dir, f".tmp.iter_{iteration:07d}")
     failed = f"cannot save checkpoint {final!r}: "
     rank0 = dist.get_rank() == 0
@@ -408,6 +412,32 @@ def save_checkpoint(
                 error = _describe(e)
         _agree(error, f"saved checkpoint {final!r} but could not remove older ones: ")
     return final
+
+
+def _refuse_nonfinite(
+    model: torch.nn.Module | list[torch.nn.Module],
+    param_state: dict[str, dict[str, torch.Tensor]],
+    prefix: str,
+    save_dir: str,
+) -> None:
+    """Raises on every rank, before anything is written, when a parameter or an optimizer state
+    of any rank holds a NaN or an infinity: a checkpoint is a state to resume from."""
+    chunks = [_unwrap(chunk) for chunk in model_chunks(model)]
+    bad = [name for name, param in named_model_parameters(chunks) if not bool(torch.isfinite(param).all())]
+    bad += [f"optimizer {key} of {name}" for name, entry in param_state.items()
+            for key, tensor in entry.items() if not bool(torch.isfinite(tensor).all())]
+    error = None
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        error = f"rank {dist.get_rank()}: {', '.join(bad[:3])}{more}"
+    shared = _all_gather(error)
+    errors = sorted({e for e in shared if e})
+    if errors:  # rank 0's view of the directory, the same words on every rank
+        newest = _all_gather(_newest_left(save_dir) if dist.get_rank() == 0 else None)[0]
+        raise CheckpointingException(
+            f"{prefix}the state is not finite (NaN or Inf in {'; '.join(errors)}); nothing was written, "
+            f"{newest}"
+        )
 
 
 def _newest_left(save_dir: str) -> str:

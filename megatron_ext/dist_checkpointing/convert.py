@@ -70,6 +70,11 @@ _FIELDS = ("format", "iteration", "layout", "model_config", "metadata")
 
 def to_torch(checkpoint: str, output: str) -> dict[str, Any]:
     """Reads checkpoint ``checkpoint`` whole (after checking it) and writes it to ``output``."""
+    if os.path.isdir(output):
+        raise CheckpointingException(f"{output!r} is a directory; expected the path of the file to write")
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        raise CheckpointingException(f"cannot write {output!r}: {parent!r} is not a directory")
     path, marker, flat = _read_whole(checkpoint, FORMAT)
     state: dict[str, Any] = {"model": {}, "optimizer": {}, "objects": {}}
     for key in sorted(flat):
@@ -85,7 +90,15 @@ def to_torch(checkpoint: str, output: str) -> dict[str, Any]:
 
 def from_torch(source: str, checkpoint: str) -> None:
     """Writes the ``to_torch`` file ``source`` as checkpoint directory ``checkpoint``."""
-    _write(torch.load(source, weights_only=False), checkpoint, repr(source))
+    if not os.path.isfile(source):
+        raise CheckpointingException(f"{source!r}: no such file (expected a file written by to-torch)")
+    try:
+        state = torch.load(source, weights_only=False)
+    except Exception as e:  # noqa: BLE001  (pickle, zip and torch errors alike: not a torch.save file)
+        raise CheckpointingException(
+            f"{source!r} is not a torch.save file written by to-torch ({type(e).__name__}: {e})"
+        ) from e
+    _write(state, checkpoint, repr(source))
 
 
 def _write(state: Any, checkpoint: str, source: str) -> None:

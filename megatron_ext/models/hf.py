@@ -38,6 +38,9 @@ _ACTIVATIONS: dict[str, Callable] = {
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
 }
 _MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The config.json fields that size the model: each a positive integer.
+_SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+                "max_position_embeddings")
 
 
 def _field(hf_config: Any, name: str, default: Any = None) -> Any:
@@ -78,6 +81,13 @@ def config_from_hf(
     model_type = _field(hf_config, "model_type")
     if model_type not in _MODEL_TYPES:
         raise NotImplementedError(f"model_type {model_type!r} is not supported: one of {list(_MODEL_TYPES)}")
+    for name in _SIZE_FIELDS:
+        value = _field(hf_config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"the Hugging Face config's {name!r} must be a positive integer, got "
+                + ("nothing (the field is missing)" if value is None else repr(value))
+            )
     act = _field(hf_config, "hidden_act", "silu")
     if act not in _ACTIVATIONS:
         raise NotImplementedError(f"hidden_act {act!r} is not supported: one of {list(_ACTIVATIONS)}")
@@ -276,6 +286,32 @@ def _gather_global(param: torch.Tensor) -> torch.Tensor:
     return torch.cat([pieces[r][k] for k in range(stride) for r in range(tp)], dim)
 
 
+def _read_json(file: str) -> dict:
+    """A JSON object from ``file``; a ValueError naming the file when it is not one."""
+    try:
+        with open(file) as f:
+            value = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file!r} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{file!r} holds a JSON {type(value).__name__}, expected an object")
+    return value
+
+
+def _safetensors_keys(file: str) -> list[str]:
+    """The tensor names of a safetensors file; a ValueError naming the file when it is missing,
+    truncated or not a safetensors file."""
+    from safetensors import SafetensorError, safe_open
+
+    if not os.path.isfile(file):
+        raise ValueError(f"{file!r}: no such safetensors file")
+    try:
+        with safe_open(file, framework="pt") as f:
+            return list(f.keys())
+    except SafetensorError as e:
+        raise ValueError(f"{file!r} is not a readable safetensors file: {e}") from e
+
+
 class _TensorSource:
     """Hugging Face tensors by name, from a dict or a directory / file of safetensors, read on demand."""
 
@@ -288,21 +324,27 @@ class _TensorSource:
                 files = [path]
             elif os.path.isdir(path):
                 index = os.path.join(path, "model.safetensors.index.json")
+                single = os.path.join(path, "model.safetensors")
+                if os.path.isfile(index) and os.path.isfile(single):
+                    raise ValueError(
+                        f"{path!r} holds both {os.path.basename(index)} and {os.path.basename(single)}: two "
+                        "models, one sharded and one in a single file; remove one of them"
+                    )
                 if os.path.isfile(index):
-                    with open(index) as f:
-                        weight_map = json.load(f)["weight_map"]
+                    weight_map = _read_json(index).get("weight_map")
+                    if not isinstance(weight_map, dict):
+                        raise ValueError(f"{index!r} has no 'weight_map' (tensor name -> shard file)")
                     self._files = {k: os.path.join(path, v) for k, v in weight_map.items()}
+                    for file in sorted(set(self._files.values())):
+                        _safetensors_keys(file)  # each shard present and whole
                     return
                 files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
             else:
                 raise FileNotFoundError(f"{path!r}: no such file or directory of safetensors files")
             if not files:
                 raise FileNotFoundError(f"{path!r} holds no .safetensors file")
-            from safetensors import safe_open
-
             for file in files:
-                with safe_open(file, framework="pt") as f:
-                    self._files.update(dict.fromkeys(f.keys(), file))
+                self._files.update(dict.fromkeys(_safetensors_keys(file), file))
 
     def keys(self) -> list[str]:
         return list(self._dict if self._dict is not None else self._files)
@@ -317,6 +359,13 @@ class _TensorSource:
 
         with safe_open(self._files[name], framework="pt") as f:
             return f.get_tensor(name)
+
+
+def hf_tensor_names(path: str | os.PathLike) -> list[str]:
+    """The tensor names of the Hugging Face model in directory (or safetensors file) ``path``, after
+    checking that its files are there, whole and one model (an index and a single-file model side
+    by side are refused); a ValueError naming the file otherwise."""
+    return _TensorSource(path).keys()
 
 
 def _chunks(model_chunks) -> list[torch.nn.Module]:
