@@ -166,16 +166,27 @@ def slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
+def prose(path) -> str:
+    """``path``'s text without its fenced blocks."""
+    kept, inside = [], False
+    for line in path.read_text().splitlines():
+        if inside:
+            inside = line.strip() != "```"
+        elif FENCE.match(line):
+            inside = True
+        else:
+            kept.append(line)
+    return "\n".join(kept)
+
+
 def anchors(path) -> set[str]:
-    text = re.sub(r"^ *```.*?^ *```", "", path.read_text(), flags=re.M | re.S)
-    return {slug(m) for m in re.findall(r"^#+ (.+)$", text, re.M)}
+    return {slug(m) for m in re.findall(r"^#+ (.+)$", prose(path), re.M)}
 
 
 def test_links_reach_pages_and_headings():
     broken = []
     for path in DOCS:
-        text = re.sub(r"^ *```.*?^ *```", "", path.read_text(), flags=re.M | re.S)
-        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose(path)):
             if re.match(r"[a-z]+://", target):
                 continue
             file, _, anchor = target.partition("#")
