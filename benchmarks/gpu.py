@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(
             f"megatron-core is not importable. Install it beside this torch with `pip install --no-deps "
             f"megatron-core=={MEGATRON_CORE_VERSION}`; on a machine without internet, download its wheel "
-            f"elsewhere into .whl/ (README, GPU path) and ./dev.sh gpu installs it; or pass "
+            f"elsewhere into .whl/ (docs/gpu.md) and ./dev.sh gpu installs it; or pass "
             f"--without-megatron-core")
     result = run(args)
     print_table(result)
