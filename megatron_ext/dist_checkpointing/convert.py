@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron_ext.dist_checkpointing.checkpoint import (
+from megatron_ext.training.checkpointing import (
     _OPTIMIZER_PREFIX,
     FORMAT,
     FORMAT_1,
