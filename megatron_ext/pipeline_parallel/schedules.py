@@ -83,6 +83,7 @@ from megatron_ext.pipeline_parallel.schedule_tables import (  # noqa: F401  (re-
 )
 from megatron_ext.pipeline_parallel.split_backward import backward_input, backward_weight
 from megatron_ext.process_groups_config import ProcessGroupCollection, resolve_pg_collection
+from megatron_ext.resolve import get_attr_wrapped_model
 
 ForwardStepFunc = Callable[..., tuple[torch.Tensor, Callable[..., tuple]]]
 Shape = Union[list[int], torch.Size]
@@ -186,18 +187,6 @@ def _require_initialized() -> None:
             "the pipeline schedules need the model-parallel groups: call "
             "megatron_ext.parallel_state.initialize_model_parallel() first"
         )
-
-
-def get_attr_wrapped_model(model: torch.nn.Module, attr: str) -> Any:
-    """``model.<attr>``, looking through wrappers (DDP, Float16Module) that keep ``.module``."""
-    inner = model
-    while not hasattr(inner, attr):
-        if not hasattr(inner, "module"):
-            raise AttributeError(
-                f"{type(model).__name__} (or the module it wraps) has no attribute {attr!r}"
-            )
-        inner = inner.module
-    return getattr(inner, attr)
 
 
 def get_model_config(model: torch.nn.Module) -> Any:
