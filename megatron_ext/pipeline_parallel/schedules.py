@@ -81,7 +81,7 @@ from megatron_ext.pipeline_parallel.schedule_tables import (  # noqa: F401  (re-
     zero_bubble_h1_table,
     _require_positive_int,
 )
-from megatron_ext.pipeline_parallel.split_backward import backward_input, backward_weight
+from megatron_ext.split_backward import backward_input, backward_weight
 from megatron_ext.process_groups_config import ProcessGroupCollection, resolve_pg_collection
 from megatron_ext.resolve import get_attr_wrapped_model
 
