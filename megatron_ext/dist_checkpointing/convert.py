@@ -42,8 +42,8 @@ from megatron_ext.training.checkpointing import (
     read_marker,
     verify_files,
 )
-from megatron_ext.dist_checkpointing.module_state import megatron_core_name
 from megatron_ext.dist_checkpointing.serialization import COMMON_STATE_FNAME, write_config
+from megatron_ext.transformer.transformer_layer import megatron_core_name
 
 
 def _read_whole(checkpoint: str, expected: str) -> tuple[str, dict[str, Any], dict[str, Any]]:

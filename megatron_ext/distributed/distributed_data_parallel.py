@@ -47,6 +47,7 @@ from megatron_ext.distributed.param_and_grad_buffer import (
 )
 from megatron_ext.model_parallel_config import check_config_object
 from megatron_ext.process_groups_config import ProcessGroupCollection
+from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict
 
 DEFAULT_BUCKET_SIZE_BYTES = 40 * 1024 * 1024
 
@@ -331,8 +332,6 @@ class DistributedDataParallel(torch.nn.Module):
         inner = f"{prefix}module."
         if hasattr(self.module, "sharded_state_dict"):
             return self.module.sharded_state_dict(inner, sharded_offsets, metadata)
-        from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
-
         return module_sharded_state_dict(self.module, inner, sharded_offsets)
 
     # Introspection --------------------------------------------------------------------------

@@ -27,12 +27,14 @@ from megatron_ext import parallel_state
 from megatron_ext.model_parallel_config import ModelParallelConfig, check_model_parallel_config, config_field
 from megatron_ext.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from megatron_ext.tensor_parallel.random import get_cuda_rng_tracker
+from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict, renamed_sharded_state_dict
 from megatron_ext.tensor_parallel.utils import (
     VocabUtility,
     divide,
@@ -350,8 +352,6 @@ class VocabParallelEmbedding(torch.nn.Module):
     ) -> dict:
         """Megatron's checkpointing API: each tensor as a ShardedTensor (the weight split along the
         vocabulary, dim 0)."""
-        from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
-
         return module_sharded_state_dict(self, prefix, sharded_offsets)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
@@ -394,6 +394,9 @@ class ColumnParallelLinear(torch.nn.Module):
     ``forward(input_, weight=None)`` returns ``(output, output_bias)``: ``output_bias`` is the bias
     when ``skip_bias_add`` (so the caller can fuse the add), else None.
     """
+
+    # Megatron-core's linears save an empty ``_extra_state`` object; sharded_state_dict adds it too.
+    saves_megatron_extra_state = True
 
     def __init__(
         self,
@@ -486,8 +489,6 @@ class ColumnParallelLinear(torch.nn.Module):
         """Megatron's checkpointing API: each tensor as a ShardedTensor (weight and bias split
         along the output, dim 0, with the layer's stride), and Megatron-core's empty
         ``_extra_state`` object."""
-        from megatron_ext.dist_checkpointing.module_state import renamed_sharded_state_dict
-
         return renamed_sharded_state_dict(self, prefix, sharded_offsets, {}, metadata)
 
     def forward(
@@ -552,6 +553,9 @@ class RowParallelLinear(torch.nn.Module):
     ``sequence_parallel=True``: its gradient is partial per rank and must be all-reduced over the
     TP group by the training loop, as in Megatron-core.
     """
+
+    # Megatron-core's linears save an empty ``_extra_state`` object; sharded_state_dict adds it too.
+    saves_megatron_extra_state = True
 
     def __init__(
         self,
@@ -623,8 +627,6 @@ class RowParallelLinear(torch.nn.Module):
     ) -> dict:
         """Megatron's checkpointing API: each tensor as a ShardedTensor (the weight split along the
         input, dim 1; the bias replicated), and Megatron-core's empty ``_extra_state`` object."""
-        from megatron_ext.dist_checkpointing.module_state import renamed_sharded_state_dict
-
         return renamed_sharded_state_dict(self, prefix, sharded_offsets, {}, metadata)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -671,9 +673,6 @@ def linear_with_frozen_weight(
     (None: the tensor-parallel group). ``gradient_accumulation_fusion`` is accepted and unused, as in
     Megatron-core.
     """
-    # Imported here, not at the top, to keep this function's imports with it.
-    from megatron_ext.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
     if async_grad_allreduce is not None:
         warnings.warn(
             "async_grad_allreduce is deprecated, not in use anymore; use allreduce_dgrad", DeprecationWarning,
