@@ -29,6 +29,7 @@ from megatron_ext.dist_checkpointing.serialization import (
     load_tensors_metadata,
     save,
 )
+from megatron_ext.dist_checkpointing.strategies import torch as _torch_strategies  # noqa: F401  (registers the defaults)
 from megatron_ext.dist_checkpointing.validation import StrictHandling, validate_sharding_integrity
 from megatron_ext.dist_checkpointing.sharding import replicated, sharded_tensor, tp_partitioned
 
