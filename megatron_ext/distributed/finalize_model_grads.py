@@ -15,8 +15,8 @@ from megatron_ext.distributed.distributed_data_parallel import (
     DistributedDataParallel,
 )
 from megatron_ext.distributed.param_and_grad_buffer import _ParamAndGradBuffer, model_grad
-from megatron_ext.pipeline_parallel.schedules import get_attr_wrapped_model
 from megatron_ext.process_groups_config import resolve_pg_collection
+from megatron_ext.resolve import find_wrapper, get_attr_wrapped_model
 from megatron_ext.tensor_parallel.utils import comm_device, resolve_tp_group
 
 # The one default bucket size of the package (DistributedDataParallel's).
@@ -237,12 +237,7 @@ def _allreduce_conditional_embedding_grads(
 
 def _find_ddp(model: torch.nn.Module) -> DistributedDataParallel | None:
     """The DistributedDataParallel that ``model`` is or wraps (through ``.module``), if any."""
-    inner: Any = model
-    while inner is not None:
-        if isinstance(inner, DistributedDataParallel):
-            return inner
-        inner = getattr(inner, "module", None)
-    return None
+    return find_wrapper(model, DistributedDataParallel)
 
 
 _PG_COLLECTION_FIELDS = ("tp", "pp", "embd", "pos_embd", "dp_cp")

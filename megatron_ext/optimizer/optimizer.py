@@ -26,6 +26,14 @@ import torch.distributed as dist
 
 from megatron_ext import parallel_state
 from megatron_ext.comm_errors import reported
+from megatron_ext.dist_checkpointing.optimizer import (
+    KEEP_VARS_HINT,
+    add_prefix_for_sharding,
+    local_nonpersistent,
+    make_sharded_optimizer_tensor,
+    sharded_params_by_tensor,
+)
+from megatron_ext.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron_ext.distributed.param_and_grad_buffer import SIXTEEN_BIT, model_grad
 from megatron_ext.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
@@ -34,6 +42,7 @@ from megatron_ext.optimizer.clip_grads import (
 )
 from megatron_ext.optimizer.grad_scaler import MegatronGradScaler
 from megatron_ext.optimizer.optimizer_config import OptimizerConfig
+from megatron_ext.resolve import find_wrapper, strip_wrapper_prefix
 from megatron_ext.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron_ext.tensor_parallel.utils import comm_device
 
@@ -48,6 +57,10 @@ class _Slot:
     end: int
     main: torch.Tensor
     grad_source: Callable[[], torch.Tensor | None]
+
+
+# The distributed optimizer's sharding types whose checkpoints load at any data-parallel layout.
+CHECKPOINT_FULLY_RESHARDABLE_FORMATS = frozenset({"fully_reshardable", "fully_sharded_model_space"})
 
 
 def chunk_prefix(index: int, num_chunks: int) -> str:
@@ -204,10 +217,8 @@ class MegatronOptimizer:
         """Clears the model's gradients, the main parameters' and, for model chunks wrapped in a
         ``DistributedDataParallel``, its gradient buffers (``zero_grad_buffer``), which
         Megatron-core's training loop calls separately."""
-        from megatron_ext.distributed.finalize_model_grads import _find_ddp
-
         for chunk in self.model_chunks:
-            ddp = _find_ddp(chunk)
+            ddp = find_wrapper(chunk, DistributedDataParallel)
             if ddp is not None:
                 ddp.zero_grad_buffer()
         for s in self._slots:
@@ -377,8 +388,6 @@ class MegatronOptimizer:
     def _sharded_params(self, model_sharded_state_dict: dict) -> dict[str, Any]:
         """Each trainable parameter's ShardedTensor (or factory) in the model's sharded state
         dict, by the parameter's name here."""
-        from megatron_ext.dist_checkpointing.optimizer import KEEP_VARS_HINT, sharded_params_by_tensor
-
         by_tensor = sharded_params_by_tensor(model_sharded_state_dict)
         out = {}
         for name, p in named_model_parameters(self.model_chunks):
@@ -394,11 +403,6 @@ class MegatronOptimizer:
         (key ``optimizer.state.<state>.<parameter key>``), the step as ``state["common_step"]``
         and each group's parameter indices local (``LocalNonpersistentObject``), as
         Megatron-core's plain optimizers give it."""
-        from megatron_ext.dist_checkpointing.optimizer import (
-            local_nonpersistent,
-            make_sharded_optimizer_tensor,
-        )
-
         slot_of = {id(s.main): s for s in self._slots}
         state: dict[Any, Any] = {}
         groups = []
@@ -439,8 +443,6 @@ class MegatronOptimizer:
         ``model_sharded_state_dict`` is the model's ``sharded_state_dict()`` (its tensors must be
         the parameters); ``is_loading``: a request for ``dist_checkpointing.load`` (state not yet
         created is requested as zeros), whose result ``load_state_dict`` takes."""
-        from megatron_ext.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
-
         sharded = self._sharded_params(model_sharded_state_dict)
         sd: dict[str, Any] = {"optimizer": self._sharded_torch_state(sharded)}
         sd["fp32_from_fp16_params"] = [
@@ -533,12 +535,6 @@ def _with_per_param_step(optim: dict[str, Any]) -> tuple[dict[str, Any], int | N
     return {**optim, "state": per_param}, int(step)
 
 
-def _strip_module(name: str) -> str:
-    while name.startswith("module."):
-        name = name[len("module."):]
-    return name
-
-
 def _state_dict_params(
     state_dict: dict[str, Any], model_chunks: list[torch.nn.Module]
 ) -> dict[str, torch.Tensor]:
@@ -554,11 +550,11 @@ def _state_dict_params(
         per_chunk = [state_dict.get("model", state_dict)]
     out = {}
     for i, (chunk, sd) in enumerate(zip(model_chunks, per_chunk)):
-        by_name = {_strip_module(k): v for k, v in sd.items()}
+        by_name = {strip_wrapper_prefix(k): v for k, v in sd.items()}
         prefix = chunk_prefix(i, len(model_chunks))
         for name, _ in chunk.named_parameters():
-            if _strip_module(name) in by_name:
-                out[prefix + name] = by_name[_strip_module(name)]
+            if strip_wrapper_prefix(name) in by_name:
+                out[prefix + name] = by_name[strip_wrapper_prefix(name)]
     return out
 
 
@@ -719,15 +715,12 @@ class ChainedOptimizer(MegatronOptimizer):
         of optimizer ``index``'s tensors prefixed ``chained_<index>.`` unless
         ``metadata["chained_optim_avoid_prefix"]`` (with a fully reshardable
         ``distrib_optim_sharding_type`` or none), as Megatron-core's."""
-        from megatron_ext.dist_checkpointing.optimizer import add_prefix_for_sharding
-        from megatron_ext.optimizer.distrib_optimizer import DistributedOptimizer
-
         if len(self.chained_optimizers) == 1:
             only = self.chained_optimizers[0]
             return only.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         metadata = kwargs.get("metadata") or {}
         kind = metadata.get("distrib_optim_sharding_type")
-        reshardable = kind is None or kind in DistributedOptimizer.checkpoint_fully_reshardable_formats
+        reshardable = kind is None or kind in CHECKPOINT_FULLY_RESHARDABLE_FORMATS
         add_prefix = not reshardable or not metadata.get("chained_optim_avoid_prefix", False)
         out = {}
         for index, optimizer in enumerate(self.chained_optimizers):
