@@ -76,13 +76,14 @@ def default_group(kind: str, group: Any = None, check_initialized: bool = True) 
 
 
 def group_size(group: Any) -> int:
-    """The size of ``group``; 1 for None (this process alone)."""
-    return 1 if group is None else dist.get_world_size(group)
+    """The size of ``group``; 1 for None (this process alone) or without torch.distributed."""
+    return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
 
 
 def group_rank(group: Any) -> int:
-    """This process's rank in ``group``; 0 for None (this process alone)."""
-    return 0 if group is None else dist.get_rank(group)
+    """This process's rank in ``group``; 0 for None (this process alone) or without
+    torch.distributed."""
+    return 0 if group is None or not dist.is_initialized() else dist.get_rank(group)
 
 
 def wrapper_chain(model: Any) -> Iterator[Any]:

@@ -24,7 +24,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_ext import parallel_state
 from megatron_ext.comm_errors import reported
 from megatron_ext.dist_checkpointing.optimizer import (
     KEEP_VARS_HINT,
@@ -42,7 +41,7 @@ from megatron_ext.optimizer.clip_grads import (
 )
 from megatron_ext.optimizer.grad_scaler import MegatronGradScaler
 from megatron_ext.optimizer.optimizer_config import OptimizerConfig
-from megatron_ext.resolve import find_wrapper, strip_wrapper_prefix
+from megatron_ext.resolve import default_group, find_wrapper, strip_wrapper_prefix
 from megatron_ext.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron_ext.tensor_parallel.utils import comm_device
 
@@ -158,9 +157,7 @@ class MegatronOptimizer:
     # Groups over which gradient statistics are reduced -----------------------------------------
 
     def _model_parallel_group(self) -> dist.ProcessGroup | None:
-        if self.model_parallel_group is not None:
-            return self.model_parallel_group
-        return parallel_state.get_model_parallel_group()
+        return default_group("mp", self.model_parallel_group)
 
     def get_grad_stats_parallel_group(self) -> list[dist.ProcessGroup]:
         """Gradients are already averaged over data-parallel ranks: the model-parallel group."""
@@ -243,10 +240,7 @@ class MegatronOptimizer:
         """Groups over which the found-inf flag is reduced: every rank holding a copy of a
         parameter, so all copies skip a step alike even where their gradients differ (Megatron-core
         reduces over the model-parallel group only, assuming data-parallel copies agree)."""
-        data_parallel = self.data_parallel_group
-        if data_parallel is None:
-            data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        return [data_parallel, *self.get_grad_stats_parallel_group()]
+        return [default_group("dp_cp", self.data_parallel_group), *self.get_grad_stats_parallel_group()]
 
     def _unscale_and_check_for_inf(self) -> bool:
         """Divides the main gradients by the loss scale; True if any rank saw an inf or NaN."""

@@ -83,7 +83,7 @@ from megatron_ext.pipeline_parallel.schedule_tables import (  # noqa: F401  (re-
 )
 from megatron_ext.split_backward import backward_input, backward_weight
 from megatron_ext.process_groups_config import ProcessGroupCollection, resolve_pg_collection
-from megatron_ext.resolve import get_attr_wrapped_model
+from megatron_ext.resolve import get_attr_wrapped_model, group_size, module_with
 
 ForwardStepFunc = Callable[..., tuple[torch.Tensor, Callable[..., tuple]]]
 Shape = Union[list[int], torch.Size]
@@ -250,10 +250,6 @@ def _common_checks(num_microbatches: int, forward_only: bool, collect_non_loss_d
                          "run the backward from")
 
 
-def _group_size(group: Any) -> int:
-    return 1 if group is None else group.size()
-
-
 def get_tensor_shapes(
     *,
     seq_length: int,
@@ -266,9 +262,9 @@ def get_tensor_shapes(
     """The shape of the activations sent between stages: ``[(s / cp (/ tp under sequence
     parallelism), b, hidden)]`` with ``s = decoder_seq_length`` if given, else ``seq_length``."""
     seq = decoder_seq_length if decoder_seq_length is not None else seq_length
-    seq //= _group_size(cp_group)
+    seq //= group_size(cp_group)
     if getattr(config, "sequence_parallel", False):
-        seq //= _group_size(tp_group)
+        seq //= group_size(tp_group)
     return [(seq, micro_batch_size, config.hidden_size)]
 
 
@@ -285,7 +281,7 @@ def _tensor_shape(
     if decoder_seq_length is not None:
         _require_positive_int("decoder_seq_length", decoder_seq_length)
         name, length = "decoder_seq_length", decoder_seq_length
-    cp_size, tp_size = _group_size(pgs.cp), _group_size(pgs.tp)
+    cp_size, tp_size = group_size(pgs.cp), group_size(pgs.tp)
     if length % cp_size != 0:
         raise ValueError(f"{name} {length} is not divisible by the context-parallel size {cp_size}")
     if getattr(config, "sequence_parallel", False) and (length // cp_size) % tp_size != 0:
@@ -363,10 +359,8 @@ def clear_embedding_activation_buffer(config: Any, model: Any, is_last_stage: bo
     under ``config.defer_embedding_wgrad_compute`` and returns the module holding it (else None)."""
     if not (is_last_stage and getattr(config, "defer_embedding_wgrad_compute", False)):
         return None
-    module = model[-1] if isinstance(model, list) else model
-    while not hasattr(module, "embedding_activation_buffer") and hasattr(module, "module"):
-        module = module.module
-    if not hasattr(module, "embedding_activation_buffer"):
+    module = module_with(model[-1] if isinstance(model, list) else model, "embedding_activation_buffer")
+    if module is None:
         raise ValueError(
             "config.defer_embedding_wgrad_compute is set but the last model chunk has no "
             "embedding_activation_buffer"
@@ -902,7 +896,7 @@ def forward_backward_no_pipelining(
         raise ValueError("adjust_tensor_shapes_fn is not supported by forward_backward_no_pipelining")
     config = _config_of(chunks[0])
     pgs = resolve_pg_collection(pg_collection, _ONE_STAGE_GROUPS, "forward_backward_no_pipelining")
-    pp_size = _group_size(pgs.pp)
+    pp_size = group_size(pgs.pp)
     if pp_size != 1:
         raise ValueError(
             "forward_backward_no_pipelining needs pipeline_model_parallel_size 1, got "
@@ -913,7 +907,7 @@ def forward_backward_no_pipelining(
             [no_pipelining_table(num_microbatches, forward_only)],
             forward_step_func=forward_step_func, data_iterators=iterators, model_chunks=chunks,
             num_microbatches=num_microbatches, config=config, tensor_shape=None,
-            p2p_communicator=None, cp_group_size=_group_size(pgs.cp), forward_only=forward_only,
+            p2p_communicator=None, cp_group_size=group_size(pgs.cp), forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
         )
         _finalize(chunks, config, forward_only, total_tokens, pg_collection, force_all_reduce)
@@ -1021,7 +1015,7 @@ def _pipelined(
             tables, forward_step_func=forward_step_func, data_iterators=iterators,
             model_chunks=chunks, num_microbatches=num_microbatches, config=config,
             tensor_shape=shape, p2p_communicator=communicator,
-            cp_group_size=_group_size(pgs.cp), forward_only=forward_only,
+            cp_group_size=group_size(pgs.cp), forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
             layout="v" if kind == "zb-v" else "interleaved",
         )
