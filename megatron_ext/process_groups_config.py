@@ -6,37 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_ext import parallel_state
-
-# Each field and the parallel_state getter (with its keywords) that gives the default group.
-_DEFAULT_GETTERS: dict[str, tuple[str, dict[str, Any]]] = {
-    "tp": ("get_tensor_model_parallel_group", {"check_initialized": False}),
-    "pp": ("get_pipeline_model_parallel_group", {"check_initialized": False}),
-    "mp": ("get_model_parallel_group", {"check_initialized": False}),
-    "embd": ("get_embedding_group", {"check_initialized": False}),
-    "pos_embd": ("get_position_embedding_group", {"check_initialized": False}),
-    "cp": ("get_context_parallel_group", {"check_initialized": False}),
-    "tp_cp": ("get_tensor_and_context_parallel_group", {"check_initialized": False}),
-    "hcp": ("get_hierarchical_context_parallel_groups", {"check_initialized": False}),
-    "ep": ("get_expert_model_parallel_group", {"check_initialized": False}),
-    "expt_tp": ("get_expert_tensor_parallel_group", {"check_initialized": False}),
-    "tp_ep": ("get_expert_tensor_and_model_parallel_group", {"check_initialized": False}),
-    "tp_ep_pp": ("get_expert_tensor_model_pipeline_parallel_group", {"check_initialized": False}),
-    "tp_dp_cp": (
-        "get_tensor_and_data_parallel_group", {"check_initialized": False, "with_context_parallel": True}
-    ),
-    "dp": ("get_data_parallel_group", {}),
-    "dp_cp": ("get_data_parallel_group", {"with_context_parallel": True}),
-    "expt_dp": ("get_expert_data_parallel_group", {"check_initialized": False}),
-    "intra_dp_cp": (
-        "get_data_parallel_group", {"with_context_parallel": True, "partial_data_parallel": True}
-    ),
-    "intra_expt_dp": (
-        "get_expert_data_parallel_group",
-        {"check_initialized": False, "partial_expert_data_parallel": True},
-    ),
-    "inter_dist_opt": ("get_inter_distributed_optimizer_instance_group", {"check_initialized": False}),
-    "intra_dist_opt": ("get_intra_distributed_optimizer_instance_group", {"check_initialized": False}),
-}
+from megatron_ext.resolve import DEFAULT_GROUPS, default_group, get_attr_wrapped_model
 
 
 class ProcessGroupCollectionError(ValueError, AssertionError):
@@ -54,7 +24,7 @@ class ProcessGroupCollection:
     read ``tp``, ``cp``, ``pp``, ``embd``, ``pos_embd`` and ``dp_cp``.
     """
 
-    FIELDS = tuple(_DEFAULT_GETTERS)
+    FIELDS = tuple(DEFAULT_GROUPS)
 
     def __init__(self, **kwargs: Any) -> None:
         for key, value in kwargs.items():
@@ -77,20 +47,16 @@ class ProcessGroupCollection:
         whose getter this build's parallel_state lacks is left unset unless it was asked for by
         name (then ValueError)."""
         if required_pgs is None:
-            names = [n for n in cls.FIELDS if hasattr(parallel_state, _DEFAULT_GETTERS[n][0])]
+            names = [n for n in cls.FIELDS if hasattr(parallel_state, DEFAULT_GROUPS[n].name)]
         else:
             invalid = [n for n in required_pgs if n not in cls.FIELDS]
             if invalid:
                 raise ValueError(f"Invalid process groups requested: {invalid}")
             names = list(required_pgs)
-            missing = [n for n in names if not hasattr(parallel_state, _DEFAULT_GETTERS[n][0])]
+            missing = [n for n in names if not hasattr(parallel_state, DEFAULT_GROUPS[n].name)]
             if missing:
                 raise ValueError(f"parallel_state has no getter for the process groups {missing}")
-        groups = {}
-        for name in names:
-            getter, kwargs = _DEFAULT_GETTERS[name]
-            groups[name] = getattr(parallel_state, getter)(**kwargs)
-        return cls(**groups)
+        return cls(**{name: default_group(name, check_initialized=False) for name in names})
 
     # The groups DistributedDataParallel and the optimizer use --------------------------------
 
@@ -107,22 +73,14 @@ class ProcessGroupCollection:
         instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
         distributed = bool(getattr(ddp_config, "use_distributed_optimizer", False))
         if pg_collection is None:
-            ps = parallel_state
             return {
-                "dp_group": ps.get_data_parallel_group(),
-                "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
-                "intra_dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True,
-                                                                 partial_data_parallel=True),
-                "expt_dp_group": ps.get_expert_data_parallel_group(check_initialized=False),
-                "intra_expt_dp_group": ps.get_expert_data_parallel_group(
-                    check_initialized=False, partial_expert_data_parallel=True),
-                "tp_group": ps.get_tensor_model_parallel_group(),
-                "pp_group": ps.get_pipeline_model_parallel_group(),
-                "ep_group": ps.get_expert_model_parallel_group(check_initialized=False),
-                "inter_dist_opt_group": (ps.get_inter_distributed_optimizer_instance_group()
-                                         if instances > 1 else None),
-                "intra_dist_opt_group": (ps.get_intra_distributed_optimizer_instance_group(
-                    check_initialized=False) if distributed else None),
+                **_default_data_parallel_groups(),
+                "tp_group": default_group("tp"),
+                "pp_group": default_group("pp"),
+                "ep_group": default_group("ep", check_initialized=False),
+                "inter_dist_opt_group": default_group("inter_dist_opt") if instances > 1 else None,
+                "intra_dist_opt_group": (default_group("intra_dist_opt", check_initialized=False)
+                                         if distributed else None),
             }
         groups = {"dp_group": _required(pg_collection, "dp")}
         groups["dp_cp_group"] = _dp_cp(pg_collection, config, groups["dp_group"])
@@ -166,25 +124,14 @@ class ProcessGroupCollection:
         instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1) if ddp_config else 1
         distributed = bool(getattr(ddp_config, "use_distributed_optimizer", False)) if ddp_config else False
         if pg_collection is None:
-            ps = parallel_state
             gloo = use_gloo_process_groups
+            ps = parallel_state
             return {
-                "dp_group": ps.get_data_parallel_group(),
-                "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True),
-                "intra_dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True,
-                                                                 partial_data_parallel=True),
-                "expt_dp_group": ps.get_expert_data_parallel_group(check_initialized=False),
-                "intra_expt_dp_group": ps.get_expert_data_parallel_group(
-                    check_initialized=False, partial_expert_data_parallel=True),
-                "mp_group": ps.get_model_parallel_group(),
-                "expt_tp_pp_group": ps.get_expert_tensor_model_pipeline_parallel_group(
-                    check_initialized=False
-                ),
-                "inter_dist_opt_group": (ps.get_inter_distributed_optimizer_instance_group()
-                                         if instances > 1 else None),
-                "intra_dist_opt_group": ps.get_intra_distributed_optimizer_instance_group(
-                    check_initialized=False
-                ),
+                **_default_data_parallel_groups(),
+                "mp_group": default_group("mp"),
+                "expt_tp_pp_group": default_group("tp_ep_pp", check_initialized=False),
+                "inter_dist_opt_group": default_group("inter_dist_opt") if instances > 1 else None,
+                "intra_dist_opt_group": default_group("intra_dist_opt", check_initialized=False),
                 "intra_dp_cp_group_gloo": (_gloo(ps.get_data_parallel_group_gloo, with_context_parallel=True,
                                                  partial_data_parallel=True) if gloo else None),
                 "intra_expt_dp_group_gloo": (_gloo(ps.get_expert_data_parallel_group_gloo,
@@ -193,8 +140,6 @@ class ProcessGroupCollection:
         groups = {"dp_group": _required(pg_collection, "dp")}
         model_config = None
         if model_chunks:
-            from megatron_ext.pipeline_parallel.schedules import get_attr_wrapped_model
-
             try:
                 model_config = get_attr_wrapped_model(model_chunks[0], "config")
             except AttributeError:
@@ -245,6 +190,17 @@ def resolve_pg_collection(
             "when there is no such group)"
         )
     return pg_collection
+
+
+def _default_data_parallel_groups() -> dict[str, Any]:
+    """parallel_state's data-parallel groups, by the keys DDP and the optimizer use."""
+    return {
+        "dp_group": default_group("dp"),
+        "dp_cp_group": default_group("dp_cp"),
+        "intra_dp_cp_group": default_group("intra_dp_cp"),
+        "expt_dp_group": default_group("expt_dp", check_initialized=False),
+        "intra_expt_dp_group": default_group("intra_expt_dp", check_initialized=False),
+    }
 
 
 def _required(pg_collection: ProcessGroupCollection, name: str, none_allowed: bool = False) -> Any:

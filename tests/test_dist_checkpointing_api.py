@@ -351,7 +351,7 @@ def _gpt_worker(path: str) -> None:
     it into models of other seeds at tp 1 x pp 1 (dp 4), tp 4 and tp 1 x pp 4: every tensor
     equals that of the model built at the loading layout with the saved model's seed."""
     from megatron_ext import dist_checkpointing as dc
-    from megatron_ext.dist_checkpointing.module_state import megatron_core_name
+    from megatron_ext.transformer.transformer_layer import megatron_core_name
 
     _init(1, 1)
     serial = _gpt(1)

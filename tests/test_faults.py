@@ -25,7 +25,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _fake_checkpoint(save_dir: pathlib.Path, iteration: int, track: bool = True) -> None:
-    from megatron_ext.dist_checkpointing.checkpoint import FORMAT
+    from megatron_ext.training.checkpointing import FORMAT
 
     directory = save_dir / f"iter_{iteration:07d}"
     directory.mkdir(parents=True)

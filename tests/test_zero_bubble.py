@@ -18,7 +18,7 @@ from megatron_ext import tensor_parallel
 from megatron_ext.model_parallel_config import ModelParallelConfig
 from megatron_ext.pipeline_parallel import get_forward_backward_func
 from megatron_ext.pipeline_parallel import schedules as sch
-from megatron_ext.pipeline_parallel import split_backward
+from megatron_ext import split_backward
 from megatron_ext.pipeline_parallel.schedule_simulator import simulate_schedule
 from megatron_ext.pipeline_parallel.schedule_tables import (
     BACKWARD_INPUT,

@@ -1,19 +1,12 @@
 """Sharded checkpoints that load at any tensor/pipeline/data-parallel layout: Megatron-core's API,
-``save`` / ``load`` of sharded state dicts in its ``torch_dist`` format (serialization.py), and on
-it the training checkpoints of ``save_checkpoint`` / ``load_checkpoint`` (checkpoint.py: the
-model's and optimizer's sharded state, made atomic, verified and refused alike on every rank)."""
+``save`` / ``load`` of sharded state dicts in its ``torch_dist`` format (serialization.py). A leaf
+library: it knows no model, layer or optimizer; each layer's ``sharded_state_dict`` lives beside the
+layer. The training checkpoints built on it (``save_checkpoint`` / ``load_checkpoint``: the model's
+and optimizer's sharded state, made atomic, verified and refused alike on every rank) are
+``megatron_ext.training.checkpointing``, also reachable here under their earlier names."""
 
-from megatron_ext.dist_checkpointing.checkpoint import (
-    CONVERTIBLE_CONFIG_FIELDS,
-    checkpoint_dir,
-    complete_iterations,
-    find_checkpoint,
-    latest_iteration,
-    load_checkpoint,
-    prune_checkpoints,
-    read_marker,
-    save_checkpoint,
-)
+from typing import Any
+
 from megatron_ext.dist_checkpointing.core import CheckpointingException
 from megatron_ext.dist_checkpointing.mapping import (
     LocalNonpersistentObject,
@@ -36,8 +29,32 @@ from megatron_ext.dist_checkpointing.serialization import (
     load_tensors_metadata,
     save,
 )
+from megatron_ext.dist_checkpointing.strategies import torch as _torch_strategies  # noqa: F401  (registers the defaults)
 from megatron_ext.dist_checkpointing.validation import StrictHandling, validate_sharding_integrity
 from megatron_ext.dist_checkpointing.sharding import replicated, sharded_tensor, tp_partitioned
+
+# The training checkpoint manager's names, where they were before it moved up to
+# megatron_ext.training.checkpointing; resolved on first use so this package imports nothing above it.
+_TRAINING_CHECKPOINT_NAMES = (
+    "CONVERTIBLE_CONFIG_FIELDS",
+    "checkpoint_dir",
+    "complete_iterations",
+    "find_checkpoint",
+    "latest_iteration",
+    "load_checkpoint",
+    "prune_checkpoints",
+    "read_marker",
+    "save_checkpoint",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "checkpoint" or name in _TRAINING_CHECKPOINT_NAMES:
+        from megatron_ext.training import checkpointing
+
+        return checkpointing if name == "checkpoint" else getattr(checkpointing, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AsyncRequest",

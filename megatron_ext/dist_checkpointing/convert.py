@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron_ext.dist_checkpointing.checkpoint import (
+from megatron_ext.training.checkpointing import (
     _OPTIMIZER_PREFIX,
     FORMAT,
     FORMAT_1,
@@ -42,8 +42,8 @@ from megatron_ext.dist_checkpointing.checkpoint import (
     read_marker,
     verify_files,
 )
-from megatron_ext.dist_checkpointing.module_state import megatron_core_name
 from megatron_ext.dist_checkpointing.serialization import COMMON_STATE_FNAME, write_config
+from megatron_ext.transformer.transformer_layer import megatron_core_name
 
 
 def _read_whole(checkpoint: str, expected: str) -> tuple[str, dict[str, Any], dict[str, Any]]:

@@ -44,6 +44,7 @@ from megatron_ext.dist_checkpointing.dict_utils import (
     merge,
     nested_values,
 )
+from megatron_ext.dist_checkpointing.sharding import dcp_state
 from megatron_ext.dist_checkpointing.mapping import (
     CommonStateDict,
     LocalNonpersistentObject,
@@ -64,7 +65,6 @@ from megatron_ext.dist_checkpointing.strategies.base import (
     StrategyAction,
     get_default_strategy,
 )
-from megatron_ext.dist_checkpointing.strategies.torch import dcp_state
 from megatron_ext.dist_checkpointing.validation import (
     StrictHandling,
     determine_global_metadata,

@@ -7,12 +7,14 @@ tensor-parallel parameter (``tensor_model_parallel``) cut along ``partition_dim`
 r + 2 tp, ... (``_initialize_affine_weight_cpu`` splits a master weight the same way). The aliases
 made here carry each piece's global offset (DCP's ``CheckpointableTensor`` fields, or before torch
 2.14 the hooks DTensor implements): DCP writes each piece there and reads back, at the new layout,
-whatever overlaps a rank's pieces. ``strategies.torch.dcp_state`` makes them for every
+whatever overlaps a rank's pieces. ``dcp_state`` makes them for every
 ShardedTensor that ``serialization.save`` / ``load`` handle.
 """
 
 from __future__ import annotations
 
+import io
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,8 +28,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from megatron_ext.dist_checkpointing.mapping import ShardedBase, ShardedTensor
 
-TIED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
+
 # torch 2.14 added DCP's CheckpointableTensor protocol (the four fields below); older DCP learns a
 # tensor's chunks only through the hooks DTensor implements.
 _DCP_READS_SHARD_FIELDS = hasattr(torch.distributed.checkpoint, "CheckpointableTensor")
@@ -120,6 +123,35 @@ def sharded_parts(
     return alias
 
 
+def _as_chunk(sh: ShardedTensor) -> tuple[tuple[int, ...], torch.Tensor]:
+    """(global offset, the data with its prepended axes of length 1)."""
+    data = sh.data.detach()
+    if sh.prepend_axis_num:
+        data = data.view((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
+    return tuple(sh.global_offset), data
+
+
+def dcp_state(
+    shards: list[ShardedBase], global_shapes: dict | None = None, loading: bool = False
+) -> dict[str, Any]:
+    """The flat dict DCP saves or loads for ``shards``: a tensor alias per ShardedTensor key, a
+    list of objects per ShardedObject shard (what Megatron-core stores; loading, a placeholder
+    that DCP replaces with that list)."""
+    tensors: dict[str, list[ShardedTensor]] = defaultdict(list)
+    state: dict[str, Any] = {}
+    for sh in shards:
+        if isinstance(sh, ShardedTensor):
+            tensors[sh.key].append(sh)
+        elif loading:
+            state[sh.unique_key] = io.BytesIO()
+        else:
+            state.setdefault(sh.unique_key, []).append(sh.data)
+    for key, group in tensors.items():
+        shape = (global_shapes or {}).get(key, group[0].global_shape)
+        state[key] = sharded_parts(shape, [_as_chunk(sh) for sh in group])
+    return state
+
+
 def replicated(tensor: torch.Tensor) -> torch.Tensor:
     zeros = (0,) * tensor.dim()
     return sharded_tensor(tensor, tensor.shape, [(zeros, zeros, tuple(tensor.shape))])
@@ -144,18 +176,6 @@ def tp_partitioned(tensor: torch.Tensor, dim: int, stride: int, tp_rank: int, tp
         local_offset[dim] = k * piece
         pieces.append((tuple(global_offset), tuple(local_offset), tuple(size)))
     return sharded_tensor(tensor, global_shape, pieces)
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
-        module = module.module
-    return module
-
-
-def _strip_wrappers(name: str) -> str:
-    while name.startswith("module."):
-        name = name[len("module.") :]
-    return name
 
 
 def model_chunks(model: torch.nn.Module | list[torch.nn.Module]) -> list[torch.nn.Module]:

@@ -47,6 +47,8 @@ from megatron_ext.distributed.param_and_grad_buffer import (
 )
 from megatron_ext.model_parallel_config import check_config_object
 from megatron_ext.process_groups_config import ProcessGroupCollection
+from megatron_ext.resolve import group_rank
+from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict
 
 DEFAULT_BUCKET_SIZE_BYTES = 40 * 1024 * 1024
 
@@ -175,7 +177,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.overlap_param_gather_with_optimizer_step = False
 
         # Bucket size, in elements (None: one bucket), or per buffer from bucket_size_bytes.
-        pp_rank = dist.get_rank(self.pp_group) if self.pp_group is not None else 0
+        pp_rank = group_rank(self.pp_group)
         if not megatron_mode:
             bucket_size_bytes = bucket_size_bytes or DEFAULT_BUCKET_SIZE_BYTES
             self.bucket_size = None
@@ -331,8 +333,6 @@ class DistributedDataParallel(torch.nn.Module):
         inner = f"{prefix}module."
         if hasattr(self.module, "sharded_state_dict"):
             return self.module.sharded_state_dict(inner, sharded_offsets, metadata)
-        from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
-
         return module_sharded_state_dict(self.module, inner, sharded_offsets)
 
     # Introspection --------------------------------------------------------------------------

@@ -8,15 +8,14 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from megatron_ext import parallel_state
 from megatron_ext.comm_errors import reported
 from megatron_ext.distributed.distributed_data_parallel import (
     DEFAULT_BUCKET_SIZE_BYTES,
     DistributedDataParallel,
 )
 from megatron_ext.distributed.param_and_grad_buffer import _ParamAndGradBuffer, model_grad
-from megatron_ext.pipeline_parallel.schedules import get_attr_wrapped_model
 from megatron_ext.process_groups_config import resolve_pg_collection
+from megatron_ext.resolve import default_group, find_wrapper, get_attr_wrapped_model
 from megatron_ext.tensor_parallel.utils import comm_device, resolve_tp_group
 
 # The one default bucket size of the package (DistributedDataParallel's).
@@ -79,8 +78,7 @@ def allreduce_embedding_grads(
     ``embd_group`` / ``pp_group`` default to parallel_state's; a rank outside ``embd_group`` (an
     inner stage, or ``None``) has nothing to do."""
     if pp_group is None:
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        embd_group = parallel_state.get_embedding_group(check_initialized=False)
+        pp_group, embd_group = default_group("pp"), default_group("embd", check_initialized=False)
     pp_size = dist.get_world_size(pp_group)
     if pp_size == 1 or embd_group is None:
         return
@@ -178,11 +176,8 @@ def _allreduce_word_embedding_grads(
     pp_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Megatron-core's form of ``allreduce_embedding_grads`` (``config`` is not needed)."""
-    if embd_group is None:
-        embd_group = parallel_state.get_embedding_group(check_initialized=False)
-    if pp_group is None:
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-    allreduce_embedding_grads(model, embd_group, pp_group)
+    embd_group = default_group("embd", embd_group, check_initialized=False)
+    allreduce_embedding_grads(model, embd_group, default_group("pp", pp_group))
 
 
 def _allreduce_position_embedding_grads(
@@ -197,8 +192,7 @@ def _allreduce_position_embedding_grads(
         return
     if dist.get_rank() not in dist.get_process_group_ranks(pos_emb_group):
         return
-    pp_group = pp_group or parallel_state.get_pipeline_model_parallel_group()
-    chunk = model[0] if dist.get_rank(pp_group) == 0 else model[-1]
+    chunk = model[0] if dist.get_rank(default_group("pp", pp_group)) == 0 else model[-1]
     weight = get_attr_wrapped_model(chunk, "position_embeddings").weight
     grad = model_grad(weight)
     if grad is None:
@@ -213,8 +207,7 @@ def _allreduce_conditional_embedding_grads(
     """Under ``config.has_cond_embedder``, sums over the pipeline group (and over this rank's
     chunks) the gradients of the parameters marked ``pipeline_parallel``: embedders replicated on
     every stage, such as a diffusion model's timestep embedder, stay equal."""
-    if pp_group is None:
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_group = default_group("pp", pp_group)
     if dist.get_world_size(pp_group) == 1 or not getattr(config, "has_cond_embedder", False):
         return
     by_name: dict[str, list[torch.Tensor]] = {}
@@ -237,12 +230,7 @@ def _allreduce_conditional_embedding_grads(
 
 def _find_ddp(model: torch.nn.Module) -> DistributedDataParallel | None:
     """The DistributedDataParallel that ``model`` is or wraps (through ``.module``), if any."""
-    inner: Any = model
-    while inner is not None:
-        if isinstance(inner, DistributedDataParallel):
-            return inner
-        inner = getattr(inner, "module", None)
-    return None
+    return find_wrapper(model, DistributedDataParallel)
 
 
 _PG_COLLECTION_FIELDS = ("tp", "pp", "embd", "pos_embd", "dp_cp")

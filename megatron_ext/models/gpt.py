@@ -7,11 +7,15 @@ import torch.distributed as dist
 
 from megatron_ext import parallel_state, tensor_parallel
 from megatron_ext.comm_errors import reported
+from megatron_ext.dist_checkpointing.mapping import ShardedStateDict
+from megatron_ext.dist_checkpointing.utils import make_tp_sharded_tensor_for_checkpoint
+from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict
 from megatron_ext.tensor_parallel.utils import comm_device
 from megatron_ext.transformer import ParallelTransformer, TransformerConfig
 from megatron_ext.transformer.rotary import RotaryEmbedding
 from megatron_ext.transformer.utils import initialization_seed
 
+TIED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
 _POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 
 
@@ -221,8 +225,6 @@ class GPTModel(torch.nn.Module):
         """Megatron's checkpointing API: every tensor as a ShardedTensor under its global name (layer
         numbering: see ``ParallelTransformer.sharded_state_dict``); a tied output weight on the last
         stage is a non-main replica of ``embedding.word_embeddings.weight``."""
-        from megatron_ext.dist_checkpointing.module_state import gpt_sharded_state_dict
-
         return gpt_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def forward(
@@ -278,3 +280,29 @@ class GPTModel(torch.nn.Module):
             logits, labels.transpose(0, 1), overwrite_logits=True
         )
         return loss.transpose(0, 1).contiguous()  # [b, s]
+
+
+def gpt_sharded_state_dict(
+    model: torch.nn.Module, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+) -> ShardedStateDict:
+    """``GPTModel.sharded_state_dict``: embedding, decoder (``block_sharded_state_dict``), output
+    layer. The last stage's copy of a tied word embedding is a non-main replica of the first
+    stage's ``embedding.word_embeddings.weight`` (loaded, not saved), as in Megatron-core."""
+    if sharded_offsets:
+        raise ValueError(f"GPTModel takes no sharded_offsets, got {sharded_offsets}")
+    out = module_sharded_state_dict(model, prefix, skip=("decoder", "output_layer"))
+    out.update(model.decoder.sharded_state_dict(f"{prefix}decoder.", (), metadata))
+    output_layer = getattr(model, "output_layer", None)
+    if output_layer is None:
+        return out
+    out.update(module_sharded_state_dict(output_layer, f"{prefix}output_layer."))
+    weight_key = f"{prefix}output_layer.weight"
+    if model.share_embeddings_and_output_weights and weight_key in out and not model.pre_process:
+        weight = output_layer.weight
+        out[weight_key] = make_tp_sharded_tensor_for_checkpoint(
+            weight,
+            prefix + TIED_EMBEDDING_NAME,
+            weight.partition_dim % weight.dim(),
+            replica_id=(1, 0, parallel_state.get_data_parallel_rank(with_context_parallel=True)),
+        )
+    return out

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from megatron_ext import parallel_state
 from megatron_ext.dist_checkpointing.core import _agree
+from megatron_ext.resolve import module_with
 from megatron_ext.transformer import TransformerConfig
 
 _ACTIVATIONS: dict[str, Callable] = {
@@ -219,11 +220,10 @@ _GLOBAL_NAMES = {
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while not hasattr(chunk, "decoder") and hasattr(chunk, "module"):
-        chunk = chunk.module  # DistributedDataParallel and other wrappers
-    if not hasattr(chunk, "decoder"):
+    model = module_with(chunk, "decoder")  # through DistributedDataParallel and other wrappers
+    if model is None:
         raise TypeError(f"expected megatron_ext GPTModel chunks, got {type(chunk).__name__}")
-    return chunk
+    return model
 
 
 def _hf_sources(name: str, model: torch.nn.Module) -> tuple[str, ...]:

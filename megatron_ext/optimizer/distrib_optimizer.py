@@ -24,21 +24,23 @@ import torch.distributed as dist
 
 from megatron_ext._torch_compat import all_gather_single
 from megatron_ext.comm_errors import reported
+from megatron_ext.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+from megatron_ext.distributed.distributed_data_parallel import DistributedDataParallel
+from megatron_ext.distributed.param_and_grad_buffer import SIXTEEN_BIT
 from megatron_ext.optimizer.grad_scaler import MegatronGradScaler
 from megatron_ext.optimizer.optimizer import (
-    SIXTEEN_BIT,
+    CHECKPOINT_FULLY_RESHARDABLE_FORMATS,
     MixedPrecisionOptimizer,
     _Slot,
     build_torch_optimizer,
     named_model_parameters,
 )
 from megatron_ext.optimizer.optimizer_config import OptimizerConfig
+from megatron_ext.resolve import find_wrapper
 
 
 def _ddp_of(chunk: torch.nn.Module, index: int):
-    from megatron_ext.distributed.finalize_model_grads import _find_ddp
-
-    ddp = _find_ddp(chunk)
+    ddp = find_wrapper(chunk, DistributedDataParallel)
     if ddp is None or ddp.ddp_config is None or not ddp.ddp_config.use_distributed_optimizer:
         raise ValueError(
             f"the distributed optimizer needs model chunk {index} ({type(chunk).__name__}) wrapped in "
@@ -64,7 +66,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     """
 
     # The sharding types whose checkpoints load at another (tp, pp) (Megatron-core's name).
-    checkpoint_fully_reshardable_formats = frozenset({"fully_reshardable", "fully_sharded_model_space"})
+    checkpoint_fully_reshardable_formats = CHECKPOINT_FULLY_RESHARDABLE_FORMATS
     _STATE_KEY_OF_PARAM = {"fully_reshardable": "param", "fully_sharded_model_space": "fp32_param"}
 
     @classmethod
@@ -212,8 +214,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         Megatron-core 0.16). Other types (``dp_reshardable``, ``dp_zero_gather_scatter``,
         ``fsdp_dtensor``, ...) raise ValueError. ``is_loading``: a request for
         ``dist_checkpointing.load`` (nothing gathered), whose result ``load_state_dict`` takes."""
-        from megatron_ext.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
-
         if sharding_type is None:
             sharding_type = (metadata or {}).get("distrib_optim_sharding_type", "fully_sharded_model_space")
         self._check_sharding_type(sharding_type)

@@ -18,52 +18,35 @@ back into the model.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_ext import parallel_state
 from megatron_ext.comm_errors import reported
-from megatron_ext.distributed.param_and_grad_buffer import SIXTEEN_BIT, model_grad
+from megatron_ext.dist_checkpointing.optimizer import (
+    KEEP_VARS_HINT,
+    add_prefix_for_sharding,
+    local_nonpersistent,
+    make_sharded_optimizer_tensor,
+    sharded_params_by_tensor,
+)
+from megatron_ext.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron_ext.optimizer.clip_grads import (
-    clip_grad_by_total_norm_fp32,
-    count_zeros_fp32,
-    get_grad_norm_fp32,
+    clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32,
 )
 from megatron_ext.optimizer.grad_scaler import MegatronGradScaler
 from megatron_ext.optimizer.optimizer_config import OptimizerConfig
+from megatron_ext.optimizer.parameters import (  # noqa: F401  (ProxyDict: Megatron-core's name here)
+    ProxyDict, _plain_slots, _Slot, _state_dict_params, chunk_prefix, named_model_parameters,
+)
+from megatron_ext.resolve import default_group, find_wrapper
 from megatron_ext.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron_ext.tensor_parallel.utils import comm_device
 
-@dataclass
-class _Slot:
-    """``main`` is what the torch optimizer updates: ``model_param.view(-1)[start:end]`` (the
-    whole parameter, reshaped like it, outside the distributed optimizer)."""
 
-    name: str
-    model_param: torch.nn.Parameter
-    start: int
-    end: int
-    main: torch.Tensor
-    grad_source: Callable[[], torch.Tensor | None]
-
-
-def chunk_prefix(index: int, num_chunks: int) -> str:
-    """What the names of model chunk ``index``'s parameters start with in the optimizer's state
-    (and the checkpoints): ``chunk{index}.`` when there are several chunks, nothing otherwise."""
-    return f"chunk{index}." if num_chunks > 1 else ""
-
-
-def named_model_parameters(model_chunks: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
-    """Trainable parameters by name as in ``chunk.named_parameters()``, prefixed ``chunk{i}.``
-    when there are several chunks (the names of ``param_state_by_name``)."""
-    out = []
-    for i, chunk in enumerate(model_chunks):
-        prefix = chunk_prefix(i, len(model_chunks))
-        out.extend((prefix + n, p) for n, p in chunk.named_parameters() if p.requires_grad)
-    return out
+# The distributed optimizer's sharding types whose checkpoints load at any data-parallel layout.
+CHECKPOINT_FULLY_RESHARDABLE_FORMATS = frozenset({"fully_reshardable", "fully_sharded_model_space"})
 
 
 def _state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
@@ -145,9 +128,7 @@ class MegatronOptimizer:
     # Groups over which gradient statistics are reduced -----------------------------------------
 
     def _model_parallel_group(self) -> dist.ProcessGroup | None:
-        if self.model_parallel_group is not None:
-            return self.model_parallel_group
-        return parallel_state.get_model_parallel_group()
+        return default_group("mp", self.model_parallel_group)
 
     def get_grad_stats_parallel_group(self) -> list[dist.ProcessGroup]:
         """Gradients are already averaged over data-parallel ranks: the model-parallel group."""
@@ -204,10 +185,8 @@ class MegatronOptimizer:
         """Clears the model's gradients, the main parameters' and, for model chunks wrapped in a
         ``DistributedDataParallel``, its gradient buffers (``zero_grad_buffer``), which
         Megatron-core's training loop calls separately."""
-        from megatron_ext.distributed.finalize_model_grads import _find_ddp
-
         for chunk in self.model_chunks:
-            ddp = _find_ddp(chunk)
+            ddp = find_wrapper(chunk, DistributedDataParallel)
             if ddp is not None:
                 ddp.zero_grad_buffer()
         for s in self._slots:
@@ -232,10 +211,7 @@ class MegatronOptimizer:
         """Groups over which the found-inf flag is reduced: every rank holding a copy of a
         parameter, so all copies skip a step alike even where their gradients differ (Megatron-core
         reduces over the model-parallel group only, assuming data-parallel copies agree)."""
-        data_parallel = self.data_parallel_group
-        if data_parallel is None:
-            data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        return [data_parallel, *self.get_grad_stats_parallel_group()]
+        return [default_group("dp_cp", self.data_parallel_group), *self.get_grad_stats_parallel_group()]
 
     def _unscale_and_check_for_inf(self) -> bool:
         """Divides the main gradients by the loss scale; True if any rank saw an inf or NaN."""
@@ -377,8 +353,6 @@ class MegatronOptimizer:
     def _sharded_params(self, model_sharded_state_dict: dict) -> dict[str, Any]:
         """Each trainable parameter's ShardedTensor (or factory) in the model's sharded state
         dict, by the parameter's name here."""
-        from megatron_ext.dist_checkpointing.optimizer import KEEP_VARS_HINT, sharded_params_by_tensor
-
         by_tensor = sharded_params_by_tensor(model_sharded_state_dict)
         out = {}
         for name, p in named_model_parameters(self.model_chunks):
@@ -394,11 +368,6 @@ class MegatronOptimizer:
         (key ``optimizer.state.<state>.<parameter key>``), the step as ``state["common_step"]``
         and each group's parameter indices local (``LocalNonpersistentObject``), as
         Megatron-core's plain optimizers give it."""
-        from megatron_ext.dist_checkpointing.optimizer import (
-            local_nonpersistent,
-            make_sharded_optimizer_tensor,
-        )
-
         slot_of = {id(s.main): s for s in self._slots}
         state: dict[Any, Any] = {}
         groups = []
@@ -439,8 +408,6 @@ class MegatronOptimizer:
         ``model_sharded_state_dict`` is the model's ``sharded_state_dict()`` (its tensors must be
         the parameters); ``is_loading``: a request for ``dist_checkpointing.load`` (state not yet
         created is requested as zeros), whose result ``load_state_dict`` takes."""
-        from megatron_ext.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
-
         sharded = self._sharded_params(model_sharded_state_dict)
         sd: dict[str, Any] = {"optimizer": self._sharded_torch_state(sharded)}
         sd["fp32_from_fp16_params"] = [
@@ -533,46 +500,6 @@ def _with_per_param_step(optim: dict[str, Any]) -> tuple[dict[str, Any], int | N
     return {**optim, "state": per_param}, int(step)
 
 
-def _strip_module(name: str) -> str:
-    while name.startswith("module."):
-        name = name[len("module."):]
-    return name
-
-
-def _state_dict_params(
-    state_dict: dict[str, Any], model_chunks: list[torch.nn.Module]
-) -> dict[str, torch.Tensor]:
-    """``state_dict``'s tensors under the slot names (``named_model_parameters``)."""
-    if len(model_chunks) > 1 or "model0" in state_dict or "model_0" in state_dict:
-        prefix = "model_" if "model_0" in state_dict else "model"
-        per_chunk = []
-        for i in range(len(model_chunks)):
-            if f"{prefix}{i}" not in state_dict:
-                raise ValueError(f"reload_model_params: no {prefix}{i} in the state_dict (model chunk {i})")
-            per_chunk.append(state_dict[f"{prefix}{i}"])
-    else:
-        per_chunk = [state_dict.get("model", state_dict)]
-    out = {}
-    for i, (chunk, sd) in enumerate(zip(model_chunks, per_chunk)):
-        by_name = {_strip_module(k): v for k, v in sd.items()}
-        prefix = chunk_prefix(i, len(model_chunks))
-        for name, _ in chunk.named_parameters():
-            if _strip_module(name) in by_name:
-                out[prefix + name] = by_name[_strip_module(name)]
-    return out
-
-
-def _plain_slots(named: list[tuple[str, torch.nn.Parameter]], copy_16bit: bool) -> list[_Slot]:
-    slots = []
-    for name, p in named:
-        if copy_16bit and p.dtype in SIXTEEN_BIT:
-            main = p.detach().float().clone()
-        else:
-            main = p
-        slots.append(_Slot(name, p, 0, p.numel(), main, lambda p=p: model_grad(p)))
-    return slots
-
-
 class MixedPrecisionOptimizer(MegatronOptimizer):
     """Base of the optimizers whose main parameters may be float32 copies of 16-bit ones."""
 
@@ -607,35 +534,6 @@ class FP32Optimizer(MegatronOptimizer):
         ``optimizer.state.<state>.<parameter key>``), the step as ``state["common_step"]``, as
         Megatron-core's ``FP32Optimizer`` gives it (the parameters are the model's to save)."""
         return self._sharded_torch_state(self._sharded_params(model_sharded_state_dict))
-
-
-class ProxyDict:
-    """Several dicts seen as one, keyed ``(index of the dict, key)``: ``ChainedOptimizer.state``.
-    Reads and writes go to the underlying dicts."""
-
-    def __init__(self, inner_dicts: list[dict]) -> None:
-        self._inner_dicts = inner_dicts
-
-    def __getitem__(self, key: tuple[int, Any]) -> Any:
-        index, inner_key = key
-        return self._inner_dicts[index].get(inner_key)
-
-    def __setitem__(self, key: tuple[int, Any], value: Any) -> None:
-        index, inner_key = key
-        self._inner_dicts[index][inner_key] = value
-
-    def __len__(self) -> int:
-        return sum(len(d) for d in self._inner_dicts)
-
-    def __iter__(self):
-        for index, d in enumerate(self._inner_dicts):
-            for inner_key in d:
-                yield index, inner_key
-
-    def items(self):
-        for index, d in enumerate(self._inner_dicts):
-            for inner_key, value in d.items():
-                yield (index, inner_key), value
 
 
 class ChainedOptimizer(MegatronOptimizer):
@@ -719,15 +617,12 @@ class ChainedOptimizer(MegatronOptimizer):
         of optimizer ``index``'s tensors prefixed ``chained_<index>.`` unless
         ``metadata["chained_optim_avoid_prefix"]`` (with a fully reshardable
         ``distrib_optim_sharding_type`` or none), as Megatron-core's."""
-        from megatron_ext.dist_checkpointing.optimizer import add_prefix_for_sharding
-        from megatron_ext.optimizer.distrib_optimizer import DistributedOptimizer
-
         if len(self.chained_optimizers) == 1:
             only = self.chained_optimizers[0]
             return only.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         metadata = kwargs.get("metadata") or {}
         kind = metadata.get("distrib_optim_sharding_type")
-        reshardable = kind is None or kind in DistributedOptimizer.checkpoint_fully_reshardable_formats
+        reshardable = kind is None or kind in CHECKPOINT_FULLY_RESHARDABLE_FORMATS
         add_prefix = not reshardable or not metadata.get("chained_optim_avoid_prefix", False)
         out = {}
         for index, optimizer in enumerate(self.chained_optimizers):

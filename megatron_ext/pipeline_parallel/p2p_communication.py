@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron_ext import parallel_state
 from megatron_ext.comm_errors import ReportedWork, reported
 from megatron_ext.tensor_parallel.utils import comm_device
+from megatron_ext.resolve import default_group
 
 Shape = Union[list[int], torch.Size]
 
@@ -401,7 +402,7 @@ class P2PCommunicator:
 
 
 def _communicator(config: Any) -> P2PCommunicator:
-    return P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), config)
+    return P2PCommunicator(default_group("pp"), config)
 
 
 def _first(is_first_stage: bool | None) -> bool:

@@ -6,13 +6,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-
-def _rank(group: dist.ProcessGroup | None) -> int:
-    return 0 if group is None or not dist.is_initialized() else group.rank()
-
-
-def _size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None or not dist.is_initialized() else group.size()
+from megatron_ext.resolve import group_rank as _rank
+from megatron_ext.resolve import group_size as _size
 
 
 def is_pp_first_stage(pp_group: dist.ProcessGroup | None) -> bool:

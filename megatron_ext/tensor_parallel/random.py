@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_ext import parallel_state
 from megatron_ext.parallel_state import ParallelStateError
+from megatron_ext.split_backward import active_deferral, backward_input, in_split_backward
 from megatron_ext.tensor_parallel.utils import gather_split_1d_tensor, split_tensor_into_1d_equal_chunks
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
@@ -386,8 +387,6 @@ class CheckpointFunction(torch.autograd.Function):
 
 
 def _check_backward_mode() -> None:
-    from megatron_ext.pipeline_parallel.split_backward import in_split_backward
-
     if not torch.autograd._is_checkpoint_valid() and not in_split_backward():
         raise RuntimeError("checkpoint is not compatible with torch.autograd.grad(); use .backward()")
 
@@ -396,8 +395,6 @@ def _backward_through(outputs: Sequence[Any], grad_outputs: Sequence[Any], input
     """The backward of a recomputed region: returns the gradients of ``inputs``. Inside a
     zero-bubble schedule's input half (``split_backward.backward_input``) the region's weight
     gradients are deferred with the rest of the stage's."""
-    from megatron_ext.pipeline_parallel.split_backward import active_deferral, backward_input
-
     pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
     deferral = active_deferral()
     if deferral is not None:

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_ext import parallel_state
+from megatron_ext.resolve import default_group
 from megatron_ext._torch_compat import all_gather_single
 
 
@@ -46,7 +46,7 @@ def split_tensor_along_last_dim(
 def resolve_tp_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     """``group``, or the tensor-model-parallel group when it is ``None`` (the one place a group
     argument of the package falls back to parallel_state's tensor-parallel group)."""
-    return parallel_state.get_tensor_model_parallel_group() if group is None else group
+    return default_group("tp", group)
 
 
 def tp_group_size_rank(group: dist.ProcessGroup | None = None) -> tuple[dist.ProcessGroup, int, int]:

@@ -15,10 +15,14 @@ from megatron_ext.tensor_parallel import (
     all_gather_last_dim_from_tensor_parallel_region,
     get_cuda_rng_tracker,
 )
+from megatron_ext.tensor_parallel.sharded_state import renamed_sharded_state_dict
 from megatron_ext.tensor_parallel.utils import divide
 from megatron_ext.transformer.rotary import apply_rotary_pos_emb
 from megatron_ext.transformer.transformer_config import TransformerConfig
 from megatron_ext.transformer.utils import layer_norm
+
+# The submodules' names here -> Megatron-core's checkpoint keys.
+ATTENTION_KEYS = {"query_key_value.": "linear_qkv.", "dense.": "linear_proj."}
 
 
 class ParallelAttention(torch.nn.Module):
@@ -98,8 +102,6 @@ class ParallelAttention(torch.nn.Module):
     ) -> dict:
         """Megatron's checkpointing API: each tensor as a ShardedTensor (as the layers inside are split)
         under Megatron-core's keys (``linear_qkv``, ``linear_proj``)."""
-        from megatron_ext.dist_checkpointing.module_state import ATTENTION_KEYS, renamed_sharded_state_dict
-
         return renamed_sharded_state_dict(self, prefix, sharded_offsets, ATTENTION_KEYS, metadata)
 
     def forward(

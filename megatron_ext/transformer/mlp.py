@@ -9,7 +9,11 @@ import torch
 from megatron_ext.fusions.fused_bias_gelu import bias_gelu
 from megatron_ext.fusions.fused_bias_swiglu import bias_swiglu
 from megatron_ext.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron_ext.tensor_parallel.sharded_state import renamed_sharded_state_dict
 from megatron_ext.transformer.transformer_config import TransformerConfig
+
+# The submodules' names here -> Megatron-core's checkpoint keys.
+MLP_KEYS = {"dense_h_to_4h.": "linear_fc1.", "dense_4h_to_h.": "linear_fc2."}
 
 
 class ParallelMLP(torch.nn.Module):
@@ -79,8 +83,6 @@ class ParallelMLP(torch.nn.Module):
     ) -> dict:
         """Megatron's checkpointing API: each tensor as a ShardedTensor (as the layers inside are split)
         under Megatron-core's keys (``linear_fc1``, ``linear_fc2``)."""
-        from megatron_ext.dist_checkpointing.module_state import MLP_KEYS, renamed_sharded_state_dict
-
         return renamed_sharded_state_dict(self, prefix, sharded_offsets, MLP_KEYS, metadata)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -7,7 +7,10 @@ import contextlib
 import torch
 
 from megatron_ext import parallel_state, tensor_parallel
+from megatron_ext.dist_checkpointing.mapping import ShardedStateDict
+from megatron_ext.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron_ext.pipeline_parallel.schedule_tables import stage_location, virtual_stage
+from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict
 from megatron_ext.transformer.transformer_config import TransformerConfig
 from megatron_ext.transformer.transformer_layer import ParallelTransformerLayer
 from megatron_ext.transformer.utils import initialization_seed, layer_norm
@@ -159,8 +162,6 @@ class ParallelTransformer(torch.nn.Module):
         """Megatron's checkpointing API: the layers by global layer number, stacked along a leading
         layer axis (``decoder.layers.<name>``) or, with ``metadata["non_homogeneous_layers"]`` or
         ``["singleton_local_shards"]``, one key per layer (``layers.<N>.<name>``)."""
-        from megatron_ext.dist_checkpointing.module_state import block_sharded_state_dict
-
         return block_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def forward(
@@ -200,3 +201,31 @@ class ParallelTransformer(torch.nn.Module):
         if self.post_process:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
+
+
+def _per_layer_keys(metadata: dict | None) -> bool:
+    metadata = metadata or {}
+    return bool(metadata.get("non_homogeneous_layers") or metadata.get("singleton_local_shards"))
+
+
+def block_sharded_state_dict(
+    block: torch.nn.Module, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+) -> ShardedStateDict:
+    """``ParallelTransformer.sharded_state_dict``: the layers by global layer number (see the
+    module docstring), then the block's other tensors (the final norm)."""
+    if sharded_offsets:
+        raise ValueError(f"a transformer block takes no sharded_offsets, got {sharded_offsets}")
+    out: ShardedStateDict = {}
+    num_layers = block.config.num_layers
+    for local_index, layer in enumerate(block.layers):
+        number = layer.layer_number - 1
+        state_prefix = f"{prefix}layers.{local_index}."
+        if _per_layer_keys(metadata):
+            sharded_prefix, offsets = f"{prefix}layers.{number}.", ()
+        else:
+            sharded_prefix, offsets = f"{prefix}layers.", ((0, number, num_layers),)
+        layer_dict = layer.sharded_state_dict(state_prefix, offsets, metadata)
+        replace_prefix_for_sharding(layer_dict, state_prefix, sharded_prefix)
+        out.update(layer_dict)
+    out.update(module_sharded_state_dict(block, prefix, skip=("layers",)))
+    return out

@@ -5,10 +5,32 @@ from __future__ import annotations
 import torch
 
 from megatron_ext.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron_ext.transformer.attention import ParallelAttention
-from megatron_ext.transformer.mlp import ParallelMLP
+from megatron_ext.tensor_parallel.sharded_state import renamed_key, renamed_sharded_state_dict
+from megatron_ext.transformer.attention import ATTENTION_KEYS, ParallelAttention
+from megatron_ext.transformer.mlp import MLP_KEYS, ParallelMLP
 from megatron_ext.transformer.transformer_config import TransformerConfig
 from megatron_ext.transformer.utils import layer_norm
+
+# The layer's tensor names -> Megatron-core's checkpoint keys (the layer norms are stored under the
+# linear they feed, as Megatron-core's local and Transformer Engine specs both store them).
+LAYER_KEYS = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "post_attention_layernorm.": "mlp.linear_fc1.layer_norm_",
+    **{f"self_attention.{k}": f"self_attention.{v}" for k, v in ATTENTION_KEYS.items()},
+    **{f"mlp.{k}": f"mlp.{v}" for k, v in MLP_KEYS.items()},
+}
+
+
+def megatron_core_name(name: str) -> str:
+    """A GPTModel tensor's name (``decoder.layers.<N>.<name>`` or stacked ``decoder.layers.<name>``)
+    as Megatron-core's key."""
+    head, sep, rest = name.partition("decoder.layers.")
+    if not sep:
+        return name
+    number, dot, inner = rest.partition(".")
+    if not (number.isdigit() and dot):
+        number, dot, inner = "", "", rest
+    return f"{head}{sep}{number}{dot}{renamed_key(inner, LAYER_KEYS)}"
 
 
 class ParallelTransformerLayer(torch.nn.Module):
@@ -41,9 +63,7 @@ class ParallelTransformerLayer(torch.nn.Module):
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict:
         """Megatron's checkpointing API: each tensor as a ShardedTensor (``sharded_offsets``: the
-        layer axis a block prepends) under Megatron-core's keys (``module_state.LAYER_KEYS``)."""
-        from megatron_ext.dist_checkpointing.module_state import LAYER_KEYS, renamed_sharded_state_dict
-
+        layer axis a block prepends) under Megatron-core's keys (``LAYER_KEYS``)."""
         return renamed_sharded_state_dict(self, prefix, sharded_offsets, LAYER_KEYS, metadata)
 
     def forward(

@@ -7,6 +7,11 @@ from typing import Any, Iterator
 
 import torch
 
+from megatron_ext.dist_checkpointing.utils import (
+    make_sharded_object_for_checkpoint,
+    make_sharded_tensor_for_checkpoint,
+    make_tp_sharded_tensor_for_checkpoint,
+)
 from megatron_ext.fusions.fused_rms_norm import fused_rms_norm
 
 
@@ -57,31 +62,6 @@ def layer_norm(config: Any, hidden_size: int) -> torch.nn.Module:
     return norm
 
 
-def make_sharded_object_for_checkpoint(
-    obj: Any, key: str, sharded_offsets: tuple = (), replica_id: Any = None, **kwargs: Any
-) -> Any:
-    """``obj`` as a ShardedObject at the grid position ``sharded_offsets`` gives ((axis, index,
-    fragments) each, axes 0, 1, ... in order; none: a 1-element grid), replicated over tensor- and
-    data-parallel ranks unless ``replica_id`` says otherwise."""
-    from megatron_ext import parallel_state
-    from megatron_ext.dist_checkpointing.mapping import ShardedObject
-
-    if replica_id is None:
-        replica_id = (
-            0,
-            parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_data_parallel_rank(with_context_parallel=True),
-        )
-    if sharded_offsets:
-        ordered = sorted(sharded_offsets, key=lambda x: x[0])
-        if [axis for axis, _, _ in ordered] != list(range(len(ordered))):
-            raise ValueError(f"sharded_offsets {sharded_offsets} must cover the axes 0, 1, ... in order")
-        shape, offset = tuple(f for _, _, f in ordered), tuple(i for _, i, _ in ordered)
-    else:
-        shape, offset = (1,), (0,)
-    return ShardedObject(key, obj, shape, offset, replica_id, **kwargs)
-
-
 def make_sharded_tensors_for_checkpoint(
     state_dict: dict[str, Any],
     prefix: str,
@@ -94,8 +74,6 @@ def make_sharded_tensors_for_checkpoint(
     """Megatron-core's helper: each entry of ``state_dict`` under ``prefix + name`` as a
     ShardedTensor split over tensor-parallel ranks along the axis ``tensor_parallel_layers_axis_map``
     gives it, else replicated; ``*_extra_state`` entries as ShardedObjects."""
-    from megatron_ext.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
-
     axis_map = tensor_parallel_layers_axis_map or {}
     groups = (
         {} if tp_group is None and dp_cp_group is None else {"tp_group": tp_group, "dp_cp_group": dp_cp_group}

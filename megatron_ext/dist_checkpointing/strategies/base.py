@@ -84,10 +84,8 @@ def register_default_strategy(
 
 def get_default_strategy(action: StrategyAction, backend: str, version: int) -> Any:
     """The registered strategy for ``action`` at ``(backend, version)``; CheckpointingException
-    for any other backend (megatron_ext has ``torch_dist`` v1 and ``torch`` v1)."""
-    from megatron_ext.dist_checkpointing.strategies.torch import register_default_torch_strategies
-
-    register_default_torch_strategies()
+    for any other backend (megatron_ext has ``torch_dist`` v1 and ``torch`` v1, registered when
+    ``strategies.torch`` is imported, as the package's ``__init__`` does)."""
     try:
         return default_strategies[action.value][(backend, version)]
     except KeyError:

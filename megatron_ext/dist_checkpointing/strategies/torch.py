@@ -5,22 +5,20 @@ each ShardedObject a bytes entry ``<key>/shard_<offset>_<shape>``."""
 
 from __future__ import annotations
 
-import io
-from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 from megatron_ext.dist_checkpointing.core import _FAILURES, CheckpointWriteError, _all_gather, _describe
 from torch.distributed.checkpoint.api import CheckpointException as _DCPException
+from megatron_ext.dist_checkpointing import serialization
 from megatron_ext.dist_checkpointing.dict_utils import nested_values
 from megatron_ext.dist_checkpointing.mapping import ShardedBase, ShardedTensor, is_main_replica
-from megatron_ext.dist_checkpointing.sharding import sharded_parts
+from megatron_ext.dist_checkpointing.sharding import dcp_state
 from megatron_ext.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron_ext.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -32,35 +30,6 @@ from megatron_ext.dist_checkpointing.strategies.base import (
     register_default_strategy,
 )
 from megatron_ext.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
-
-def _as_chunk(sh: ShardedTensor) -> tuple[tuple[int, ...], torch.Tensor]:
-    """(global offset, the data with its prepended axes of length 1)."""
-    data = sh.data.detach()
-    if sh.prepend_axis_num:
-        data = data.view((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
-    return tuple(sh.global_offset), data
-
-
-def dcp_state(
-    shards: list[ShardedBase], global_shapes: dict | None = None, loading: bool = False
-) -> dict[str, Any]:
-    """The flat dict DCP saves or loads for ``shards``: a tensor alias per ShardedTensor key, a
-    list of objects per ShardedObject shard (what Megatron-core stores; loading, a placeholder
-    that DCP replaces with that list)."""
-    tensors: dict[str, list[ShardedTensor]] = defaultdict(list)
-    state: dict[str, Any] = {}
-    for sh in shards:
-        if isinstance(sh, ShardedTensor):
-            tensors[sh.key].append(sh)
-        elif loading:
-            state[sh.unique_key] = io.BytesIO()
-        else:
-            state.setdefault(sh.unique_key, []).append(sh.data)
-    for key, group in tensors.items():
-        shape = (global_shapes or {}).get(key, group[0].global_shape)
-        state[key] = sharded_parts(shape, [_as_chunk(sh) for sh in group])
-    return state
 
 
 WriteFailure = tuple[list[int], str]  # (the ranks whose writes failed, what failed)
@@ -172,9 +141,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """Reads ``torch_dist`` checkpoints (``serialization.load`` does the reading)."""
 
     def load(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | Path) -> Any:
-        from megatron_ext.dist_checkpointing.serialization import load
-
-        return load(sharded_state_dict, checkpoint_dir)
+        return serialization.load(sharded_state_dict, checkpoint_dir)
 
 
 def register_default_torch_strategies() -> None:
@@ -186,3 +153,6 @@ def register_default_torch_strategies() -> None:
     register_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy())
     register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, SaveCommonStrategy("torch", 1))
     register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, LoadCommonStrategy())
+
+
+register_default_torch_strategies()

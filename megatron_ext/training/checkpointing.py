@@ -64,11 +64,13 @@ from megatron_ext.dist_checkpointing.mapping import (
     ShardedTensor,
     apply_factories,
 )
-from megatron_ext.dist_checkpointing.module_state import module_sharded_state_dict
 from megatron_ext.dist_checkpointing.optimizer import make_sharded_optimizer_tensor, sharded_params_by_tensor
-from megatron_ext.dist_checkpointing.sharding import _strip_wrappers, _unwrap, model_chunks, stored_shape
+from megatron_ext.dist_checkpointing.sharding import model_chunks, stored_shape
 from megatron_ext.optimizer.optimizer import chunk_prefix, named_model_parameters
+from megatron_ext.resolve import strip_wrapper_prefix as _strip_wrappers
+from megatron_ext.resolve import unwrap_model as _unwrap
 from megatron_ext.tensor_parallel.random import get_cuda_rng_tracker
+from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict
 
 FORMAT = "megatron_ext.dist_checkpointing/2"
 FORMAT_1 = "megatron_ext.dist_checkpointing/1"  # the earlier format: see convert.upgrade
