@@ -22,7 +22,7 @@ checkpoint stays what the tracker names. Re-saving an iteration swaps the two di
 (a full disk) removes what it wrote and raises the same error on every rank.
 
 A save never moves the tracker backwards or overwrites a newer checkpoint unless asked
-(``overwrite=True``); ``keep_last`` prunes the older complete checkpoints after a save.
+(``overwrite=True``), never writes a NaN or an infinity; ``keep_last`` prunes after a save.
 
 Loading checks, on every rank and before any tensor is read, that the marker exists, that the
 files' hashes match, that the model's configuration is the saved one, and that the stored tensors
@@ -66,10 +66,11 @@ from megatron_ext.dist_checkpointing.mapping import (
 )
 from megatron_ext.dist_checkpointing.optimizer import make_sharded_optimizer_tensor, sharded_params_by_tensor
 from megatron_ext.dist_checkpointing.sharding import model_chunks, stored_shape
-from megatron_ext.optimizer.optimizer import chunk_prefix, named_model_parameters
+from megatron_ext.optimizer.optimizer import chunk_prefix
 from megatron_ext.resolve import strip_wrapper_prefix as _strip_wrappers
 from megatron_ext.resolve import unwrap_model as _unwrap
 from megatron_ext.tensor_parallel.random import get_cuda_rng_tracker
+from megatron_ext.training.finite_state import refuse_nonfinite
 from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict
 
 FORMAT = "megatron_ext.dist_checkpointing/2"
@@ -341,7 +342,8 @@ def save_checkpoint(
     _finish_param_gathers(model)
     final = checkpoint_dir(save_dir, iteration)
     param_state = optimizer.param_state_by_name() if optimizer is not None else {}
-    _refuse_nonfinite(model, param_state, f"cannot save checkpoint {final!r}: ", save_dir)
+    newest = _newest_left(save_dir) if dist.get_rank() == 0 else None
+    refuse_nonfinite(model, param_state, f"cannot save checkpoint {final!r}: ", newest)
     state: dict[str, Any] = _sharded_model(model)
     if optimizer is not None:
         optimizer_state = optimizer.state_dict()
@@ -414,32 +416,6 @@ def save_checkpoint(
                 error = _describe(e)
         _agree(error, f"saved checkpoint {final!r} but could not remove older ones: ")
     return final
-
-
-def _refuse_nonfinite(
-    model: torch.nn.Module | list[torch.nn.Module],
-    param_state: dict[str, dict[str, torch.Tensor]],
-    prefix: str,
-    save_dir: str,
-) -> None:
-    """Raises on every rank, before anything is written, when a parameter or an optimizer state
-    of any rank holds a NaN or an infinity: a checkpoint is a state to resume from."""
-    chunks = [_unwrap(chunk) for chunk in model_chunks(model)]
-    bad = [name for name, param in named_model_parameters(chunks) if not bool(torch.isfinite(param).all())]
-    bad += [f"optimizer {key} of {name}" for name, entry in param_state.items()
-            for key, tensor in entry.items() if not bool(torch.isfinite(tensor).all())]
-    error = None
-    if bad:
-        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        error = f"rank {dist.get_rank()}: {', '.join(bad[:3])}{more}"
-    shared = _all_gather(error)
-    errors = sorted({e for e in shared if e})
-    if errors:  # rank 0's view of the directory, the same words on every rank
-        newest = _all_gather(_newest_left(save_dir) if dist.get_rank() == 0 else None)[0]
-        raise CheckpointingException(
-            f"{prefix}the state is not finite (NaN or Inf in {'; '.join(errors)}); nothing was written, "
-            f"{newest}"
-        )
 
 
 def _newest_left(save_dir: str) -> str:
