@@ -331,7 +331,7 @@ def check_numbers(args: argparse.Namespace) -> None:
             bounds = f"[{low:g}, {high:g}" + ("]" if closed else ")")
             raise ValueError(f"{flag} must be a finite number in {bounds}, got {value}")
     if args.timeout is not None and not 0 < args.timeout < 1e9:
-        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+        raise ValueError(f"--timeout must be a positive finite number of seconds, got {args.timeout}")
 
 
 # What a Hugging Face model directory holds; --export-hf-overwrite removes these first.

@@ -46,8 +46,8 @@ def test_numbers_must_be_finite_and_in_range():
         ("--weight-decay", "inf"): "--weight-decay must be a finite number in [0, 3.40282e+38], got inf",
         ("--dropout", "nan"): "--dropout must be a finite number in [0, 1), got nan",
         ("--dropout", "1"): "--dropout must be a finite number in [0, 1), got 1.0",
-        ("--timeout", "nan"): "--timeout must be a positive number of seconds, got nan",
-        ("--timeout", "inf"): "--timeout must be a positive number of seconds, got inf",
+        ("--timeout", "nan"): "--timeout must be a positive finite number of seconds, got nan",
+        ("--timeout", "inf"): "--timeout must be a positive finite number of seconds, got inf",
     }
     for argv, message in refused.items():
         assert _refusal(TINY + list(argv)) == message, argv

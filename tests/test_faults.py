@@ -66,7 +66,7 @@ def test_checkpoint_paths_and_arguments_are_checked_before_the_process_group(tmp
         f"--load {saves}, choose another --save directory, or pass --allow-overwrite",
         ("--load", str(saves / "iter_0000010"), "--save", str(saves)): "holds iteration 20, newer than the "
         "iteration 10",
-        ("--weight-decay", "-0.1"): "--weight-decay must be >= 0, got -0.1",
+        ("--weight-decay", "-0.1"): "--weight-decay must be a finite number in [0, 3.40282e+38], got -0.1",
         ("--data", empty): f"--data {empty!r} is a directory; expected a text file",
         ("--keep-last", "0", "--save", empty): "--keep-last 0 needs --save and must be >= 1",
         ("--keep-last", "2"): "--keep-last 2 needs --save and must be >= 1",

@@ -134,7 +134,7 @@ def test_zero_bubble_schedules_match_serial(serial_losses):
             2,
             "--hidden 30 is not divisible by --heads 4",
         ),
-        (["--timeout", "0"], 1, "--timeout must be positive, got 0.0"),
+        (["--timeout", "0"], 1, "--timeout must be a positive finite number of seconds, got 0.0"),
         (
             ["--arch", "llama", "--num-query-groups", "3"],
             1,
