@@ -164,6 +164,7 @@ def test_context_parallel_attention_equals_full_attention():
     assert len(results[0][0]) == 4 * 2 * (8 + 9) + 3
 
 
+@pytest.mark.slow  # opcheck compiles graphs
 @pytest.mark.parametrize("comm", CP_COMM_TYPES)
 def test_opcheck_single_rank(comm):
     """At cp 1 (no communication) the op is one attention block: opcheck and equality with SDPA."""
@@ -179,3 +180,24 @@ def test_opcheck_single_rank(comm):
     out = torch.ops.megatron_ext.context_parallel_attention(*args)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(out, expected, **TIGHT)
+
+
+def test_single_rank_equals_sdpa():
+    """At cp 1 every comm type is one attention block, causal or not, GQA keys and values."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 6, HEAD_DIM, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (
+        torch.randn(2, 2, 6, HEAD_DIM, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2)
+    )
+    grad = torch.randn(2, 4, 6, HEAD_DIM, generator=g, dtype=torch.float64)
+    for comm in CP_COMM_TYPES:
+        for causal in (True, False):
+            out = torch.ops.megatron_ext.context_parallel_attention(q, k, v, "", 1, 0, causal, comm, 0.3)
+            expected = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, enable_gqa=True, scale=0.3
+            )
+            torch.testing.assert_close(out, expected, **TIGHT)
+            for got, want in zip(
+                torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)
+            ):
+                torch.testing.assert_close(got, want, **TIGHT)
