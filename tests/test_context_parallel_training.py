@@ -17,13 +17,16 @@ from tests.conftest import SMALL, load_train_gpt
 from tests.distributed import run_distributed
 
 ARCHS = {"gpt": ["--arch", "gpt"], "llama": ["--arch", "llama", "--num-query-groups", "2"]}
-# (tp, cp, pp, dp) and the comm type each runs with.
-WORLD_2 = [((1, 2, 1, 1), "p2p")]
+# (tp, cp, pp, dp), the comm type each runs with, and further arguments.
+WORLD_2 = [((1, 2, 1, 1), "p2p", ())]
 WORLD_4 = [
-    ((2, 2, 1, 1), "all_gather"),
-    ((1, 2, 2, 1), "a2a"),
-    ((1, 4, 1, 1), "p2p"),
-    ((1, 2, 1, 2), "all_gather"),
+    ((2, 2, 1, 1), "all_gather", ()),
+    ((1, 2, 2, 1), "a2a", ()),
+    ((1, 4, 1, 1), "p2p", ()),
+    ((1, 2, 1, 2), "all_gather", ()),
+    # The distributed optimizer shards over dp x cp (here cp alone).
+    ((2, 2, 1, 1), "p2p", ("--sequence-parallel", "--use-distributed-optimizer")),
+    ((1, 2, 2, 1), "p2p", ("--virtual-pipeline", "2")),
 ]
 
 
@@ -70,7 +73,7 @@ def _train(layouts: list, archs: list[str]) -> dict:
     train_gpt.parallel_state = types.SimpleNamespace(**vars(ps))
     train_gpt.parallel_state.destroy_model_parallel = gather_then_destroy
     out = {}
-    for (tp, cp, pp, dp), comm in layouts:
+    for (tp, cp, pp, dp), comm, extra in layouts:
         for arch in archs:
             args = train_gpt.parse_args(
                 SMALL
@@ -88,10 +91,11 @@ def _train(layouts: list, archs: list[str]) -> dict:
                     "float64",
                     "--cp-comm-type",
                     comm,
+                    *extra,
                 ]
             )
             log = train_gpt.train(args)
-            out[((tp, cp, pp, dp), comm, arch)] = (log["losses"], log["grad_norms"], weights[-1])
+            out[((tp, cp, pp, dp), comm, extra, arch)] = (log["losses"], log["grad_norms"], weights[-1])
     return out
 
 
@@ -105,9 +109,9 @@ def _merged(results: list[dict]) -> dict:
 
 
 def _assert_equal_serial(reference: dict, results: dict) -> None:
-    for (layout, comm, arch), (losses, norms, weights) in results.items():
-        ref_losses, ref_norms, ref_weights = reference[((1, 1, 1, 1), "p2p", arch)]
-        label = f"{arch} (tp, cp, pp, dp)={layout} {comm}"
+    for (layout, comm, extra, arch), (losses, norms, weights) in results.items():
+        ref_losses, ref_norms, ref_weights = reference[((1, 1, 1, 1), "p2p", (), arch)]
+        label = f"{arch} (tp, cp, pp, dp)={layout} {comm} {' '.join(extra)}"
         torch.testing.assert_close(
             torch.tensor(losses),
             torch.tensor(ref_losses),
@@ -138,7 +142,7 @@ def _assert_equal_serial(reference: dict, results: dict) -> None:
 
 @pytest.fixture(scope="module")
 def serial():
-    (ref,) = run_distributed(1, _train, [((1, 1, 1, 1), "p2p")], list(ARCHS))
+    (ref,) = run_distributed(1, _train, [((1, 1, 1, 1), "p2p", ())], list(ARCHS))
     return ref
 
 
