@@ -50,6 +50,7 @@ from megatron_ext.optimizer import MegatronOptimizer, OptimizerConfig, get_megat
 from megatron_ext.pipeline_parallel import get_forward_backward_func
 from megatron_ext.tensor_parallel.utils import comm_device
 from megatron_ext.transformer import TransformerConfig
+from megatron_ext.utils import get_batch_on_this_cp_rank
 
 DTYPES = {
     "float32": torch.float32,
@@ -65,7 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world / (tp x pp))")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel size (default: world / (tp x cp x pp))")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size: each sequence split over cp ranks (2 x cp chunks, rank r "
+                        "holding chunks r and 2cp-1-r)")
+    p.add_argument("--cp-comm-type", choices=["p2p", "all_gather", "a2a"], default="p2p",
+                   help="context-parallel attention: p2p (ring), all_gather (K/V gathered), a2a (Ulysses)")
     p.add_argument(
         "--arch",
         choices=["gpt", "llama"],
@@ -217,6 +224,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
             )
     for name in (
         "tp",
+        "cp",
         "pp",
         "layers",
         "hidden",
@@ -229,15 +237,20 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    model_parallel = args.tp * args.cp * args.pp
     if args.dp is None:
-        if world_size % (args.tp * args.pp) != 0:
-            raise ValueError(f"world size {world_size} is not divisible by tp x pp = {args.tp * args.pp}")
-        args.dp = world_size // (args.tp * args.pp)
-    if args.tp * args.pp * args.dp != world_size:
+        if world_size % model_parallel != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp x cp x pp = "
+                f"{args.tp} x {args.cp} x {args.pp}"
+            )
+        args.dp = world_size // model_parallel
+    if model_parallel * args.dp != world_size:
         raise ValueError(
-            f"world size {world_size} != tp x pp x dp = {args.tp} x {args.pp} x {args.dp}; "
-            f"launch with --nproc-per-node {args.tp * args.pp * args.dp}"
+            f"world size {world_size} != tp x cp x pp x dp = {args.tp} x {args.cp} x {args.pp} x {args.dp}; "
+            f"launch with --nproc-per-node {model_parallel * args.dp}"
         )
+    check_context_parallel_args(args)
     if args.heads % args.tp != 0:
         raise ValueError(f"--heads {args.heads} is not divisible by --tp {args.tp}")
     if args.hidden % args.heads != 0 and args.hf_config is None:
@@ -375,6 +388,28 @@ def check_export_dir(args: argparse.Namespace) -> None:
         )
 
 
+def check_context_parallel_args(args: argparse.Namespace) -> None:
+    """What --cp needs: whole chunks, whole heads per rank for a2a, no attention dropout."""
+    if args.cp == 1:
+        return
+    if args.seq_len % (2 * args.cp) != 0:
+        raise ValueError(
+            f"--seq-len {args.seq_len} is not divisible by 2 x --cp = {2 * args.cp} (each sequence is cut "
+            "into 2 x cp chunks)"
+        )
+    if args.cp_comm_type == "a2a":
+        groups = args.num_query_groups or args.heads
+        heads, groups = args.heads // args.tp, max(groups // args.tp, 1)
+        if heads % args.cp or groups % args.cp:
+            raise ValueError(
+                f"--cp-comm-type a2a splits each tensor-parallel rank's {heads} query heads and {groups} "
+                f"key/value groups over --cp {args.cp} ranks; both must be divisible by it"
+            )
+    if args.dropout > 0:
+        raise ValueError(f"--dropout {args.dropout} with --cp {args.cp}: attention dropout is not supported "
+                         "with context parallelism")
+
+
 def read_hf_config(path: str) -> dict:
     """--load-hf's config.json, whose shape replaces the model arguments, after checking that the
     directory's safetensors files (and index) are readable and one model."""
@@ -502,8 +537,18 @@ def step_microbatches(corpus: torch.Tensor, step: int, args: argparse.Namespace,
 
 
 def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    loss = output.float().mean() if output.dtype != torch.float64 else output.mean()
-    return loss, {"lm loss": loss.detach()}
+    """The mean over the micro-batch's tokens. With context parallelism each rank holds part of each
+    sequence: its sum over the token count summed over the cp ranks (the schedule multiplies by cp and
+    DDP averages over dp x cp), and the reported loss is the sum over cp."""
+    output = output.float() if output.dtype != torch.float64 else output
+    cp_group = parallel_state.get_context_parallel_group()
+    if cp_group.size() == 1:
+        loss = output.mean()
+        return loss, {"lm loss": loss.detach()}
+    totals = torch.stack([output.detach().sum(), torch.tensor(output.numel(), dtype=output.dtype)])
+    with reported("all-reduce of the loss over the context-parallel group", cp_group):
+        dist.all_reduce(totals, group=cp_group)
+    return output.sum() / totals[1], {"lm loss": totals[0] / totals[1]}
 
 
 def forward_step(data_iterator, model: DistributedDataParallel):
@@ -512,7 +557,8 @@ def forward_step(data_iterator, model: DistributedDataParallel):
         return model(None, None), loss_func
     tokens, labels = batch["tokens"], batch["labels"]
     position_ids = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
-    return model(tokens, position_ids, labels=labels), loss_func
+    batch = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "position_ids": position_ids})
+    return model(batch["tokens"], batch["position_ids"], labels=batch["labels"]), loss_func
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:
@@ -530,6 +576,8 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
     training = dict(
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
+        context_parallel_size=args.cp,
+        cp_comm_type=args.cp_comm_type,
         hidden_dropout=args.dropout,
         attention_dropout=args.dropout,
         params_dtype=dtype,
@@ -599,6 +647,7 @@ def train(args: argparse.Namespace) -> dict:
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline,
+        context_parallel_size=args.cp,
         distributed_timeout_minutes=args.timeout / 60,
         # ZB-V's V: the first and the last stage (both copies of the tied embedding) on rank 0.
         get_embedding_ranks=(lambda ranks: [ranks[0]]) if args.schedule == "zb-v" else None,
@@ -625,7 +674,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
     chunks = [
         DistributedDataParallel(
             chunk,
-            data_parallel_group=parallel_state.get_data_parallel_group(),
+            data_parallel_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
             bucket_size_bytes=args.grad_bucket_bytes,
             ddp_config=ddp_config,
         )

@@ -192,3 +192,29 @@ def _(input, bias):
 @torch.library.register_fake("megatron_ext::swiglu_backward")
 def _(grad_output, input, bias):
     return input.new_empty(input.shape)
+
+
+# --- Context-parallel attention (ops/context_parallel_attention.cpp) -------------------------------
+
+
+def _attention_acc_dtype(query: torch.Tensor) -> torch.dtype:
+    return torch.float64 if query.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("megatron_ext::context_parallel_attention")
+def _(query, key, value, group_name, group_size, group_rank, is_causal=True, cp_comm_type="p2p", scale=None):
+    return query.new_empty(query.shape)
+
+
+@torch.library.register_fake("megatron_ext::context_parallel_attention_forward")
+def _(query, key, value, group_name, group_size, group_rank, is_causal, cp_comm_type, scale):
+    b, heads, s, _ = query.shape
+    if cp_comm_type == "a2a" and group_size > 1:  # the log-sum-exp of heads / cp over the whole sequence
+        heads, s = heads // group_size, s * group_size
+    return query.new_empty(query.shape), query.new_empty((b, heads, s), dtype=_attention_acc_dtype(query))
+
+
+@torch.library.register_fake("megatron_ext::context_parallel_attention_backward")
+def _(grad_out, query, key, value, out, log_sum_exp, group_name, group_size, group_rank, is_causal,
+      cp_comm_type, scale):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)

@@ -174,12 +174,6 @@ class ModelParallelConfig:
         if self.fp16 and self.bf16:
             raise ValueError("ModelParallelConfig: fp16 and bf16 cannot both be True")
         refuse_unimplemented(self, _UNIMPLEMENTED)
-        if self.context_parallel_size != 1:
-            raise NotImplementedError(
-                f"ModelParallelConfig.context_parallel_size={self.context_parallel_size} is not supported "
-                "(context-parallel attention); parallel_state creates the context-parallel groups, but "
-                "the layers split no sequence"
-            )
         if self.expert_model_parallel_size != 1:
             raise NotImplementedError(
                 f"ModelParallelConfig.expert_model_parallel_size={self.expert_model_parallel_size} is not "
@@ -293,8 +287,7 @@ def check_model_parallel_config(config: Any, owner: str) -> Any:
                 f"{owner}: config.{name}={value!r} is not supported ({why}); leave it at its default "
                 f"{default!r}"
             )
-    for name, why in (("context_parallel_size", "context-parallel attention"),
-                      ("expert_model_parallel_size", "mixture-of-experts layers")):
+    for name, why in (("expert_model_parallel_size", "mixture-of-experts layers"),):
         if config_field(config, name) != 1:
             value = config_field(config, name)
             raise NotImplementedError(f"{owner}: config.{name}={value!r} is not supported ({why})")

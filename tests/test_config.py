@@ -321,7 +321,6 @@ def test_replace_round_trip():
         ("tp_comm_overlap", True),
         ("cpu_offloading", True),
         ("enable_autocast", True),
-        ("context_parallel_size", 2),
         ("expert_model_parallel_size", 2),
         ("recompute_granularity", "selective"),
         ("recompute_method", "block"),

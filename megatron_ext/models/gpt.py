@@ -248,6 +248,9 @@ class GPTModel(torch.nn.Module):
                 seq_len, device = received.size(0), received.device
                 if self.config.sequence_parallel:
                     seq_len *= parallel_state.get_tensor_model_parallel_world_size()
+            # The angles of the whole sequence, of which the embedding keeps this cp rank's chunks.
+            cp_group = self.rotary_pos_emb.cp_group
+            seq_len *= cp_group.size() if cp_group is not None else 1
             rotary_pos_emb = self.rotary_pos_emb(seq_len, device=device)
         hidden = self.decoder(hidden, attention_mask, rotary_pos_emb)
         if not self.post_process:

@@ -17,6 +17,7 @@ from megatron_ext.tensor_parallel import (
 )
 from megatron_ext.tensor_parallel.sharded_state import renamed_sharded_state_dict
 from megatron_ext.tensor_parallel.utils import divide
+from megatron_ext.transformer.context_parallel import context_parallel_attention, cp_comm_type_of
 from megatron_ext.transformer.rotary import apply_rotary_pos_emb
 from megatron_ext.transformer.transformer_config import TransformerConfig
 from megatron_ext.transformer.utils import layer_norm
@@ -50,6 +51,9 @@ class ParallelAttention(torch.nn.Module):
     unfused attention) computes the scores, softmax and dropout one by one instead. Attention
     dropout runs inside the RNG tracker's fork, since each rank drops different heads (under
     sequence parallelism the whole block already runs inside it).
+    With ``config.context_parallel_size`` > 1 the sequence is this context-parallel rank's chunks
+    (``transformer.context_parallel``) and the attention is the context-parallel op with the
+    layer's ``cp_comm_type``; causal, no ``attention_mask``, no attention dropout.
     Under sequence parallelism the input and output are ``[s / tp, b, h]``: the QKV projection
     all-gathers the sequence, the output projection reduce-scatters it. Returns
     ``(output, output_bias)`` with the bias not yet added.
@@ -69,6 +73,7 @@ class ParallelAttention(torch.nn.Module):
         self.head_dim = config.kv_channels
         backend = getattr(config.attention_backend, "name", config.attention_backend)
         self.unfused = backend in ("unfused", "local")
+        self.cp_size = getattr(config, "context_parallel_size", 1)
         bias = bool(config.add_bias_linear)
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size,
@@ -113,6 +118,12 @@ class ParallelAttention(torch.nn.Module):
         """``attention_mask`` (optional, boolean, True = masked out) is broadcast to
         ``[b, heads, s, s]`` and combined with the causal mask; ``rotary_pos_emb`` (optional,
         ``[>= s, 1, 1, dim]`` angles) rotates the queries and keys."""
+        if self.cp_size > 1 and attention_mask is not None:
+            raise ValueError(
+                f"ParallelAttention: with context_parallel_size={self.cp_size} the attention is causal and "
+                "takes no attention_mask (the sequence is split over the context-parallel ranks); got a mask "
+                f"of shape {tuple(attention_mask.shape)}"
+            )
         query, key, value = self.query_key_value_heads(hidden_states)  # [s, b, heads or groups, d]
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
@@ -158,6 +169,15 @@ class ParallelAttention(torch.nn.Module):
         s = query.shape[-2]
         gqa = key.shape[1] != query.shape[1]
         p = self.config.attention_dropout if self.training else 0.0
+        if self.cp_size > 1:
+            if p > 0:
+                raise NotImplementedError(
+                    f"ParallelAttention: attention_dropout={p} with context parallelism is not supported; "
+                    "set attention_dropout=0"
+                )
+            comm = cp_comm_type_of(self.config, self.layer_number)
+            return context_parallel_attention(query, key, value, parallel_state.get_context_parallel_group(),
+                                              True, comm)
         # Each rank drops its own heads. Under sequence parallelism the block already runs on the
         # model-parallel stream, and forking it again would replay the stream's saved state.
         # Without a draw there is nothing to fork, which also keeps the layer traceable by

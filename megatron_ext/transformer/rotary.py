@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ext import parallel_state
 from megatron_ext.fusions.fused_rope import fused_apply_rotary_pos_emb
+from megatron_ext.transformer.context_parallel import get_pos_emb_on_this_cp_rank
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -29,6 +31,7 @@ class RotaryEmbedding(torch.nn.Module):
         rope_scaling: bool = False,
         rope_scaling_factor: float = 8.0,
         use_cpu_initialization: bool = False,
+        cp_group: torch.distributed.ProcessGroup | None = None,
     ):
         super().__init__()
         if not 0.0 < rotary_percent <= 1.0:
@@ -50,9 +53,17 @@ class RotaryEmbedding(torch.nn.Module):
         exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
         # Neither a parameter nor a buffer: not saved, and float32 whatever dtype the model is cast to.
         self.inv_freq = 1.0 / (rotary_base**exponents)
+        # With context parallelism the angles are those of this rank's chunks of the sequence.
+        self.cp_group = (
+            cp_group
+            if cp_group is not None
+            else parallel_state.get_context_parallel_group(check_initialized=False)
+        )
 
     def forward(self, max_seq_len: int, offset: int = 0, device: torch.device | None = None) -> torch.Tensor:
-        """``[max_seq_len, 1, 1, dim]`` float32 angles (on ``device``, default the CPU)."""
+        """``[max_seq_len, 1, 1, dim]`` float32 angles (on ``device``, default the CPU); over a
+        context-parallel group of size cp > 1, the ``max_seq_len / cp`` rows of this rank's chunks
+        (``get_pos_emb_on_this_cp_rank``), as Megatron-core's."""
         if self.inv_freq.device != torch.device(device or "cpu"):
             self.inv_freq = self.inv_freq.to(device)
         positions = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset
@@ -63,7 +74,10 @@ class RotaryEmbedding(torch.nn.Module):
             angles = freqs.repeat_interleave(2, dim=-1)
         else:
             angles = torch.cat((freqs, freqs), dim=-1)
-        return angles[:, None, None, :]
+        angles = angles[:, None, None, :]
+        if self.cp_group is not None and self.cp_group.size() > 1:
+            angles = get_pos_emb_on_this_cp_rank(angles, 0, self.cp_group)
+        return angles
 
 
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:

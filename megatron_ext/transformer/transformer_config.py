@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.model_parallel_config import ModelParallelConfig, refuse_unimplemented
+from megatron_ext.transformer.context_parallel import check_context_parallel_config
 
 
 class AttnBackend(enum.Enum):
@@ -342,6 +343,7 @@ class TransformerConfig(ModelParallelConfig):
                 f"TransformerConfig.num_query_groups ({groups}) must be a multiple or a divisor of "
                 f"tensor_model_parallel_size ({tp})"
             )
+        check_context_parallel_config(self)
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(
                 f"TransformerConfig.normalization={self.normalization!r} is not one of 'LayerNorm', 'RMSNorm'"
