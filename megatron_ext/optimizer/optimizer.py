@@ -28,9 +28,11 @@ from megatron_ext import parallel_state
 from megatron_ext.comm_errors import reported
 from megatron_ext.distributed.param_and_grad_buffer import SIXTEEN_BIT, model_grad
 from megatron_ext.optimizer.clip_grads import (
+    group_by_device_and_dtype,
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
     get_grad_norm_fp32,
+    grad_norm_tensor,
 )
 from megatron_ext.optimizer.grad_scaler import MegatronGradScaler
 from megatron_ext.optimizer.optimizer_config import OptimizerConfig
@@ -74,10 +76,19 @@ def _state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     raise TypeError(f"unsupported torch optimizer {type(optimizer).__name__}")
 
 
-def _scalar_step(value: int) -> torch.Tensor:
-    # The dtype torch's Adam gives its step counters.
+def _scalar_step(value: int, like: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
+    # The dtype torch's Adam gives its step counters; the fused Adam keeps them on the
+    # parameter's device (float32), the others on the host.
+    if fused and like is not None:
+        return torch.tensor(float(value), dtype=torch.float32, device=like.device)
     dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     return torch.tensor(float(value), dtype=dtype)
+
+
+def _fused_available(slots: list[_Slot]) -> bool:
+    """torch's fused Adam (one kernel launch for many tensors) on CUDA; on the host the
+    multi-tensor (foreach) implementation, torch's default, keeps the float64 tests exact."""
+    return bool(slots) and all(s.main.is_cuda and s.main.is_floating_point() for s in slots)
 
 
 def build_torch_optimizer(
@@ -108,7 +119,9 @@ def build_torch_optimizer(
     default_lr = 0.0 if config.lr is None else config.lr  # every group sets its own
     if config.optimizer == "adam":
         cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
-        return cls(groups, lr=default_lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        fused = {"fused": True} if _fused_available(slots) else {}
+        return cls(groups, lr=default_lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                   **fused)
     return torch.optim.SGD(groups, lr=default_lr, momentum=config.sgd_momentum)
 
 
@@ -223,10 +236,12 @@ class MegatronOptimizer:
             grad = s.grad_source()
             if grad is None:
                 s.main.grad = None
-            elif s.main is s.model_param:
-                s.main.grad = grad if grad.dtype == s.main.dtype else grad.to(s.main.dtype)
+            elif grad.dtype == s.main.dtype and grad.device == s.main.device:
+                # A float32 gradient buffer (or a float32 model's own gradient) is the main
+                # gradient itself, as in Megatron-core: no second float32 copy per parameter.
+                s.main.grad = grad.detach().view(s.main.shape)
             else:
-                s.main.grad = grad.detach().reshape(s.main.shape).to(s.main.dtype, copy=True)
+                s.main.grad = grad.detach().reshape(s.main.shape).to(s.main.dtype)
 
     def _found_inf_groups(self) -> list[dist.ProcessGroup]:
         """Groups over which the found-inf flag is reduced: every rank holding a copy of a
@@ -238,15 +253,18 @@ class MegatronOptimizer:
         return [data_parallel, *self.get_grad_stats_parallel_group()]
 
     def _unscale_and_check_for_inf(self) -> bool:
-        """Divides the main gradients by the loss scale; True if any rank saw an inf or NaN."""
-        inv_scale = self.grad_scaler.inv_scale
+        """Divides the main gradients by the loss scale; True if any rank saw an inf or NaN. One
+        multi-tensor kernel per (device, dtype) unscales and checks; the host waits once, for the
+        reduced flag."""
         groups = self._found_inf_groups()
         found = torch.zeros(1, device=comm_device(*groups))
-        for s in self._slots:
-            if s.main.grad is not None:
-                s.main.grad.mul_(inv_scale.to(s.main.grad.device, s.main.grad.dtype))
-                if not bool(torch.isfinite(s.main.grad).all()):
-                    found.fill_(1.0)
+        grads = [s.main.grad for s in self._slots if s.main.grad is not None]
+        for same in group_by_device_and_dtype(grads):
+            device = same[0].device
+            found_here = torch.zeros(1, device=device)
+            inv_scale = self.grad_scaler.inv_scale.to(device=device, dtype=torch.float32)
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found_here, inv_scale)
+            found = torch.maximum(found, found_here.to(found.device))
         for group in groups:
             with reported("all-reduce (max) of the found-inf flag", group):
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
@@ -293,11 +311,15 @@ class MegatronOptimizer:
             for s in self._slots:
                 s.main.grad = None
             return False, None, None
-        grad_norm = 0.0
+        grad_norm: float | torch.Tensor = 0.0
         if self.config.clip_grad > 0.0:
-            grad_norm = self.clip_grad_norm(self.config.clip_grad)
+            # On the device until the update is queued: the host waits once, at the end.
+            grad_norm = grad_norm_tensor(self.get_main_grads_for_grad_norm(),
+                                         grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+            clip_grad_by_total_norm_fp32(self.get_parameters(), self.config.clip_grad, grad_norm)
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
-        return self.step_with_ready_grads(), grad_norm, num_zeros
+        update_successful = self.step_with_ready_grads()
+        return update_successful, float(grad_norm), num_zeros
 
     def reload_model_params(self, state_dict: dict[str, Any] | None = None) -> None:
         """Sets the main parameters from the model parameters (after they were changed outside
@@ -365,9 +387,10 @@ class MegatronOptimizer:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         if "step" in state_dict:
             self._steps = int(state_dict["step"])
+            fused = bool(self.optimizer.defaults.get("fused"))
             for state in self.optimizer.state.values():
                 if "step" in state:
-                    state["step"] = _scalar_step(self._steps)
+                    state["step"] = _scalar_step(self._steps, state["step"], fused)
 
     def _sync_model_params_from_main(self) -> None:
         self._copy_main_params_to_model_params()
@@ -513,7 +536,8 @@ class MegatronOptimizer:
                 entry = d[s.name]
                 s.main.copy_(entry["param"].reshape(-1)[s.start : s.end].view_as(s.main))
                 has_step = self._state_keys != ("momentum_buffer",)
-                state = {"step": _scalar_step(self._steps)} if has_step else {}
+                fused = bool(self.optimizer.defaults.get("fused"))
+                state = {"step": _scalar_step(self._steps, s.main, fused)} if has_step else {}
                 for key in self._state_keys:
                     piece = entry[key].reshape(-1)[s.start : s.end].view_as(s.main)
                     state[key] = piece.to(s.main.dtype).clone()
