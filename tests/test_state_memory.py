@@ -9,12 +9,16 @@ bf16 parameters, float32 gradient buffers and Adam, as Megatron-core accounts fo
   ``overlap_param_gather`` (the parameters are views into the bucket's parameter buffer and the
   all-gather writes into it in place).
 
-The layer sizes are multiples of 128 so that no padding enters the count."""
+The layer sizes are multiples of 128 so that no padding enters the count. The optimizer step reads
+one value back from the device, the gradient norm it returns."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import sys
 import warnings
+from typing import Iterator
 
 import pytest
 import torch
@@ -46,6 +50,33 @@ def _storages() -> dict[int, int]:
     return out
 
 
+@contextlib.contextmanager
+def _host_reads() -> Iterator[list[str]]:
+    """Records every read of a tensor's value into Python (``item``, ``float``, ``bool``, ...) by
+    megatron_ext's code: on a GPU each is a wait for the device. (torch's foreach Adam reads its
+    host-side step counters; on CUDA megatron_ext uses the fused Adam, whose counters stay on the
+    device.)"""
+    reads: list[str] = []
+    names = ("item", "tolist", "__float__", "__bool__", "__int__", "__index__")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+
+    def recording(name: str):
+        def read(self, *args, **kwargs):
+            if "megatron_ext" in sys._getframe(1).f_code.co_filename:
+                reads.append(name)
+            return originals[name](self, *args, **kwargs)
+
+        return read
+
+    for name in names:
+        setattr(torch.Tensor, name, recording(name))
+    try:
+        yield reads
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
 def _step_bytes(distributed: bool, overlap: bool) -> tuple[int, int, int]:
     """(bytes of the storages a bf16 model, its DDP and optimizer hold after two steps, bytes
     of the scalar ones among them, number of parameters)."""
@@ -67,8 +98,11 @@ def _step_bytes(distributed: bool, overlap: bool) -> tuple[int, int, int]:
         x = torch.randn(4, 128, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
         ddp(x.bfloat16()).float().square().mean().backward()
         ddp.finish_grad_sync()
-        ok, grad_norm, _ = optimizer.step()
+        with _host_reads() as reads:
+            ok, grad_norm, _ = optimizer.step()
         assert ok and grad_norm > 0
+        # The step reads one value back from the device: the gradient norm it returns.
+        assert reads == ["__float__"], reads
         del x
     if overlap:
         assert ddp.param_gather_in_flight  # counted while the gathers are in flight

@@ -85,6 +85,20 @@ def _scalar_step(value: int, like: torch.Tensor | None = None, fused: bool = Fal
     return torch.tensor(float(value), dtype=dtype)
 
 
+def copy_into_model_params(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copies each main parameter into its (16-bit) model parameter piece (flat views, made
+    under ``torch.no_grad()``): one multi-tensor copy per (device, dtype) pair, not a kernel
+    launch per parameter."""
+    groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for model, main in pairs:
+        key = (model.device, model.dtype, main.dtype)
+        targets, sources = groups.setdefault(key, ([], []))
+        targets.append(model)
+        sources.append(main.detach().view(-1))
+    for targets, sources in groups.values():
+        torch._foreach_copy_(targets, sources)
+
+
 def _fused_available(slots: list[_Slot]) -> bool:
     """torch's fused Adam (one kernel launch for many tensors) on CUDA; on the host the
     multi-tensor (foreach) implementation, torch's default, keeps the float64 tests exact."""
@@ -281,9 +295,10 @@ class MegatronOptimizer:
 
     def _copy_main_params_to_model_params(self) -> None:
         with torch.no_grad():
-            for s in self._slots:
-                if s.main is not s.model_param:
-                    s.model_param.copy_(s.main.view_as(s.model_param))
+            copy_into_model_params([
+                (s.model_param.view(-1)[s.start : s.end], s.main) for s in self._slots
+                if s.main is not s.model_param
+            ])
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
