@@ -198,9 +198,15 @@ class Stack:
         self.config.no_sync_func = self.model.no_sync
         self.flops_per_token = flops_per_token(model, run)
         self.losses: list[float] = []
-        self.step()  # allocates the optimizer state
         _sync(device)
-        self.state_bytes = _allocated(device) - before
+        self.state_bytes = _allocated(device) - before  # the model and its gradient buffers
+
+    def first_step(self) -> None:
+        """The first step, which allocates the optimizer state (counted into ``state_bytes``)."""
+        before = _allocated(self.device)
+        self.step()
+        _sync(self.device)
+        self.state_bytes += _allocated(self.device) - before
 
     def step(self) -> float:
         """One global step over ``run.global_batch / run.micro_batch`` micro-batches; the loss
@@ -251,9 +257,11 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, peak: 
     tokens = run.global_batch * run.seq
     names = [n for n in STACKS if n == "megatron_ext" or not args.without_megatron_core]
     stacks: dict[str, Stack] = {}
-    for name in names:
+    for name in names:  # megatron_ext's model starts from Megatron-core's initial weights
         source = stacks["megatron-core"].model.module if "megatron-core" in stacks else None
         stacks[name] = Stack(name, run, device, fused=not args.unfused, weights_from=source)
+    for stack in stacks.values():
+        stack.first_step()
     times: dict[str, list[float]] = {n: [] for n in names}
     peaks: dict[str, list[float]] = {n: [] for n in names}
     for rep in range(args.reps + 1):
@@ -285,6 +293,9 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, peak: 
     # Recomputation modes: megatron_ext's model alone, its config switched between steps.
     ext = stacks["megatron_ext"]
     del stacks
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     result["recompute"] = {}
     for mode in args.recompute:
         for key, value in RECOMPUTE_MODES[mode].items():
@@ -306,6 +317,9 @@ def print_table(result: dict) -> None:
     print(header)
     print("-" * len(header))
     for shape, r in result["shapes"].items():
+        if "error" in r:
+            print(f"{shape:10s} {r['error']}")
+            continue
         for name, s in r["stacks"].items():
             mfu = f"{100 * s['mfu']:5.1f}%" if s["mfu"] is not None else f"{'-':>6s}"
             diff = s["max_loss_difference"]
@@ -362,19 +376,28 @@ def main(argv: list[str] | None = None) -> dict:
     }
     try:
         for shape in shapes:
-            result["shapes"][shape] = run_shape(shape, args, device, peak)
+            try:
+                result["shapes"][shape] = run_shape(shape, args, device, peak)
+            except torch.OutOfMemoryError as e:  # e.g. llama7b with both stacks on an 80 GB GPU
+                result["shapes"][shape] = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+                print(f"{shape}: out of memory, skipped", file=sys.stderr)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            _write(result, args.json)  # what is measured so far survives a later failure
     finally:
         dist.destroy_process_group()
     print_table(result)
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.json}")
+    _write(result, args.json)
     return result
+
+
+def _write(result: dict, path: str | None) -> None:
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
