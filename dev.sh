@@ -9,8 +9,9 @@
 #   ./dev.sh setup             set-up only
 #   ./dev.sh gpu               on a GPU machine, with the python and torch already there (no venv,
 #                              no downloads): build in place, run the `cuda` tests, then the GPU
-#                              benchmark against megatron-core (benchmarks/gpu.py ->
-#                              runs/gpu_bench.json; megatron-core from .whl/ if not installed)
+#                              benchmarks against megatron-core (benchmarks/gpu.py ->
+#                              runs/gpu_bench.json, benchmarks/gpu_step.py -> runs/gpu_step.json;
+#                              megatron-core from .whl/ if not installed)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${MEGATRON_EXT_VENV:-.venv}
@@ -86,11 +87,14 @@ PY
     echo "[gpu] benchmark"
     # The comparison needs megatron-core; a machine without internet takes its wheel from .whl/.
     if ! "$GPU_PY" -c "import megatron.core" 2>/dev/null && ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
-      echo "[gpu] installing megatron-core from .whl/ (without its dependencies) into build/gpu_site"
-      "$GPU_PY" -m pip install --quiet --no-index --no-deps --target build/gpu_site .whl/megatron_core-*.whl
+      echo "[gpu] installing megatron-core (and einops, if its wheel is there) from .whl/ into build/gpu_site"
+      "$GPU_PY" -m pip install --quiet --no-index --no-deps --target build/gpu_site .whl/megatron_core-*.whl \
+        $(ls .whl/einops-*.whl 2>/dev/null)
       export PYTHONPATH="$PWD/build/gpu_site${PYTHONPATH:+:$PYTHONPATH}"
     fi
     "$GPU_PY" benchmarks/gpu.py --json runs/gpu_bench.json
+    echo "[gpu] training-step benchmark"
+    "$GPU_PY" benchmarks/gpu_step.py --json runs/gpu_step.json
     exit "$tests_rc"
     ;;
   *)

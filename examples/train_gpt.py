@@ -115,7 +115,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-bias-dropout-fusion", action="store_true",
                    help="bias + dropout + residual add as torch ops, not one kernel")
-    p.add_argument("--recompute", action="store_true", help="recompute each layer's activations in backward")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute each layer's activations in backward (the same as --recompute-granularity "
+                        "full --recompute-method uniform --recompute-num-layers 1)")
+    p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="full: recompute whole layers (see --recompute-method); selective: recompute the "
+                        "modules of --recompute-modules inside each layer")
+    p.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="with full recomputation: uniform checkpoints chunks of --recompute-num-layers "
+                        "layers; block checkpoints the first --recompute-num-layers layers of each stage")
+    p.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="layers per recomputed chunk (uniform) or recomputed layers per stage (block)")
+    p.add_argument("--recompute-modules", nargs="+", default=None,
+                   help="with selective recomputation: any of core_attn, mlp, layernorm (default core_attn)")
     p.add_argument(
         "--sequence-parallel",
         action="store_true",
@@ -570,6 +582,20 @@ def llama_ffn_hidden(hidden: int) -> int:
     return -(-8 * hidden // 3 // 32) * 32
 
 
+def recompute_settings(args: argparse.Namespace) -> dict:
+    """The TransformerConfig recomputation fields of the flags; ``--recompute`` is full
+    recomputation of each layer on its own."""
+    if args.recompute:
+        if args.recompute_granularity not in (None, "full"):
+            raise ValueError(f"--recompute is full recomputation; it cannot be combined with "
+                             f"--recompute-granularity {args.recompute_granularity}")
+        return dict(recompute_granularity="full", recompute_method=args.recompute_method or "uniform",
+                    recompute_num_layers=args.recompute_num_layers or 1,
+                    recompute_modules=args.recompute_modules)
+    return dict(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+                recompute_num_layers=args.recompute_num_layers, recompute_modules=args.recompute_modules)
+
+
 def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") -> list[GPTModel]:
     """This rank's model chunks: one GPTModel, or one per virtual pipeline stage."""
     dtype = params_dtype(args)
@@ -585,7 +611,7 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
         bf16=args.bf16,
         fp16=args.fp16,
         use_cpu_initialization=True,
-        recompute_granularity="full" if args.recompute else None,
+        **recompute_settings(args),
         bias_activation_fusion=not args.no_bias_gelu_fusion,
         bias_dropout_fusion=not args.no_bias_dropout_fusion,
         sequence_parallel=args.sequence_parallel,

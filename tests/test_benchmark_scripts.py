@@ -153,3 +153,44 @@ def test_train_step_benchmark_script(tmp_path):
             assert len(v["losses"]) == 3 and v["losses"][-1] < v["losses"][0], (case, name, v["losses"])
             reference = variants["megatron-core"]["losses"]
             assert v["max_loss_difference"] <= 1e-5, (case, name, v["losses"], reference)
+
+
+@pytest.mark.slow  # runs the benchmark script end to end
+def test_gpu_step_benchmark_script_on_cpu(tmp_path):
+    """benchmarks/gpu_step.py at its tiny CPU size: every figure reported and consistent; with
+    megatron-core installed both stacks train from the same weights to the same losses (bf16)."""
+    import importlib.util
+
+    with_core = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core")
+    out = tmp_path / "gpu_step.json"
+    _run_script("gpu_step.py", "--device", "cpu", "--reps", "2", "--recompute", "none", "selective-all",
+                "full", "--recompute-reps", "1", "--peak-tflops", "1.0", "--json", str(out),
+                *([] if with_core else ["--without-megatron-core"]))
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["peak_tflops"] == 1.0 and list(result["shapes"]) == ["tiny"]
+    tiny = result["shapes"]["tiny"]
+    stacks = tiny["stacks"]
+    assert list(stacks) == (["megatron-core", "megatron_ext"] if with_core else ["megatron_ext"])
+    layers, hidden, seq, vocab, ffn, groups, heads = 2, 64, 32, 128, 128, 2, 4
+    head_dim = hidden // heads
+    per_layer = (hidden * (heads + 2 * groups) * head_dim + hidden * hidden + 3 * hidden * ffn + 2 * hidden)
+    params = layers * per_layer + hidden + vocab * hidden  # final norm, output layer (no input embedding)
+    assert tiny["tokens_per_step"] == 2 * 4 * seq
+    for name, s in stacks.items():
+        assert s["flops_per_token"] == 6 * params + 12 * layers * hidden * seq, name
+        t = s["step_s"]
+        assert 0 < t["min"] <= t["median"] <= t["max"]
+        assert s["tokens_per_s"] == pytest.approx(tiny["tokens_per_step"] / t["median"])
+        assert s["tflops"] == pytest.approx(s["flops_per_token"] * s["tokens_per_s"] / 1e12)
+        assert s["mfu"] == pytest.approx(s["tflops"] / 1.0)
+        assert len(s["losses"]) == 1 + 1 + 2  # the setup step, the warm-up, 2 repetitions
+        # bf16 parameters, float32 gradient buffer and main copies, Adam: 18 bytes a parameter
+        # (the input embedding included), plus the step's small tensors.
+        total = params + vocab * hidden
+        per_param = s["state_gib"] * 2**30 / total
+        assert 18 <= per_param < 18 * 1.1, (name, per_param)
+    if with_core:
+        assert stacks["megatron_ext"]["max_loss_difference"] < 0.05
+        assert stacks["megatron-core"]["max_loss_difference"] == 0.0
+    assert list(tiny["recompute"]) == ["none", "selective-all", "full"]
+    assert all(m["step_s"] > 0 and m["peak_extra_gib"] >= 0 for m in tiny["recompute"].values())

@@ -322,8 +322,6 @@ def test_replace_round_trip():
         ("cpu_offloading", True),
         ("enable_autocast", True),
         ("expert_model_parallel_size", 2),
-        ("recompute_granularity", "selective"),
-        ("recompute_method", "block"),
         ("transformer_impl", "inference_optimized"),
         ("embedding_init_method_std", 0.5),
     ],

@@ -211,6 +211,8 @@ def _gpt(tp: int, fused: bool, hidden_dropout: float = 0.0, recompute: bool = Fa
         pipeline_dtype=torch.float64,
         use_cpu_initialization=True,
         recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
     )
     for flag in FLAGS:
         setattr(config, flag, fused)

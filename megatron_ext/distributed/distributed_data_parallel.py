@@ -44,6 +44,7 @@ from megatron_ext.distributed.param_and_grad_buffer import (
     SIXTEEN_BIT,
     dist_all_gather_func,
     partition_buckets,
+    shard_buffer,
 )
 from megatron_ext.model_parallel_config import check_config_object
 from megatron_ext.process_groups_config import ProcessGroupCollection
@@ -468,41 +469,25 @@ class DistributedDataParallel(torch.nn.Module):
                 "slices: build the wrapper with DistributedDataParallelConfig(use_distributed_optimizer=True)"
             )
 
-    @staticmethod
-    def _param_dtype(bucket: _ParamAndGradBucket) -> torch.dtype:
-        # The widest parameter dtype of the bucket: the gather loses nothing.
-        return max((p.dtype for p in bucket.params_list), key=lambda t: t.itemsize)
-
     def _start_bucket_param_sync(self, bucket: _ParamAndGradBucket) -> None:
-        """Starts the asynchronous all-gather of ``bucket``'s parameter slices: this rank sends
-        the part of each parameter that lies in its slice of the bucket."""
-        lo, hi = self.shard_range(bucket)
-        dtype = self._param_dtype(bucket)
-        mine = torch.zeros(hi - lo, dtype=dtype, device=bucket.device)  # zeros: the padding
-        for p in bucket.params_list:
-            start, end = bucket.param_to_index[p]
-            a, b = max(start, lo), min(end, hi)
-            if a < b:
-                mine[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - start : b - start])
-        full = torch.empty(bucket.padded_numel, dtype=dtype, device=bucket.device)
+        """Starts the asynchronous all-gather of ``bucket``'s parameter slices, in place: this
+        rank's slice of the bucket's parameter buffer (which its parameters view) is the input,
+        the whole bucket the output."""
+        local = shard_buffer(bucket.param_data, self._dp_size)[self._dp_rank]
         what, group = f"all-gather of the parameters of {bucket.describe()}", self.intra_dp_cp_group
-        with reported(what, group, tensor=mine):
-            work = dist_all_gather_func(full, mine, group=group, async_op=True)
-        bucket.param_gather = (ReportedWork(work, what, group, tensor=mine), full)
+        with reported(what, group, tensor=local):
+            work = dist_all_gather_func(bucket.param_data, local, group=group, async_op=True)
+        bucket.param_gather = (ReportedWork(work, what, group, tensor=local), bucket.param_data)
 
     @staticmethod
     def _finish_bucket_param_sync(bucket: _ParamAndGradBucket) -> None:
-        """Waits for ``bucket``'s all-gather, if one is in flight, and writes the gathered values
-        into its parameters."""
+        """Waits for ``bucket``'s all-gather, if one is in flight (it writes into the
+        parameters themselves)."""
         if bucket.param_gather is None:
             return
-        work, full = bucket.param_gather
+        work, _ = bucket.param_gather
         bucket.param_gather = None
         work.wait()
-        with torch.no_grad():
-            for p in bucket.params_list:
-                start, end = bucket.param_to_index[p]
-                p.view(-1).copy_(full[start:end])
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
         """All-gathers every bucket's parameter slices over the data-parallel group into the

@@ -219,7 +219,17 @@ class _ParamAndGradBuffer:
         self.numel_unpadded = sum(numel_unpadded)
 
         device = self.params[0].device if self.params else torch.device("cpu")
-        self.param_data = None  # parameters keep their own storage (see DistributedDataParallel)
+        # Under the distributed optimizer the parameters become views into one flat buffer laid
+        # out as the gradients, so the all-gather of the updated slices writes straight into them
+        # (no second copy of the parameters). Otherwise they keep their own storage.
+        self.param_data: torch.Tensor | None = None
+        if distributed:
+            self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+            with torch.no_grad():
+                for param in self.params:
+                    start, end, _ = self.param_index_map[param]
+                    self.param_data[start:end].copy_(param.detach().reshape(-1))
+                    param.data = self.param_data[start:end].view(param.shape)
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
 
         self.buckets: list[_ParamAndGradBucket] = []
@@ -228,7 +238,7 @@ class _ParamAndGradBuffer:
             members = [p for p in self.params[::-1] if self.param_index_map[p][2] == bucket_id]
             bucket = _ParamAndGradBucket(
                 params=members,
-                param_data=None,
+                param_data=None if self.param_data is None else self.param_data[lo:hi],
                 grad_data=self.grad_data[lo:hi],
                 offset=lo,
                 numel_unpadded=numel_unpadded[bucket_id],

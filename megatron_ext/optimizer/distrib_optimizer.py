@@ -33,6 +33,7 @@ from megatron_ext.optimizer.optimizer import (
     MixedPrecisionOptimizer,
     _Slot,
     build_torch_optimizer,
+    copy_into_model_params,
     named_model_parameters,
 )
 from megatron_ext.optimizer.optimizer_config import OptimizerConfig
@@ -121,9 +122,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         all-gather of every bucket (left in flight under ``overlap_param_gather`` unless
         ``force_sync``)."""
         with torch.no_grad():
-            for s in self._slots:
-                if s.main.dtype != s.model_param.dtype:  # else the main parameter is a view of it
-                    s.model_param.view(-1)[s.start : s.end].copy_(s.main)
+            copy_into_model_params([  # where the main parameter is not a view of the model's
+                (s.model_param.view(-1)[s.start : s.end], s.main) for s in self._slots
+                if s.main.dtype != s.model_param.dtype
+            ])
         for ddp in self._ddps():
             ddp.start_param_sync(force_sync=force_sync)
 

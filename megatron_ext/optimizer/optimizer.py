@@ -33,12 +33,22 @@ from megatron_ext.dist_checkpointing.optimizer import (
 )
 from megatron_ext.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron_ext.optimizer.clip_grads import (
-    clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32,
+    clip_grad_by_total_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+    grad_norm_tensor,
+    group_by_device_and_dtype,
 )
 from megatron_ext.optimizer.grad_scaler import MegatronGradScaler
 from megatron_ext.optimizer.optimizer_config import OptimizerConfig
 from megatron_ext.optimizer.parameters import (  # noqa: F401  (ProxyDict: Megatron-core's name here)
     ProxyDict, _plain_slots, _Slot, _state_dict_params, chunk_prefix, named_model_parameters,
+)
+from megatron_ext.optimizer.torch_optimizer import (
+    _scalar_step,
+    _state_keys,
+    build_torch_optimizer,
+    copy_into_model_params,
 )
 from megatron_ext.resolve import default_group, find_wrapper
 from megatron_ext.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
@@ -47,52 +57,6 @@ from megatron_ext.tensor_parallel.utils import comm_device
 
 # The distributed optimizer's sharding types whose checkpoints load at any data-parallel layout.
 CHECKPOINT_FULLY_RESHARDABLE_FORMATS = frozenset({"fully_reshardable", "fully_sharded_model_space"})
-
-
-def _state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return ("exp_avg", "exp_avg_sq")
-    if isinstance(optimizer, torch.optim.SGD):
-        return ("momentum_buffer",)
-    raise TypeError(f"unsupported torch optimizer {type(optimizer).__name__}")
-
-
-def _scalar_step(value: int) -> torch.Tensor:
-    # The dtype torch's Adam gives its step counters.
-    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    return torch.tensor(float(value), dtype=dtype)
-
-
-def build_torch_optimizer(
-    config: OptimizerConfig, slots: list[_Slot], param_groups: list[dict[str, Any]]
-) -> torch.optim.Optimizer:
-    """The torch optimizer over the slots' main parameters, one torch group per entry of
-    ``param_groups`` (``_get_param_groups``' output: every group kept, empty ones too, so all
-    ranks have the same groups) holding the main parameters of its model parameters, with
-    ``weight_decay = config.weight_decay * wd_mult`` and ``lr = max_lr * lr_mult`` (``max_lr``
-    defaults to ``config.lr``; a learning-rate scheduler sets both per step from the group's
-    values, as Megatron-core's does). Without ``config.lr`` a group's learning rate is None until
-    something sets it; ``step()`` refuses to run before."""
-    group_of = {p: i for i, group in enumerate(param_groups) for p in group["params"]}
-    mains: list[list[torch.Tensor]] = [[] for _ in param_groups]
-    for s in slots:
-        mains[group_of[s.model_param]].append(s.main)
-    groups = []
-    for group, params in zip(param_groups, mains):
-        settings = {k: v for k, v in group.items() if k != "params"}
-        max_lr = group.get("max_lr")
-        lr = config.lr if max_lr is None else max_lr
-        settings["lr"] = None if lr is None else lr * group.get("lr_mult", 1.0)
-        settings["weight_decay"] = config.weight_decay * group.get("wd_mult", 1.0)
-        groups.append({**settings, "params": params})
-    if not groups:
-        # A rank without trainable parameters: a placeholder keeps the API uniform.
-        groups = [{"params": [], "weight_decay": 0.0, "wd_mult": 0.0, "lr": config.lr}]
-    default_lr = 0.0 if config.lr is None else config.lr  # every group sets its own
-    if config.optimizer == "adam":
-        cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
-        return cls(groups, lr=default_lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
-    return torch.optim.SGD(groups, lr=default_lr, momentum=config.sgd_momentum)
 
 
 class MegatronOptimizer:
@@ -202,10 +166,12 @@ class MegatronOptimizer:
             grad = s.grad_source()
             if grad is None:
                 s.main.grad = None
-            elif s.main is s.model_param:
-                s.main.grad = grad if grad.dtype == s.main.dtype else grad.to(s.main.dtype)
+            elif grad.dtype == s.main.dtype and grad.device == s.main.device:
+                # A float32 gradient buffer (or a float32 model's own gradient) is the main
+                # gradient itself, as in Megatron-core: no second float32 copy per parameter.
+                s.main.grad = grad.detach().view(s.main.shape)
             else:
-                s.main.grad = grad.detach().reshape(s.main.shape).to(s.main.dtype, copy=True)
+                s.main.grad = grad.detach().reshape(s.main.shape).to(s.main.dtype)
 
     def _found_inf_groups(self) -> list[dist.ProcessGroup]:
         """Groups over which the found-inf flag is reduced: every rank holding a copy of a
@@ -214,15 +180,18 @@ class MegatronOptimizer:
         return [default_group("dp_cp", self.data_parallel_group), *self.get_grad_stats_parallel_group()]
 
     def _unscale_and_check_for_inf(self) -> bool:
-        """Divides the main gradients by the loss scale; True if any rank saw an inf or NaN."""
-        inv_scale = self.grad_scaler.inv_scale
+        """Divides the main gradients by the loss scale; True if any rank saw an inf or NaN. One
+        multi-tensor kernel per (device, dtype) unscales and checks; the host waits once, for the
+        reduced flag."""
         groups = self._found_inf_groups()
         found = torch.zeros(1, device=comm_device(*groups))
-        for s in self._slots:
-            if s.main.grad is not None:
-                s.main.grad.mul_(inv_scale.to(s.main.grad.device, s.main.grad.dtype))
-                if not bool(torch.isfinite(s.main.grad).all()):
-                    found.fill_(1.0)
+        grads = [s.main.grad for s in self._slots if s.main.grad is not None]
+        for same in group_by_device_and_dtype(grads):
+            device = same[0].device
+            found_here = torch.zeros(1, device=device)
+            inv_scale = self.grad_scaler.inv_scale.to(device=device, dtype=torch.float32)
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found_here, inv_scale)
+            found = torch.maximum(found, found_here.to(found.device))
         for group in groups:
             with reported("all-reduce (max) of the found-inf flag", group):
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
@@ -239,9 +208,10 @@ class MegatronOptimizer:
 
     def _copy_main_params_to_model_params(self) -> None:
         with torch.no_grad():
-            for s in self._slots:
-                if s.main is not s.model_param:
-                    s.model_param.copy_(s.main.view_as(s.model_param))
+            copy_into_model_params([
+                (s.model_param.view(-1)[s.start : s.end], s.main) for s in self._slots
+                if s.main is not s.model_param
+            ])
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
@@ -269,11 +239,15 @@ class MegatronOptimizer:
             for s in self._slots:
                 s.main.grad = None
             return False, None, None
-        grad_norm = 0.0
+        grad_norm: float | torch.Tensor = 0.0
         if self.config.clip_grad > 0.0:
-            grad_norm = self.clip_grad_norm(self.config.clip_grad)
+            # On the device until the update is queued: the host waits once, at the end.
+            grad_norm = grad_norm_tensor(self.get_main_grads_for_grad_norm(),
+                                         grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+            clip_grad_by_total_norm_fp32(self.get_parameters(), self.config.clip_grad, grad_norm)
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
-        return self.step_with_ready_grads(), grad_norm, num_zeros
+        update_successful = self.step_with_ready_grads()
+        return update_successful, float(grad_norm), num_zeros
 
     def reload_model_params(self, state_dict: dict[str, Any] | None = None) -> None:
         """Sets the main parameters from the model parameters (after they were changed outside
@@ -341,9 +315,10 @@ class MegatronOptimizer:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         if "step" in state_dict:
             self._steps = int(state_dict["step"])
+            fused = bool(self.optimizer.defaults.get("fused"))
             for state in self.optimizer.state.values():
                 if "step" in state:
-                    state["step"] = _scalar_step(self._steps)
+                    state["step"] = _scalar_step(self._steps, state["step"], fused)
 
     def _sync_model_params_from_main(self) -> None:
         self._copy_main_params_to_model_params()
@@ -480,7 +455,8 @@ class MegatronOptimizer:
                 entry = d[s.name]
                 s.main.copy_(entry["param"].reshape(-1)[s.start : s.end].view_as(s.main))
                 has_step = self._state_keys != ("momentum_buffer",)
-                state = {"step": _scalar_step(self._steps)} if has_step else {}
+                fused = bool(self.optimizer.defaults.get("fused"))
+                state = {"step": _scalar_step(self._steps, s.main, fused)} if has_step else {}
                 for key in self._state_keys:
                     piece = entry[key].reshape(-1)[s.start : s.end].view_as(s.main)
                     state[key] = piece.to(s.main.dtype).clone()

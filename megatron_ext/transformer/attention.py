@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatron_ext import parallel_state
+from megatron_ext import parallel_state, tensor_parallel
 from megatron_ext.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -20,7 +20,7 @@ from megatron_ext.tensor_parallel.utils import divide
 from megatron_ext.transformer.context_parallel import context_parallel_attention, cp_comm_type_of
 from megatron_ext.transformer.rotary import apply_rotary_pos_emb
 from megatron_ext.transformer.transformer_config import TransformerConfig
-from megatron_ext.transformer.utils import layer_norm
+from megatron_ext.transformer.utils import layer_norm, selectively_recomputed
 
 # The submodules' names here -> Megatron-core's checkpoint keys.
 ATTENTION_KEYS = {"query_key_value.": "linear_qkv.", "dense.": "linear_proj."}
@@ -132,7 +132,14 @@ class ParallelAttention(torch.nn.Module):
             key = apply_rotary_pos_emb(key, rotary_pos_emb, self.config)
         s, b = query.shape[:2]
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
-        context = self.core_attention(query, key, value, attention_mask)
+        if self.training and selectively_recomputed(self.config, "core_attn"):
+            # Keep q, k, v only; the attention (its scores and dropout mask when unfused) is
+            # recomputed in the backward under the forward's random states.
+            context = tensor_parallel.checkpoint(
+                self.core_attention, False, query, key, value, attention_mask
+            )
+        else:
+            context = self.core_attention(query, key, value, attention_mask)
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_partition * self.head_dim)
         return self.dense(context)
 

@@ -119,8 +119,10 @@ class ParallelTransformer(torch.nn.Module):
 
     On stages other than the first, the input comes from ``set_input_tensor`` (the activation
     received from the previous stage), as in Megatron-core. With
-    ``config.recompute_granularity == "full"`` each layer's activations are recomputed in the
-    backward pass through ``tensor_parallel.checkpoint``, which replays the forward's RNG states.
+    ``config.recompute_granularity == "full"`` the layers chosen by ``recompute_method`` and
+    ``recompute_num_layers`` are recomputed in the backward pass through
+    ``tensor_parallel.checkpoint``, which replays the forward's RNG states; "selective"
+    recomputation happens inside each layer (``ParallelTransformerLayer``).
 
     Under ``config.sequence_parallel`` the hidden states are ``[s / tp, b, h]`` and the whole
     stack runs on the model-parallel RNG stream (Megatron-core's TransformerBlock): dropout on
@@ -156,6 +158,21 @@ class ParallelTransformer(torch.nn.Module):
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         self.input_tensor = input_tensor
 
+    def _recompute_plan(self) -> list[tuple[int, int, bool]]:
+        """This stage's layers as ``(start, end, recomputed)`` runs. Full recomputation while
+        training (Megatron-core's methods): ``uniform`` checkpoints every chunk of
+        ``recompute_num_layers`` consecutive layers as one unit (only the chunk's input kept),
+        ``block`` checkpoints each of the first ``recompute_num_layers`` layers of the stage and
+        runs the rest as usual."""
+        n = len(self.layers)
+        config = self.config
+        if config.recompute_granularity != "full" or not self.training:
+            return [(0, n, False)]
+        k = config.recompute_num_layers
+        if config.recompute_method == "uniform":
+            return [(i, min(i + k, n), True) for i in range(0, n, k)]
+        return [(i, i + 1, True) for i in range(min(k, n))] + ([(k, n, False)] if k < n else [])
+
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict:
@@ -190,14 +207,16 @@ class ParallelTransformer(torch.nn.Module):
         attention_mask: torch.Tensor | None,
         rotary_pos_emb: torch.Tensor | None,
     ) -> torch.Tensor:
-        recompute = self.config.recompute_granularity == "full" and self.training
-        for layer in self.layers:
+        for start, end, recompute in self._recompute_plan():
+            def run(h: torch.Tensor, start: int = start, end: int = end) -> torch.Tensor:
+                for layer in self.layers[start:end]:
+                    h = layer(h, attention_mask, rotary_pos_emb)
+                return h
+
             if recompute:
-                hidden_states = tensor_parallel.checkpoint(
-                    lambda h, layer=layer: layer(h, attention_mask, rotary_pos_emb), False, hidden_states
-                )
+                hidden_states = tensor_parallel.checkpoint(run, False, hidden_states)
             else:
-                hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb)
+                hidden_states = run(hidden_states)
         if self.post_process:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

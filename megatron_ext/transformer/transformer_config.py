@@ -80,7 +80,6 @@ _UNIMPLEMENTED = {
     "use_fused_weighted_squared_relu": "weighted squared ReLU",
     "fused_single_qkv_rope": "rotary embeddings",
     "distribute_saved_activations": "distributing recomputation inputs across tensor-parallel ranks",
-    "recompute_modules": "selective recomputation",
     "fp8": "FP8 training",
     "fp8_param": "FP8 training",
     "fp8_dot_product_attention": "FP8 training",
@@ -293,6 +292,67 @@ class TransformerConfig(ModelParallelConfig):
     # [s, b, vocab / tp] logits; same losses and gradients. Only the loss path (labels given).
     fused_output_cross_entropy: bool = False
 
+    # The modules selective recomputation can recompute here ("moe_act", "moe", "shared_experts"
+    # and "mla_up_proj" name Megatron-core features that megatron_ext does not have).
+    SELECTIVE_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+    _MEGATRON_CORE_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                                        "shared_experts")
+
+    def _check_recompute(self) -> None:
+        """Megatron-core's rules: ``recompute_granularity`` None, "full" (with ``recompute_method``
+        "uniform" or "block" and ``recompute_num_layers`` >= 1) or "selective" (without
+        ``recompute_num_layers``; ``recompute_modules`` defaults to ``["core_attn"]``)."""
+        granularity, method = self.recompute_granularity, self.recompute_method
+        num = self.recompute_num_layers
+        if granularity not in (None, "full", "selective"):
+            raise ValueError(
+                f"TransformerConfig.recompute_granularity={granularity!r} must be None, 'full' or "
+                "'selective'"
+            )
+        if method not in (None, "uniform", "block"):
+            raise ValueError(
+                f"TransformerConfig.recompute_method={method!r} must be None, 'uniform' or 'block'"
+            )
+        if granularity == "full":
+            if method is None:
+                raise ValueError(
+                    "TransformerConfig.recompute_granularity='full' needs recompute_method 'uniform' or "
+                    "'block'"
+                )
+            if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+                raise ValueError(
+                    "TransformerConfig.recompute_granularity='full' needs recompute_num_layers >= 1 "
+                    "(layers per recomputed chunk with 'uniform', recomputed layers per pipeline stage "
+                    f"with 'block'), got {num!r}"
+                )
+        if granularity == "selective" and num is not None:
+            raise ValueError(
+                "TransformerConfig.recompute_granularity='selective' needs recompute_num_layers=None, "
+                f"got {num!r}"
+            )
+        if self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]
+        if not isinstance(self.recompute_modules, (list, tuple)) or not all(
+            isinstance(m, str) for m in self.recompute_modules
+        ):
+            raise ValueError(
+                "TransformerConfig.recompute_modules must be a list of module names, got "
+                f"{self.recompute_modules!r}"
+            )
+        if granularity == "selective":
+            invalid = [m for m in self.recompute_modules if m not in self._MEGATRON_CORE_RECOMPUTE_MODULES]
+            if invalid:
+                raise ValueError(
+                    f"TransformerConfig.recompute_modules: invalid choices {invalid}; allowed modules are "
+                    f"{list(self._MEGATRON_CORE_RECOMPUTE_MODULES)}"
+                )
+            missing = [m for m in self.recompute_modules if m not in self.SELECTIVE_RECOMPUTE_MODULES]
+            if missing:
+                raise NotImplementedError(
+                    f"TransformerConfig.recompute_modules {missing} are not supported by megatron_ext "
+                    f"(no such modules); it recomputes {list(self.SELECTIVE_RECOMPUTE_MODULES)}"
+                )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         refuse_unimplemented(self, _UNIMPLEMENTED)
@@ -358,19 +418,7 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(
                 f"TransformerConfig.activation_func must be callable, got {self.activation_func!r}"
             )
-        if self.recompute_granularity not in (None, "full"):
-            raise NotImplementedError(
-                f"TransformerConfig.recompute_granularity={self.recompute_granularity!r} is not supported: "
-                "None or 'full' (every layer recomputed in backward)"
-            )
-        # 'full' recomputes each layer on its own: Megatron-core's 'uniform' method with one layer
-        # per checkpoint.
-        if self.recompute_method not in (None, "uniform") or self.recompute_num_layers not in (None, 1):
-            raise NotImplementedError(
-                f"TransformerConfig.recompute_method={self.recompute_method!r}, recompute_num_layers="
-                f"{self.recompute_num_layers!r} is not supported: megatron_ext recomputes each layer on its "
-                "own (None or 'uniform' with 1 layer)"
-            )
+        self._check_recompute()
         backend = getattr(self.attention_backend, "name", self.attention_backend)
         if backend not in AttnBackend.__members__:
             raise ValueError(

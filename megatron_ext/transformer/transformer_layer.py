@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ext import tensor_parallel
 from megatron_ext.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron_ext.tensor_parallel.sharded_state import renamed_key, renamed_sharded_state_dict
 from megatron_ext.transformer.attention import ATTENTION_KEYS, ParallelAttention
 from megatron_ext.transformer.mlp import MLP_KEYS, ParallelMLP
 from megatron_ext.transformer.transformer_config import TransformerConfig
-from megatron_ext.transformer.utils import layer_norm
+from megatron_ext.transformer.utils import layer_norm, selectively_recomputed
 
 # The layer's tensor names -> Megatron-core's checkpoint keys (the layer norms are stored under the
 # linear they feed, as Megatron-core's local and Transformer Engine specs both store them).
@@ -44,6 +45,12 @@ class ParallelTransformerLayer(torch.nn.Module):
 
     With ``config.bias_dropout_fusion`` each bias + dropout + residual add is one kernel (forward
     and backward), its mask drawn from the default generator (see ``megatron_ext.fusions``).
+
+    Selective recomputation (``recompute_granularity="selective"``, while training) follows
+    ``config.recompute_modules``: ``"core_attn"`` keeps only q, k and v of the attention (see
+    ``ParallelAttention``), ``"mlp"`` only the MLP's input, ``"layernorm"`` frees both
+    normalisations' outputs once the next module has used them and recomputes them when the
+    backward reaches that module's output.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int = 1):
@@ -78,12 +85,46 @@ class ParallelTransformerLayer(torch.nn.Module):
             self.training, bool(getattr(self.config, "bias_dropout_fusion", False))
         )
 
-        ln_out = self.input_layernorm(hidden_states)
+        training = self.training
+        recompute_norm = training and selectively_recomputed(self.config, "layernorm")
+        recompute_mlp = training and selectively_recomputed(self.config, "mlp")
+
+        norm_checkpoint = tensor_parallel.CheckpointWithoutOutput() if recompute_norm else None
+        ln_out = self._norm(self.input_layernorm, hidden_states, norm_checkpoint)
         attn_out, attn_bias = self.self_attention(ln_out, attention_mask, rotary_pos_emb)
         residual = ln_out if post_ln_residual else hidden_states
         hidden_states = bias_dropout_add((attn_out, attn_bias), residual, dropout)
+        if norm_checkpoint is not None:
+            # The normalised input is freed until the attention's backward reaches its input.
+            norm_checkpoint.discard_output_and_register_recompute(attn_out)
 
-        ln_out = self.post_attention_layernorm(hidden_states)
-        mlp_out, mlp_bias = self.mlp(ln_out)
+        norm_checkpoint = tensor_parallel.CheckpointWithoutOutput() if recompute_norm else None
+        ln_out = self._norm(self.post_attention_layernorm, hidden_states, norm_checkpoint)
+        if recompute_mlp:
+            mlp_out, mlp_bias = self._checkpointed_mlp(ln_out)
+        else:
+            mlp_out, mlp_bias = self.mlp(ln_out)
         residual = ln_out if post_ln_residual else hidden_states
-        return bias_dropout_add((mlp_out, mlp_bias), residual, dropout)
+        out = bias_dropout_add((mlp_out, mlp_bias), residual, dropout)
+        if norm_checkpoint is not None:
+            norm_checkpoint.discard_output_and_register_recompute(mlp_out)
+        return out
+
+    def _checkpointed_mlp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The MLP keeping only its input. Its output bias (the row-parallel layer's own parameter
+        under ``skip_bias_add``, not an activation) is handed out beside the checkpoint: a
+        parameter returned through it would take the checkpoint as its producer."""
+        bias: list[torch.Tensor | None] = []
+
+        def output_only(h: torch.Tensor) -> torch.Tensor:
+            out, out_bias = self.mlp(h)
+            bias[:] = [out_bias]
+            return out
+
+        return tensor_parallel.checkpoint(output_only, False, x), bias[0]
+
+    @staticmethod
+    def _norm(
+        norm: torch.nn.Module, x: torch.Tensor, checkpoint: tensor_parallel.CheckpointWithoutOutput | None
+    ) -> torch.Tensor:
+        return norm(x) if checkpoint is None else checkpoint.checkpoint(norm, x)

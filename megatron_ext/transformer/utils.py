@@ -90,3 +90,11 @@ def make_sharded_tensors_for_checkpoint(
         else:
             out[key] = make_sharded_tensor_for_checkpoint(tensor, key, sharded_offsets, **groups)
     return out
+
+
+def selectively_recomputed(config: Any, module: str) -> bool:
+    """Whether selective recomputation covers ``module`` (one of Megatron-core's
+    ``recompute_modules``: "core_attn", "mlp", "layernorm")."""
+    return getattr(config, "recompute_granularity", None) == "selective" and module in (
+        getattr(config, "recompute_modules", None) or ()
+    )

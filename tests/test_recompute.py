@@ -1,0 +1,161 @@
+"""Activation recomputation with Megatron-core's settings: full recomputation ("uniform" chunks of
+``recompute_num_layers`` layers, or the first ``recompute_num_layers`` layers as a "block") and
+selective recomputation of ``recompute_modules`` ("core_attn", "mlp", "layernorm"). Every mode
+gives the losses and gradients of the run without recomputation in float64, with dropout on (the
+recomputation replays the forward's random states), at tensor-parallel size 2 with sequence
+parallelism, for a GPT and a Llama-style model; and every mode keeps fewer activation bytes for
+the backward. Bad settings raise ValueError naming the value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_ext import parallel_state as ps
+from megatron_ext import tensor_parallel
+from megatron_ext.transformer import TransformerConfig
+from tests.conftest import EXACT, Comparisons, assert_comparisons, load_train_gpt
+from tests.distributed import run_distributed
+
+VOCAB, SEQ, BATCH, SEED = 64, 8, 2, 5
+MODES = {
+    "full uniform 1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full uniform 2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    "full block 2": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+    "selective core_attn": dict(recompute_granularity="selective"),  # the default module
+    "selective mlp": dict(recompute_granularity="selective", recompute_modules=["mlp"]),
+    "selective layernorm": dict(recompute_granularity="selective", recompute_modules=["layernorm"]),
+    "selective all": dict(recompute_granularity="selective",
+                          recompute_modules=["core_attn", "mlp", "layernorm"]),
+}
+
+
+def _config(arch: str, **recompute) -> TransformerConfig:
+    fields = dict(
+        tensor_model_parallel_size=2, sequence_parallel=True, num_layers=3, hidden_size=16,
+        num_attention_heads=4, hidden_dropout=0.1, attention_dropout=0.1, params_dtype=torch.float64,
+        pipeline_dtype=torch.float64, use_cpu_initialization=True, bias_dropout_fusion=True,
+        bias_activation_fusion=True,
+    )
+    if arch == "llama":
+        fields.update(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                      add_bias_linear=False, num_query_groups=2, ffn_hidden_size=32)
+    return TransformerConfig(**fields, **recompute)
+
+
+def _run(arch: str, recompute: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """Loss, gradients and the bytes of activations kept for the backward (distinct storages
+    still allocated when the forward returns)."""
+    from megatron_ext.models import GPTModel
+
+    config = _config(arch, **recompute)
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, init_seed=SEED,
+                     position_embedding_type="rope" if arch == "llama" else "learned_absolute")
+    model.train()
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    torch.manual_seed(11)  # the default generator (fused dropout) starts alike in every run
+    saved: list[torch.Tensor] = []
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens, positions, labels=labels).sum()
+    storages = {}
+    for t in saved:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.nbytes() > 0:
+            storages[storage.data_ptr()] = storage.nbytes()
+    saved.clear()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, sum(storages.values())
+
+
+def _worker() -> tuple[list, dict]:
+    ps.initialize_model_parallel(2)
+    compared = Comparisons()
+    kept = {}
+    for arch in ("gpt", "llama"):
+        ref_loss, ref_grads, kept[(arch, "none")] = _run(arch, {})
+        for mode, recompute in MODES.items():
+            loss, grads, kept[(arch, mode)] = _run(arch, recompute)
+            compared.close(loss, ref_loss, label=f"{arch} {mode} loss", **EXACT)
+            for name, grad in grads.items():
+                compared.close(grad, ref_grads[name], label=f"{arch} {mode} {name}", **EXACT)
+    ps.destroy_model_parallel()
+    return compared.made, kept
+
+
+@pytest.mark.slow  # two spawned ranks, many training steps
+def test_every_recompute_mode_equals_no_recompute():
+    for made, kept in run_distributed(2, _worker):
+        assert_comparisons(made)
+        for arch in ("gpt", "llama"):
+            none = kept[(arch, "none")]
+            for mode in MODES:
+                assert kept[(arch, mode)] < none, (arch, mode, kept[(arch, mode)], none)
+            # One chunk of two layers keeps fewer inputs than two chunks of one; "block 2" keeps
+            # the third layer's activations.
+            full = [kept[(arch, f"full {m}")] for m in ("uniform 2", "uniform 1", "block 2")]
+            assert full == sorted(set(full)), full
+            assert kept[(arch, "selective all")] < min(
+                kept[(arch, f"selective {m}")] for m in ("core_attn", "mlp", "layernorm")
+            )
+
+
+@pytest.mark.parametrize(
+    "fields, error, match",
+    [
+        (dict(recompute_granularity="partial"), ValueError, "recompute_granularity='partial' must be"),
+        (dict(recompute_granularity="full", recompute_method="zigzag", recompute_num_layers=1), ValueError,
+         "recompute_method='zigzag' must be"),
+        (dict(recompute_granularity="full"), ValueError, "needs recompute_method 'uniform' or 'block'"),
+        (dict(recompute_granularity="full", recompute_method="uniform"), ValueError,
+         "needs recompute_num_layers >= 1.*got None"),
+        (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=0), ValueError,
+         "needs recompute_num_layers >= 1.*got 0"),
+        (dict(recompute_granularity="selective", recompute_num_layers=2), ValueError,
+         "'selective' needs recompute_num_layers=None, got 2"),
+        (dict(recompute_granularity="selective", recompute_modules=["core_attn", "attention"]), ValueError,
+         r"invalid choices \['attention'\]"),
+        (dict(recompute_granularity="selective", recompute_modules="mlp"), ValueError,
+         "must be a list of module names, got 'mlp'"),
+        (dict(recompute_granularity="selective", recompute_modules=["moe_act"]), NotImplementedError,
+         r"recompute_modules \['moe_act'\] are not supported"),
+    ],
+)
+def test_bad_recompute_settings_are_refused(fields, error, match):
+    with pytest.raises(error, match=match):
+        TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4, **fields)
+
+
+def _settings(granularity=None, method=None, num_layers=None, modules=None) -> dict:
+    return dict(recompute_granularity=granularity, recompute_method=method, recompute_num_layers=num_layers,
+                recompute_modules=modules)
+
+
+def test_defaults_and_example_flags():
+    default = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4)
+    assert default.recompute_modules == ["core_attn"]
+    train_gpt = load_train_gpt()
+    base = ["--layers", "2", "--hidden", "16", "--heads", "4"]
+    settings = {
+        (): _settings(),
+        ("--recompute",): _settings("full", "uniform", 1),
+        ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"):
+            _settings("full", "block", 2),
+        ("--recompute-granularity", "selective", "--recompute-modules", "mlp", "layernorm"):
+            _settings("selective", modules=["mlp", "layernorm"]),
+    }
+    for flags, expected in settings.items():
+        assert train_gpt.recompute_settings(train_gpt.parse_args(base + list(flags))) == expected, flags
+    args = train_gpt.parse_args(base + ["--recompute", "--recompute-granularity", "selective"])
+    with pytest.raises(ValueError, match="--recompute is full recomputation.*selective"):
+        train_gpt.recompute_settings(args)
