@@ -25,6 +25,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "megatron_ext.model_parallel_config",
             "megatron_ext.optimizer_param_scheduler",
             "megatron_ext.parallel_state",
+            "megatron_ext.process_group_layout",
+            "megatron_ext.global_memory_buffer",
             "megatron_ext.split_backward",
         ),
     ),
