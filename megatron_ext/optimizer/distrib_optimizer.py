@@ -26,10 +26,10 @@ from megatron_ext._torch_compat import all_gather_single
 from megatron_ext.comm_errors import reported
 from megatron_ext.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 from megatron_ext.distributed.distributed_data_parallel import DistributedDataParallel
+from megatron_ext.distributed.param_and_grad_buffer import SIXTEEN_BIT
 from megatron_ext.optimizer.grad_scaler import MegatronGradScaler
 from megatron_ext.optimizer.optimizer import (
     CHECKPOINT_FULLY_RESHARDABLE_FORMATS,
-    SIXTEEN_BIT,
     MixedPrecisionOptimizer,
     _Slot,
     build_torch_optimizer,

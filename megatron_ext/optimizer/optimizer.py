@@ -18,8 +18,7 @@ back into the model.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,49 +32,21 @@ from megatron_ext.dist_checkpointing.optimizer import (
     sharded_params_by_tensor,
 )
 from megatron_ext.distributed.distributed_data_parallel import DistributedDataParallel
-from megatron_ext.distributed.param_and_grad_buffer import SIXTEEN_BIT, model_grad
 from megatron_ext.optimizer.clip_grads import (
-    clip_grad_by_total_norm_fp32,
-    count_zeros_fp32,
-    get_grad_norm_fp32,
+    clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32,
 )
 from megatron_ext.optimizer.grad_scaler import MegatronGradScaler
 from megatron_ext.optimizer.optimizer_config import OptimizerConfig
-from megatron_ext.resolve import default_group, find_wrapper, strip_wrapper_prefix
+from megatron_ext.optimizer.parameters import (  # noqa: F401  (ProxyDict: Megatron-core's name here)
+    ProxyDict, _plain_slots, _Slot, _state_dict_params, chunk_prefix, named_model_parameters,
+)
+from megatron_ext.resolve import default_group, find_wrapper
 from megatron_ext.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron_ext.tensor_parallel.utils import comm_device
-
-@dataclass
-class _Slot:
-    """``main`` is what the torch optimizer updates: ``model_param.view(-1)[start:end]`` (the
-    whole parameter, reshaped like it, outside the distributed optimizer)."""
-
-    name: str
-    model_param: torch.nn.Parameter
-    start: int
-    end: int
-    main: torch.Tensor
-    grad_source: Callable[[], torch.Tensor | None]
 
 
 # The distributed optimizer's sharding types whose checkpoints load at any data-parallel layout.
 CHECKPOINT_FULLY_RESHARDABLE_FORMATS = frozenset({"fully_reshardable", "fully_sharded_model_space"})
-
-
-def chunk_prefix(index: int, num_chunks: int) -> str:
-    """What the names of model chunk ``index``'s parameters start with in the optimizer's state
-    (and the checkpoints): ``chunk{index}.`` when there are several chunks, nothing otherwise."""
-    return f"chunk{index}." if num_chunks > 1 else ""
-
-
-def named_model_parameters(model_chunks: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
-    """Trainable parameters by name as in ``chunk.named_parameters()``, prefixed ``chunk{i}.``
-    when there are several chunks (the names of ``param_state_by_name``)."""
-    out = []
-    for i, chunk in enumerate(model_chunks):
-        prefix = chunk_prefix(i, len(model_chunks))
-        out.extend((prefix + n, p) for n, p in chunk.named_parameters() if p.requires_grad)
-    return out
 
 
 def _state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
@@ -529,40 +500,6 @@ def _with_per_param_step(optim: dict[str, Any]) -> tuple[dict[str, Any], int | N
     return {**optim, "state": per_param}, int(step)
 
 
-def _state_dict_params(
-    state_dict: dict[str, Any], model_chunks: list[torch.nn.Module]
-) -> dict[str, torch.Tensor]:
-    """``state_dict``'s tensors under the slot names (``named_model_parameters``)."""
-    if len(model_chunks) > 1 or "model0" in state_dict or "model_0" in state_dict:
-        prefix = "model_" if "model_0" in state_dict else "model"
-        per_chunk = []
-        for i in range(len(model_chunks)):
-            if f"{prefix}{i}" not in state_dict:
-                raise ValueError(f"reload_model_params: no {prefix}{i} in the state_dict (model chunk {i})")
-            per_chunk.append(state_dict[f"{prefix}{i}"])
-    else:
-        per_chunk = [state_dict.get("model", state_dict)]
-    out = {}
-    for i, (chunk, sd) in enumerate(zip(model_chunks, per_chunk)):
-        by_name = {strip_wrapper_prefix(k): v for k, v in sd.items()}
-        prefix = chunk_prefix(i, len(model_chunks))
-        for name, _ in chunk.named_parameters():
-            if strip_wrapper_prefix(name) in by_name:
-                out[prefix + name] = by_name[strip_wrapper_prefix(name)]
-    return out
-
-
-def _plain_slots(named: list[tuple[str, torch.nn.Parameter]], copy_16bit: bool) -> list[_Slot]:
-    slots = []
-    for name, p in named:
-        if copy_16bit and p.dtype in SIXTEEN_BIT:
-            main = p.detach().float().clone()
-        else:
-            main = p
-        slots.append(_Slot(name, p, 0, p.numel(), main, lambda p=p: model_grad(p)))
-    return slots
-
-
 class MixedPrecisionOptimizer(MegatronOptimizer):
     """Base of the optimizers whose main parameters may be float32 copies of 16-bit ones."""
 
@@ -597,35 +534,6 @@ class FP32Optimizer(MegatronOptimizer):
         ``optimizer.state.<state>.<parameter key>``), the step as ``state["common_step"]``, as
         Megatron-core's ``FP32Optimizer`` gives it (the parameters are the model's to save)."""
         return self._sharded_torch_state(self._sharded_params(model_sharded_state_dict))
-
-
-class ProxyDict:
-    """Several dicts seen as one, keyed ``(index of the dict, key)``: ``ChainedOptimizer.state``.
-    Reads and writes go to the underlying dicts."""
-
-    def __init__(self, inner_dicts: list[dict]) -> None:
-        self._inner_dicts = inner_dicts
-
-    def __getitem__(self, key: tuple[int, Any]) -> Any:
-        index, inner_key = key
-        return self._inner_dicts[index].get(inner_key)
-
-    def __setitem__(self, key: tuple[int, Any], value: Any) -> None:
-        index, inner_key = key
-        self._inner_dicts[index][inner_key] = value
-
-    def __len__(self) -> int:
-        return sum(len(d) for d in self._inner_dicts)
-
-    def __iter__(self):
-        for index, d in enumerate(self._inner_dicts):
-            for inner_key in d:
-                yield index, inner_key
-
-    def items(self):
-        for index, d in enumerate(self._inner_dicts):
-            for inner_key, value in d.items():
-                yield (index, inner_key), value
 
 
 class ChainedOptimizer(MegatronOptimizer):
