@@ -197,3 +197,9 @@ def test_the_checker_sees_what_it_checks():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"a"}}) == [["a"]]
     assert _layer("megatron_ext.dist_checkpointing.convert") > _layer("megatron_ext.optimizer.optimizer")
+
+
+def test_no_module_over_700_lines():
+    long = {name: n for name, path in _modules().items() if path.suffix == ".py"
+            and (n := len(path.read_text().splitlines())) > 700}
+    assert long == {}
