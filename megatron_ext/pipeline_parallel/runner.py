@@ -37,6 +37,7 @@ from megatron_ext.pipeline_parallel.schedule_tables import (
     virtual_stage,
 )
 from megatron_ext.process_groups_config import ProcessGroupCollection
+from megatron_ext.resolve import group_rank, group_size
 from megatron_ext.split_backward import backward_input, backward_weight
 
 
@@ -130,9 +131,8 @@ class _RankRun:
 
     def __init__(self, tables: Sequence[Sequence[Action]], options: RunOptions) -> None:
         self.options = o = options
-        communicator = o.p2p_communicator
-        self.pp_size = 1 if communicator is None else communicator.pp_group.size()
-        self.pp_rank = 0 if communicator is None else communicator.pp_group.rank()
+        pp_group = None if o.p2p_communicator is None else o.p2p_communicator.pp_group
+        self.pp_size, self.pp_rank = group_size(pp_group), group_rank(pp_group)
         if len(tables) != self.pp_size:
             raise ValueError(f"got {len(tables)} schedule tables for a pipeline of {self.pp_size} stages")
         self.num_chunks = len(o.model_chunks)
