@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state
@@ -89,7 +88,7 @@ def group_rank(group: Any) -> int:
 def wrapper_chain(model: Any) -> Iterator[Any]:
     """``model``, then the module each wrapper keeps as ``.module``, outermost first."""
     yield model
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
+    while getattr(model, "module", None) is not None:
         model = model.module
         yield model
 
