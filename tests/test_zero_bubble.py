@@ -17,6 +17,7 @@ from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel
 from megatron_ext.model_parallel_config import ModelParallelConfig
 from megatron_ext.pipeline_parallel import get_forward_backward_func
+from megatron_ext.pipeline_parallel import runner
 from megatron_ext.pipeline_parallel import schedules as sch
 from megatron_ext import split_backward
 from megatron_ext.pipeline_parallel.schedule_simulator import simulate_schedule
@@ -227,7 +228,7 @@ def _run_zero_bubble(layers, schedule: str, pp: int, m: int, *, deallocate: bool
         for layer in chunk.layers:
             layer.weight.register_hook(
                 lambda g, c=c: weight_events[c].append((phase[-1] if phase else "-", bool(active))))
-    real_input, real_weight = sch.backward_input, sch.backward_weight
+    real_input, real_weight = runner.backward_input, runner.backward_weight
 
     def traced(name, fn):
         def run(*args):
@@ -238,7 +239,8 @@ def _run_zero_bubble(layers, schedule: str, pp: int, m: int, *, deallocate: bool
                 phase.pop()
         return run
 
-    sch.backward_input, sch.backward_weight = traced("I", real_input), traced("W", real_weight)
+    # the runner (which runs every I and W) looks them up in its module
+    runner.backward_input, runner.backward_weight = traced("I", real_input), traced("W", real_weight)
     try:
         batches = make_batches(m)
         func = get_forward_backward_func(schedule=schedule)
@@ -246,7 +248,7 @@ def _run_zero_bubble(layers, schedule: str, pp: int, m: int, *, deallocate: bool
                      model=chunks, num_microbatches=m, seq_length=S, micro_batch_size=B,
                      forward_only=forward_only)
     finally:
-        sch.backward_input, sch.backward_weight = real_input, real_weight
+        runner.backward_input, runner.backward_weight = real_input, real_weight
     ref_losses, ref_grads = serial_reference(layers, batches)
     last_rank = 0 if schedule == "zb-v" else pp - 1
     if rank == last_rank:
