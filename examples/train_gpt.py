@@ -43,6 +43,7 @@ from megatron_ext.models.hf import (
     config_from_hf,
     export_hf_state_dict,
     hf_config_dict,
+    hf_config_of,
     hf_tensor_names,
     load_hf_state_dict,
 )
@@ -429,13 +430,7 @@ def read_hf_config(path: str) -> dict:
     if not os.path.isfile(file):
         raise ValueError(f"--load-hf {path!r} holds no config.json; expected a Hugging Face model directory")
     try:
-        with open(file) as f:
-            hf_config = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--load-hf: {file!r} is not valid JSON: {e}") from None
-    if not isinstance(hf_config, dict):
-        raise ValueError(f"--load-hf: {file!r} holds a JSON {type(hf_config).__name__}, expected an object")
-    try:
+        hf_config = hf_config_of(path)
         config, kwargs = config_from_hf(hf_config)  # refuses what it cannot map
         hf_tensor_names(path)
     except (ValueError, NotImplementedError, OSError) as e:

@@ -109,7 +109,7 @@ def test_hf_directories_are_checked_at_start(tmp_path):
         f.write('{"model_type": "llama",')
     message = _refusal(LLAMA + ["--load-hf", invalid])
     config = os.path.join(invalid, "config.json")
-    assert message.startswith(f"--load-hf: {config!r} is not valid JSON"), message
+    assert message.startswith(f"--load-hf {invalid!r}: {config!r} is not valid JSON"), message
 
     # an index without weight_map; then a valid index beside a single-file model: two models
     indexed = _hf_dir(tmp_path / "indexed")

@@ -361,6 +361,12 @@ class _TensorSource:
             return f.get_tensor(name)
 
 
+def hf_config_of(path: str | os.PathLike) -> dict:
+    """The ``config.json`` of Hugging Face model directory ``path`` as a dict; a ValueError naming
+    the file when it is not a JSON object."""
+    return _read_json(os.path.join(os.fspath(path), "config.json"))
+
+
 def hf_tensor_names(path: str | os.PathLike) -> list[str]:
     """The tensor names of the Hugging Face model in directory (or safetensors file) ``path``, after
     checking that its files are there, whole and one model (an index and a single-file model side
