@@ -1,5 +1,5 @@
 """Helpers that Megatron-core keeps in ``megatron.core.utils``: ShardedTensors of a rank's tensors
-(they live in ``dist_checkpointing.utils``) and a batch's share of a context-parallel rank."""
+(they live in ``dist_checkpointing.rank_shards``) and a batch's share of a context-parallel rank."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state
-from megatron_ext.dist_checkpointing.utils import (
+from megatron_ext.dist_checkpointing.rank_shards import (
     make_sharded_tensor_for_checkpoint,
     make_tp_sharded_tensor_for_checkpoint,
 )

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from megatron_ext import parallel_state, tensor_parallel
 from megatron_ext.comm_errors import reported
 from megatron_ext.dist_checkpointing.mapping import ShardedStateDict
-from megatron_ext.dist_checkpointing.utils import make_tp_sharded_tensor_for_checkpoint
+from megatron_ext.dist_checkpointing.rank_shards import make_tp_sharded_tensor_for_checkpoint
 from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict
 from megatron_ext.tensor_parallel.utils import comm_device
 from megatron_ext.transformer import ParallelTransformer, TransformerConfig

@@ -30,7 +30,7 @@ from megatron_ext.dist_checkpointing.mapping import (
     ShardedTensor,
     ShardedTensorFactory,
 )
-from megatron_ext.dist_checkpointing.utils import (
+from megatron_ext.dist_checkpointing.rank_shards import (
     make_sharded_object_for_checkpoint,
     make_sharded_tensor_for_checkpoint,
     make_tp_sharded_tensor_for_checkpoint,

@@ -8,7 +8,7 @@ import torch
 
 from megatron_ext import parallel_state, tensor_parallel
 from megatron_ext.dist_checkpointing.mapping import ShardedStateDict
-from megatron_ext.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron_ext.dist_checkpointing.rank_shards import replace_prefix_for_sharding
 from megatron_ext.pipeline_parallel.schedule_tables import stage_location, virtual_stage
 from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict
 from megatron_ext.transformer.transformer_config import TransformerConfig

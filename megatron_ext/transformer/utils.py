@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 import torch
 
-from megatron_ext.dist_checkpointing.utils import (
+from megatron_ext.dist_checkpointing.rank_shards import (
     make_sharded_object_for_checkpoint,
     make_sharded_tensor_for_checkpoint,
     make_tp_sharded_tensor_for_checkpoint,

@@ -1,6 +1,8 @@
 """Sharded views of one rank's tensors and objects (Megatron-core keeps these in
-``megatron.core.utils``, ``transformer.utils`` and ``dist_checkpointing.utils``): where a rank's copy
-lies in a global tensor, by its tensor- and data-parallel rank; no model or layer is known here."""
+``megatron.core.utils``, ``transformer.utils`` and ``dist_checkpointing.utils``; not named ``utils``
+here, so that Megatron-core's own ``dist_checkpointing.utils`` stays what its code imports): where a
+rank's copy lies in a global tensor, by its tensor- and data-parallel rank; no model or layer is
+known here."""
 
 from __future__ import annotations
 
