@@ -126,8 +126,8 @@ def test_zero_bubble_schedules_match_serial(serial_losses):
             2,
             "--global-batch-size 6 is not divisible by --micro-batch-size x dp = 2 x 2",
         ),
-        (["--tp", "2", "--pp", "2", "--dp", "1"], 8, "world size 8 != tp x pp x dp = 2 x 2 x 1"),
-        (["--tp", "3", "--pp", "1"], 4, "world size 4 is not divisible by tp x pp = 3"),
+        (["--tp", "2", "--pp", "2", "--dp", "1"], 8, "world size 8 != tp x cp x pp x dp = 2 x 1 x 2 x 1"),
+        (["--tp", "3", "--pp", "1"], 4, "world size 4 is not divisible by tp x cp x pp = 3"),
         (["--tp", "1", "--pp", "1", "--data", "/nonexistent/corpus.txt"], 1, "no such file"),
         (
             ["--tp", "2", "--pp", "1", "--hidden", "30", "--heads", "4"],
