@@ -172,3 +172,19 @@ def require_megatron_core(allow_missing: bool) -> None:
     if import_megatron_core() is None and not allow_missing:
         sys.exit(f"megatron-core is not importable: run through `./dev.sh bench NAME` (which installs "
                  f"megatron-core=={MEGATRON_CORE_VERSION}) or pass --without-megatron-core")
+
+
+def live_cpu_storages() -> dict[int, int]:
+    """Bytes of every distinct CPU storage alive, by its address (after a garbage collection)."""
+    import gc
+
+    gc.collect()
+    out = {}
+    with warnings.catch_warnings():  # (isinstance on some of torch's deprecated objects warns)
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in tensors:
+        if obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            out[storage.data_ptr()] = storage.nbytes()
+    return out

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import warnings
 import json
 import os
 import statistics
@@ -54,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import MEGATRON_CORE_VERSION, import_megatron_core, memory_kib, megatron_core_version  # noqa: E402
-from common import reset_peak_rss  # noqa: E402
+from common import live_cpu_storages, reset_peak_rss  # noqa: E402
 from megatron_core_gpt import Run, batches, build_model, config_fields, copy_weights, cpu_patches  # noqa: E402
 from megatron_core_gpt import forward_step  # noqa: E402
 
@@ -124,16 +123,7 @@ def _allocated(device: torch.device) -> int:
     """Bytes held by tensors: the CUDA allocator's count, or the distinct CPU storages alive."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
-    gc.collect()
-    storages = {}
-    with warnings.catch_warnings():  # (isinstance on some of torch's deprecated objects warns)
-        warnings.simplefilter("ignore")
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-    for obj in tensors:
-        if obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    return sum(live_cpu_storages().values())
 
 
 class Stack:

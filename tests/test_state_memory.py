@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
-import warnings
 from typing import Iterator
 
 import pytest
@@ -32,22 +31,10 @@ from megatron_ext.optimizer import (
     OptimizerConfig,
     get_megatron_optimizer,
 )
+from benchmarks.common import live_cpu_storages
 from tests.distributed import run_distributed
 
 SCALAR_BYTES = 64  # storages this small are counters and flags (Adam's step, found-inf), not state
-
-
-def _storages() -> dict[int, int]:
-    """Bytes of every distinct storage alive, by its address."""
-    out = {}
-    with warnings.catch_warnings():  # (isinstance on some of torch's deprecated objects warns)
-        warnings.simplefilter("ignore")
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-    for obj in tensors:
-        if obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            out[storage.data_ptr()] = storage.nbytes()
-    return out
 
 
 @contextlib.contextmanager
@@ -81,7 +68,7 @@ def _step_bytes(distributed: bool, overlap: bool) -> tuple[int, int, int]:
     """(bytes of the storages a bf16 model, its DDP and optimizer hold after two steps, bytes
     of the scalar ones among them, number of parameters)."""
     gc.collect()
-    before = _storages()
+    before = live_cpu_storages()
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(128, 256, bias=False), torch.nn.Tanh(), torch.nn.Linear(256, 128, bias=False)
@@ -107,7 +94,7 @@ def _step_bytes(distributed: bool, overlap: bool) -> tuple[int, int, int]:
     if overlap:
         assert ddp.param_gather_in_flight  # counted while the gathers are in flight
     gc.collect()
-    new = {ptr: n for ptr, n in _storages().items() if ptr not in before}
+    new = {ptr: n for ptr, n in live_cpu_storages().items() if ptr not in before}
     large = sum(n for n in new.values() if n > SCALAR_BYTES)
     scalars = sum(n for n in new.values() if n <= SCALAR_BYTES)
     numel = sum(p.numel() for p in model.parameters())
