@@ -555,7 +555,7 @@ def test_a_dead_or_stopped_rank_is_reported_with_the_collective_group_and_peer(t
         "pipeline": r"receive from pipeline rank 1 \(the gradient of micro-batch \d, model chunk 0\) of a "
                     r"float64 tensor of shape \[16, 2, 32\] over the pipeline-model-parallel group",
         "data": r"all-reduce of the gradients of bucket \d+ \(\d+ parameters?, .*\) of a float64 tensor of "
-                r"shape \[\d+\] over the data-parallel group",
+                r"shape \[\d+\] over the data-parallel(-with-cp)? group",
     }[layout]
     message = rf"^DistBackendError: {where} \(global ranks \[0, 1\], gloo\) failed on global rank 0, " \
               r"waiting for global rank 1: "
