@@ -1,15 +1,19 @@
 """Runs a function on N CPU processes joined in a gloo process group over loopback.
 
-Spawning costs seconds on a small machine, so a test runs many checks inside one call. Every
-rank's exception is reported with its traceback; a rank that does not finish within ``timeout``
-seconds fails the test and the others are killed, so nothing hangs.
+Spawning costs seconds on a small machine, so the ranks of one world size are kept between calls
+(each call starts from the state a fresh process has), and a test runs many checks inside one call.
+Every rank's exception is reported with its traceback; a rank that does not finish within
+``timeout`` seconds fails the test and the ranks are killed, so nothing hangs.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -28,80 +32,166 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+_FRESH_SEED = torch.initial_seed()  # a fresh process's default CPU generator seed
+
+
+def _reset_process_state(environ: dict[str, str]) -> None:
+    """Puts back what a finished function may have changed, so the next one on this process starts
+    as on a fresh one: the model-parallel state, the RNG tracker, the default generator, dtype,
+    grad mode, thread count and environment."""
+    import gc
+
+    from megatron_ext import parallel_state
+    from megatron_ext.tensor_parallel import random as tp_random
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    tp_random._CUDA_RNG_STATE_TRACKER = None
+    tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    torch.manual_seed(_FRESH_SEED)
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    torch.set_num_threads(1)
+    os.environ.clear()
+    os.environ.update(environ)
+    gc.collect()
+
+
+def _patches() -> tuple:
+    """What tells a process a function patched it: the import hooks, torch's and torch.cuda's
+    attributes, and whether megatron-core (whose packages a compatibility test aliases) is loaded."""
+    return (
+        tuple(sys.meta_path),
+        {name: id(value) for name, value in vars(torch).items()},
+        {name: id(value) for name, value in vars(torch.cuda).items()},
+        {name: id(value) for name, value in vars(torch.Tensor).items()},
+    )
+
+
+def _unpatched(before: tuple) -> bool:
+    after = _patches()
+    if after[0] != before[0] or any(m == "megatron" or m.startswith("megatron.") for m in sys.modules):
+        return False
+    return all(after[i].get(name, ident) == ident for i in (1, 2, 3) for name, ident in before[i].items())
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    """One rank of a pool: joins the gloo group once, then runs the functions it is sent until it
+    gets None, or until a function fails, leaves the default group or patches the process (the
+    pool is then retired and the next call starts a fresh one)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    environ = dict(os.environ)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
-        value = fn(*args)
-        results.put((rank, None, value))
     except BaseException:  # noqa: BLE001  (reported to the parent)
-        results.put((rank, traceback.format_exc(), None))
-    finally:
-        from megatron_ext import parallel_state
+        results.put((rank, traceback.format_exc(), None, False))
+        return
+    while (task := tasks.get()) is not None:
+        fn, args = task
+        before = _patches()
+        try:
+            value = fn(*args)
+            error = None
+        except BaseException:  # noqa: BLE001  (reported to the parent)
+            value, error = None, traceback.format_exc()
+        reusable = error is None and dist.is_initialized() and _unpatched(before)
+        if reusable:
+            try:
+                _reset_process_state(environ)
+            except BaseException:  # noqa: BLE001
+                reusable = False
+        results.put((rank, error, value, reusable))
+        if not reusable:
+            break
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+class _Pool:
+    """``world_size`` spawned ranks in one gloo group, kept between calls: spawning and importing
+    torch costs seconds per process on a small machine, and a test suite makes hundreds of calls."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def close(self, wait: float) -> None:
+        for q in self.tasks:
+            with contextlib.suppress(Exception):
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=wait)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def run(self, fn: Callable, args: tuple, timeout: float) -> tuple[dict[int, Any], dict[int, str], bool]:
+        for q in self.tasks:
+            q.put((fn, args))
+        values: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        reusable = True
+        deadline = time.monotonic() + timeout
+        while len(values) + len(errors) < self.world_size:
+            try:
+                rank, error, value, rank_reusable = self.results.get(timeout=0.5)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(values) - set(errors))
+                    errors[-1] = f"ranks {missing} did not finish within {timeout} s"
+                    return values, errors, False
+                for rank, p in enumerate(self.procs):
+                    if rank not in values and rank not in errors and p.exitcode is not None:
+                        # Give a report already on its way the chance to arrive.
+                        time.sleep(0.5)
+                        if self.results.empty():
+                            errors[rank] = f"exited with code {p.exitcode} without reporting"
+                            reusable = False
+                continue
+            reusable = reusable and rank_reusable
+            if error is None:
+                values[rank] = value
+            else:
+                errors[rank] = error
+        return values, errors, reusable
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close(wait=10)
+    _POOLS.clear()
+
+
+atexit.register(_close_pools)
 
 
 def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 300) -> list[Any]:
     """Runs ``fn(*args)`` on ``world_size`` ranks; returns each rank's return value in rank order.
-    A port taken by another process between choosing and binding it (tests running side by side)
-    starts the ranks again on another port, up to twice."""
-    for _ in range(2):
-        try:
-            return _run_once(world_size, fn, args, timeout)
-        except _PortTaken:
-            continue
-    return _run_once(world_size, fn, args, timeout)
-
-
-class _PortTaken(Exception):
-    pass
-
-
-def _run_once(world_size: int, fn: Callable, args: tuple, timeout: float) -> list[Any]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, results), daemon=True)
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    values: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(values) + len(errors) < world_size:
-            try:
-                rank, error, value = results.get(timeout=0.5)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(values) - set(errors))
-                    errors[-1] = f"ranks {missing} did not finish within {timeout} s"
-                    break
-                for rank, p in enumerate(procs):
-                    if rank not in values and rank not in errors and p.exitcode is not None:
-                        # Give a report already on its way the chance to arrive.
-                        time.sleep(0.5)
-                        if results.empty():
-                            errors[rank] = f"exited with code {p.exitcode} without reporting"
-                continue
-            if error is None:
-                values[rank] = value
-            elif "EADDRINUSE" in error and not values:
-                raise _PortTaken()
-            else:
-                errors[rank] = error
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    The ranks are kept for the next call with the same world size while every function succeeds
+    and leaves the default group in place. A port taken by another process between choosing and
+    binding it (tests running side by side) starts the ranks again on another port, up to twice."""
+    for attempt in range(3):
+        pool = _POOLS.pop(world_size, None) or _Pool(world_size)
+        values, errors, reusable = pool.run(fn, args, timeout)
+        if reusable and not errors:
+            _POOLS[world_size] = pool
+        else:
+            pool.close(wait=10)
+        if not (errors and not values and attempt < 2 and any("EADDRINUSE" in e for e in errors.values())):
+            break
     if errors:
         report = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
         raise AssertionError(f"{len(errors)} of {world_size} ranks failed:\n{report}")
