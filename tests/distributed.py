@@ -60,19 +60,21 @@ def _reset_process_state(environ: dict[str, str]) -> None:
 def _patches() -> tuple:
     """What tells a process a function patched it: the import hooks, torch's and torch.cuda's
     attributes, and whether megatron-core (whose packages a compatibility test aliases) is loaded."""
-    return (
-        tuple(sys.meta_path),
-        {name: id(value) for name, value in vars(torch).items()},
-        {name: id(value) for name, value in vars(torch.cuda).items()},
-        {name: id(value) for name, value in vars(torch.Tensor).items()},
-    )
+    return (tuple(sys.meta_path), dict(vars(torch)), dict(vars(torch.cuda)), dict(vars(torch.Tensor)))
 
 
 def _unpatched(before: tuple) -> bool:
+    """Whether the process is as ``before`` (an attribute rewrapped by one of torch's own lazy
+    imports, as torch._dynamo does to ``torch.manual_seed``, still counts as unpatched)."""
     after = _patches()
     if after[0] != before[0] or any(m == "megatron" or m.startswith("megatron.") for m in sys.modules):
         return False
-    return all(after[i].get(name, ident) == ident for i in (1, 2, 3) for name, ident in before[i].items())
+    return all(
+        new is old or getattr(new, "__wrapped__", None) is old
+        for i in (1, 2, 3)
+        for name, old in before[i].items()
+        if (new := after[i].get(name, old)) is not None
+    )
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
