@@ -168,7 +168,8 @@ class _Pool:
         return values, errors, reusable
 
 
-_POOLS: dict[int, _Pool] = {}
+_POOLS: dict[int, _Pool] = {}  # by world size, the most recently used last
+_MAX_POOLED_RANKS = 8  # each holds hundreds of MiB once a test has run on it
 
 
 def _close_pools() -> None:
@@ -182,11 +183,16 @@ atexit.register(_close_pools)
 
 def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 300) -> list[Any]:
     """Runs ``fn(*args)`` on ``world_size`` ranks; returns each rank's return value in rank order.
-    The ranks are kept for the next call with the same world size while every function succeeds
-    and leaves the default group in place. A port taken by another process between choosing and
-    binding it (tests running side by side) starts the ranks again on another port, up to twice."""
+    The ranks are kept for the next call with the same world size (up to 8 ranks in all) while
+    every function succeeds and leaves the default group in place. A port taken by another process
+    between choosing and binding it (tests running side by side) starts the ranks again on another
+    port, up to twice."""
     for attempt in range(3):
-        pool = _POOLS.pop(world_size, None) or _Pool(world_size)
+        pool = _POOLS.pop(world_size, None)
+        if pool is None:
+            while _POOLS and sum(_POOLS) + world_size > _MAX_POOLED_RANKS:  # the least recently used go
+                _POOLS.pop(next(iter(_POOLS))).close(wait=10)
+            pool = _Pool(world_size)
         values, errors, reusable = pool.run(fn, args, timeout)
         if reusable and not errors:
             _POOLS[world_size] = pool
