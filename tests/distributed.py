@@ -33,6 +33,7 @@ def free_port() -> int:
 
 
 _FRESH_SEED = torch.initial_seed()  # a fresh process's default CPU generator seed
+_MAX_THREADS = 32  # a rank holds about 6 threads between functions once its groups are gone
 
 
 def _reset_process_state(environ: dict[str, str]) -> None:
@@ -79,8 +80,8 @@ def _unpatched(before: tuple) -> bool:
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     """One rank of a pool: joins the gloo group once, then runs the functions it is sent until it
-    gets None, or until a function fails, leaves the default group or patches the process (the
-    pool is then retired and the next call starts a fresh one)."""
+    gets None, or until a function fails, leaves the default group, patches the process or leaves
+    process groups (threads) behind; the pool is then retired and the next call starts a fresh one."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     environ = dict(os.environ)
@@ -103,6 +104,8 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
                 _reset_process_state(environ)
             except BaseException:  # noqa: BLE001
                 reusable = False
+            # Process groups a function kept alive hold a gloo thread each, some of them polling.
+            reusable = reusable and len(os.listdir("/proc/self/task")) <= _MAX_THREADS
         results.put((rank, error, value, reusable))
         if not reusable:
             break
