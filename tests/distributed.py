@@ -90,7 +90,16 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     except BaseException:  # noqa: BLE001  (reported to the parent)
         results.put((rank, traceback.format_exc(), None, False))
         return
-    while (task := tasks.get()) is not None:
+    parent = os.getppid()
+    while True:
+        try:
+            task = tasks.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test run is gone
+                break
+            continue
+        if task is None:
+            break
         fn, args = task
         before = _patches()
         try:
