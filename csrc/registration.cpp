@@ -126,6 +126,22 @@ TORCH_LIBRARY(megatron_ext, m) {
       "Tensor target, Tensor row_max, Tensor log_sum_exp, Tensor(a!) grad_hidden, "
       "Tensor(b!) grad_weight, float label_smoothing, int? ignore_index, int chunk_size, "
       "bool precomputed, int vocab_start, int vocab_size, str group_name, int group_size) -> ()");
+
+  // Context-parallel attention (ops/context_parallel_attention.cpp): query [b, heads, s, d], key
+  // and value [b, groups, s, d], this rank's tokens; returns [b, heads, s, d]. ``_forward`` also
+  // returns the log-sum-exp its backward takes.
+  m.def(
+      "context_parallel_attention(Tensor query, Tensor key, Tensor value, str group_name, "
+      "int group_size, int group_rank, bool is_causal=True, str cp_comm_type=\"p2p\", "
+      "float? scale=None) -> Tensor");
+  m.def(
+      "context_parallel_attention_forward(Tensor query, Tensor key, Tensor value, str group_name, "
+      "int group_size, int group_rank, bool is_causal, str cp_comm_type, float? scale) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "context_parallel_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor "
+      "value, Tensor out, Tensor log_sum_exp, str group_name, int group_size, int group_rank, "
+      "bool is_causal, str cp_comm_type, float? scale) -> (Tensor, Tensor, Tensor)");
 }
 
 namespace {
