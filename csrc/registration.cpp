@@ -1,15 +1,39 @@
-// The library's schema block (ops that declare theirs beside their kernels aside), and the
-// Python module that reports how it was built.
+// The library's one schema block (every op's schema; the ops/ and kernels/ files register their
+// implementations in TORCH_LIBRARY_IMPL blocks), and the Python module that reports how it was
+// built.
 #include <torch/extension.h>
 #include <torch/library.h>
+
+#include <string>
 
 #include "kernels/cpu_capability.h"
 #include "kernels/cross_entropy_checks.h"
 #include "megatron_ext_build_config.h"
 
 TORCH_LIBRARY(megatron_ext, m) {
-  // The communication regions (ops/mappings.cpp) and the async linear (ops/linear.cpp) declare
-  // their schemas beside their kernels, in TORCH_LIBRARY_FRAGMENT blocks.
+  // The conjugate communication regions (ops/mappings.cpp): autograd nodes whose forward and
+  // backward are a collective over the group named ``group_name`` (or none), returning a view of
+  // ``input`` where the collective is the identity.
+  for (const char* region :
+       {"copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+        "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
+        "scatter_to_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region",
+        "all_gather_last_dim_from_tensor_parallel_region",
+        "reduce_scatter_last_dim_to_tensor_parallel_region"}) {
+    m.def((std::string(region) +
+           "(Tensor(a) input, str group_name, int group_size, int rank) -> Tensor(a)")
+              .c_str());
+  }
+  m.def(
+      "gather_from_sequence_parallel_region(Tensor(a) input, bool tensor_parallel_output_grad, "
+      "str group_name, int group_size, int rank) -> Tensor(a)");
+
+  // The linear whose backward overlaps the input-gradient collective with the weight-gradient
+  // GEMM (ops/linear.cpp, ops/weight_grad.cpp).
+  m.def(
+      "linear_with_grad_accumulation_and_async_allreduce(Tensor input, Tensor weight, Tensor? "
+      "bias, Tensor? main_grad, int wgrad_placeholder, bool allreduce_dgrad, "
+      "bool sequence_parallel, str group_name, int group_size) -> Tensor");
 
   // Vocabulary-parallel lookup (kernels/vocab_mask*): local row ids and the ids of other ranks.
   m.def("vocab_range_mask(Tensor ids, int first, int last) -> (Tensor, Tensor)");
@@ -102,6 +126,22 @@ TORCH_LIBRARY(megatron_ext, m) {
       "Tensor target, Tensor row_max, Tensor log_sum_exp, Tensor(a!) grad_hidden, "
       "Tensor(b!) grad_weight, float label_smoothing, int? ignore_index, int chunk_size, "
       "bool precomputed, int vocab_start, int vocab_size, str group_name, int group_size) -> ()");
+
+  // Context-parallel attention (ops/context_parallel_attention.cpp): query [b, heads, s, d], key
+  // and value [b, groups, s, d], this rank's tokens; returns [b, heads, s, d]. ``_forward`` also
+  // returns the log-sum-exp its backward takes.
+  m.def(
+      "context_parallel_attention(Tensor query, Tensor key, Tensor value, str group_name, "
+      "int group_size, int group_rank, bool is_causal=True, str cp_comm_type=\"p2p\", "
+      "float? scale=None) -> Tensor");
+  m.def(
+      "context_parallel_attention_forward(Tensor query, Tensor key, Tensor value, str group_name, "
+      "int group_size, int group_rank, bool is_causal, str cp_comm_type, float? scale) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "context_parallel_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor "
+      "value, Tensor out, Tensor log_sum_exp, str group_name, int group_size, int group_rank, "
+      "bool is_causal, str cp_comm_type, float? scale) -> (Tensor, Tensor, Tensor)");
 }
 
 namespace {

@@ -203,3 +203,36 @@ def test_no_module_over_700_lines():
     long = {name: n for name, path in _modules().items() if path.suffix == ".py"
             and (n := len(path.read_text().splitlines())) > 700}
     assert long == {}
+
+
+CSRC = PACKAGE.parent / "csrc"
+
+
+def _includes(path: pathlib.Path) -> list[str]:
+    return [line.split('"')[1] for line in path.read_text().splitlines() if line.startswith('#include "')]
+
+
+def test_cpp_kernels_include_no_op_or_comm_headers():
+    # kernels/ is the framework-free math and its ATen-side checks; ops/ (the autograd glue) and
+    # comm/ (c10d) build on it, never the reverse
+    upward = {
+        str(path.relative_to(CSRC)): include
+        for path in CSRC.joinpath("kernels").rglob("*")
+        if path.suffix in (".h", ".cpp", ".cu")
+        for include in _includes(path)
+        if include.startswith(("ops/", "comm/"))
+    }
+    assert upward == {}
+
+
+def test_cpp_every_schema_in_registration():
+    # one style of schema declaration: every m.def in registration.cpp's TORCH_LIBRARY block
+    elsewhere = [
+        str(path.relative_to(CSRC))
+        for path in CSRC.rglob("*")
+        if path.suffix in (".h", ".cpp", ".cu")
+        and path.name != "registration.cpp"
+        and ("TORCH_LIBRARY_FRAGMENT" in path.read_text() or "m.def(" in path.read_text())
+    ]
+    assert elsewhere == []
+    assert "TORCH_LIBRARY(megatron_ext, m)" in CSRC.joinpath("registration.cpp").read_text()

@@ -7,7 +7,7 @@
 #include <torch/library.h>
 
 #include "kernels/fused_epilogue.h"
-#include "ops/fused_epilogue.h"
+#include "kernels/fused_epilogue_checks.h"
 
 namespace megatron_ext {
 namespace {

@@ -14,7 +14,7 @@
 #include <initializer_list>
 
 #include "kernels/fused_epilogue.h"
-#include "ops/fused_epilogue.h"
+#include "kernels/fused_epilogue_checks.h"
 
 namespace megatron_ext {
 namespace {

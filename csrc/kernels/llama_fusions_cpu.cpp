@@ -11,7 +11,7 @@
 
 #include "kernels/cpu/llama_fusions_kernels.h"
 #include "kernels/cpu_capability.h"
-#include "ops/llama_fusions.h"
+#include "kernels/llama_fusions_checks.h"
 
 namespace megatron_ext {
 namespace {

@@ -17,7 +17,7 @@
 #include <tuple>
 
 #include "kernels/llama_fusions.h"
-#include "ops/llama_fusions.h"
+#include "kernels/llama_fusions_checks.h"
 
 namespace megatron_ext {
 namespace {

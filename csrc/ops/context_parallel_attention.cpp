@@ -587,30 +587,15 @@ at::Tensor attention_no_autograd(const at::Tensor& q, const at::Tensor& k, const
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(megatron_ext, m) {
-  // Context-parallel attention (ops/context_parallel_attention.cpp): query [b, heads, s, d], key
-  // and value [b, groups, s, d], this rank's tokens; returns [b, heads, s, d]. ``_forward`` also
-  // returns the log-sum-exp its backward takes.
-  m.def(
-      "context_parallel_attention(Tensor query, Tensor key, Tensor value, str group_name, "
-      "int group_size, int group_rank, bool is_causal=True, str cp_comm_type=\"p2p\", "
-      "float? scale=None) -> Tensor");
-  m.def(
-      "context_parallel_attention_forward(Tensor query, Tensor key, Tensor value, str group_name, "
-      "int group_size, int group_rank, bool is_causal, str cp_comm_type, float? scale) "
-      "-> (Tensor, Tensor)");
-  m.def(
-      "context_parallel_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor "
-      "value, Tensor out, Tensor log_sum_exp, str group_name, int group_size, int group_rank, "
-      "bool is_causal, str cp_comm_type, float? scale) -> (Tensor, Tensor, Tensor)");
-  m.impl("context_parallel_attention", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
-                                                       TORCH_FN(attention_no_autograd)));
-  m.impl("context_parallel_attention",
-         torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(attention_autograd)));
-  m.impl("context_parallel_attention_forward",
-         torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(forward_impl)));
-  m.impl("context_parallel_attention_backward",
-         torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(backward_impl)));
+// The schemas are in registration.cpp.
+TORCH_LIBRARY_IMPL(megatron_ext, CompositeExplicitAutograd, m) {
+  m.impl("context_parallel_attention", TORCH_FN(attention_no_autograd));
+  m.impl("context_parallel_attention_forward", TORCH_FN(forward_impl));
+  m.impl("context_parallel_attention_backward", TORCH_FN(backward_impl));
+}
+
+TORCH_LIBRARY_IMPL(megatron_ext, Autograd, m) {
+  m.impl("context_parallel_attention", TORCH_FN(attention_autograd));
 }
 
 }  // namespace megatron_ext

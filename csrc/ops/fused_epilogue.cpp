@@ -17,7 +17,7 @@
 #endif
 
 #include "ops/dispatch.h"
-#include "ops/fused_epilogue.h"
+#include "kernels/fused_epilogue_checks.h"
 
 namespace megatron_ext {
 namespace {

@@ -223,14 +223,11 @@ at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(megatron_ext, m) {
-  m.def(
-      "linear_with_grad_accumulation_and_async_allreduce(Tensor input, Tensor weight, Tensor? "
-      "bias, Tensor? main_grad, int wgrad_placeholder, bool allreduce_dgrad, "
-      "bool sequence_parallel, str group_name, int group_size) -> Tensor");
-  m.impl(kOp,
-         torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(linear_forward)));
-  m.impl(kOp, torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(linear_autograd)));
+// The schema is in registration.cpp.
+TORCH_LIBRARY_IMPL(megatron_ext, CompositeExplicitAutograd, m) {
+  m.impl(kOp, TORCH_FN(linear_forward));
 }
+
+TORCH_LIBRARY_IMPL(megatron_ext, Autograd, m) { m.impl(kOp, TORCH_FN(linear_autograd)); }
 
 }  // namespace megatron_ext

@@ -12,7 +12,7 @@
 #include <tuple>
 
 #include "ops/dispatch.h"
-#include "ops/llama_fusions.h"
+#include "kernels/llama_fusions_checks.h"
 
 namespace megatron_ext {
 namespace {

@@ -219,33 +219,32 @@ at::Tensor gather_seq_forward(const at::Tensor& x, bool, c10::string_view group,
 }
 
 template <const Region& R>
-void define(torch::Library& m) {
-  m.def((std::string(R.name) +
-         "(Tensor(a) input, str group_name, int group_size, int rank) -> Tensor(a)")
-            .c_str());
-  m.impl(R.name,
-         torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(region_forward<R>)));
-  m.impl(R.name, torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(region_autograd<R>)));
+void impl(torch::Library& m, c10::DispatchKey key) {
+  if (key == c10::DispatchKey::Autograd) {
+    m.impl(R.name, TORCH_FN(region_autograd<R>));
+  } else {
+    m.impl(R.name, TORCH_FN(region_forward<R>));
+  }
+}
+
+template <const Region&... Rs>
+void impl_all(torch::Library& m, c10::DispatchKey key) {
+  (impl<Rs>(m, key), ...);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(megatron_ext, m) {
-  define<kCopy>(m);
-  define<kReduce>(m);
-  define<kScatter>(m);
-  define<kGather>(m);
-  define<kScatterSeq>(m);
-  define<kReduceScatterSeq>(m);
-  define<kAllGatherLast>(m);
-  define<kReduceScatterLast>(m);
-  m.def(
-      "gather_from_sequence_parallel_region(Tensor(a) input, bool tensor_parallel_output_grad, "
-      "str group_name, int group_size, int rank) -> Tensor(a)");
-  m.impl(kGatherSeq.name, torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd,
-                                          TORCH_FN(gather_seq_forward)));
-  m.impl(kGatherSeq.name,
-         torch::dispatch(c10::DispatchKey::Autograd, TORCH_FN(gather_seq_autograd)));
+// The schemas are in registration.cpp.
+TORCH_LIBRARY_IMPL(megatron_ext, CompositeExplicitAutograd, m) {
+  impl_all<kCopy, kReduce, kScatter, kGather, kScatterSeq, kReduceScatterSeq, kAllGatherLast,
+           kReduceScatterLast>(m, c10::DispatchKey::CompositeExplicitAutograd);
+  m.impl(kGatherSeq.name, TORCH_FN(gather_seq_forward));
+}
+
+TORCH_LIBRARY_IMPL(megatron_ext, Autograd, m) {
+  impl_all<kCopy, kReduce, kScatter, kGather, kScatterSeq, kReduceScatterSeq, kAllGatherLast,
+           kReduceScatterLast>(m, c10::DispatchKey::Autograd);
+  m.impl(kGatherSeq.name, TORCH_FN(gather_seq_autograd));
 }
 
 }  // namespace megatron_ext
