@@ -1,0 +1,1 @@
+"""Mixture of experts."""
