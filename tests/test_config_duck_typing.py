@@ -31,10 +31,6 @@ def _duck_worker() -> dict:
             tp_.ColumnParallelLinear(H, OUT, config=not_a_config, init_method=init)
     with pytest.raises(NotImplementedError, match=r"config.tp_comm_overlap=True is not supported"):
         tp_.ColumnParallelLinear(H, OUT, config=SimpleNamespace(tp_comm_overlap=True), init_method=init)
-    with pytest.raises(NotImplementedError, match=r"config.expert_model_parallel_size=2 is not supported"):
-        tp_.VocabParallelEmbedding(
-            VOCAB, H, config=SimpleNamespace(expert_model_parallel_size=2), init_method=init
-        )
     with pytest.raises(TypeError, match=r"config.params_dtype must be a torch.dtype, got 'float'"):
         tp_.RowParallelLinear(
             H,
