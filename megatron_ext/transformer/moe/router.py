@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from megatron_ext import parallel_state
 from megatron_ext.process_groups_config import ProcessGroupCollection
 from megatron_ext.resolve import group_size
 from megatron_ext.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
@@ -28,8 +29,6 @@ def moe_process_groups(pg_collection: Any = None) -> ProcessGroupCollection:
     an empty collection (every group then reads as size 1)."""
     if pg_collection is not None:
         return pg_collection
-    from megatron_ext import parallel_state
-
     if parallel_state.model_parallel_is_initialized():
         return ProcessGroupCollection.use_mpu_process_groups()
     return ProcessGroupCollection()

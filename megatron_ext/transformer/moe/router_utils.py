@@ -13,7 +13,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.resolve import group_size
+from megatron_ext import parallel_state
+from megatron_ext.distributed.finalize_model_grads import updated_expert_bias
+from megatron_ext.pipeline_parallel.aux_loss import MoEAuxLossAutoScaler  # noqa: F401  (Megatron-core's home)
+from megatron_ext.resolve import default_group, group_size
 
 
 def _softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -60,36 +63,6 @@ def get_capacity(
     ``min_capacity``."""
     capacity = math.ceil((num_tokens / num_experts) * capacity_factor)
     return max(capacity, min_capacity) if min_capacity is not None else capacity
-
-
-class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """Returns ``output`` unchanged; its backward also gives ``aux_loss`` the gradient
-    ``main_loss_backward_scale`` (1 unless set), so the auxiliary loss joins the backward of the
-    main loss without being added to it."""
-
-    main_loss_backward_scale: torch.Tensor | None = None
-
-    @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(aux_loss)
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        (aux_loss,) = ctx.saved_tensors
-        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        if scale is None:
-            scale = torch.tensor(1.0, device=aux_loss.device)
-            MoEAuxLossAutoScaler.main_loss_backward_scale = scale
-        return grad_output, torch.ones_like(aux_loss) * scale
-
-    @staticmethod
-    def set_loss_scale(scale: torch.Tensor) -> None:
-        """The factor the main loss's gradient carries (1 / micro-batches, a loss scale...)."""
-        if MoEAuxLossAutoScaler.main_loss_backward_scale is None:
-            MoEAuxLossAutoScaler.main_loss_backward_scale = scale
-        else:
-            MoEAuxLossAutoScaler.main_loss_backward_scale.copy_(scale)
 
 
 def topk_routing_with_score_function(
@@ -207,15 +180,8 @@ def get_updated_expert_bias(
     """The aux-loss-free balance step: each expert's bias moves by ``expert_bias_update_rate``
     towards the mean load (up when below it). ``tokens_per_expert`` is summed in place over the
     tensor × data × context-parallel group first."""
-    from megatron_ext import parallel_state
-
-    with torch.no_grad():
-        if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
-            group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-            if group_size(group) > 1:
-                dist.all_reduce(tokens_per_expert, group=group)
-        average = tokens_per_expert.sum(dim=-1, keepdim=True) / tokens_per_expert.shape[-1]
-        return expert_bias + torch.sign(average - tokens_per_expert) * expert_bias_update_rate
+    group = default_group("tp_dp_cp") if parallel_state.model_parallel_is_initialized() else None
+    return updated_expert_bias(tokens_per_expert, expert_bias, expert_bias_update_rate, group)
 
 
 # Per-layer auxiliary losses for logging -----------------------------------------------------------
@@ -260,8 +226,6 @@ def reduce_aux_losses_tracker_across_ranks(
 ) -> None:
     """Sums the tracked losses over the pipeline stages and each loss's reduce group, then averages
     them over the data-parallel group (unless the reduce group spans it)."""
-    from megatron_ext import parallel_state
-
     tracker = get_moe_layer_wise_logging_tracker()
     if not dist.is_initialized():
         return
