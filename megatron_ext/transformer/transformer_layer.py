@@ -23,6 +23,10 @@ LAYER_KEYS = {
 }
 
 
+# A mixture-of-experts layer stores its second norm on its own, as Megatron-core's MoE specs do.
+MOE_LAYER_KEYS = {**LAYER_KEYS, "post_attention_layernorm.": "pre_mlp_layernorm."}
+
+
 def is_moe_layer(config: TransformerConfig, layer_number: int) -> bool:
     """Whether layer ``layer_number`` (1-based, global) is a mixture-of-experts layer:
     ``moe_layer_freq`` k makes every k-th layer one (layers 1, k + 1, ...), a list of 0/1 is the
@@ -91,8 +95,15 @@ class ParallelTransformerLayer(torch.nn.Module):
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict:
         """Megatron's checkpointing API: each tensor as a ShardedTensor (``sharded_offsets``: the
-        layer axis a block prepends) under Megatron-core's keys (``LAYER_KEYS``)."""
-        return renamed_sharded_state_dict(self, prefix, sharded_offsets, LAYER_KEYS, metadata)
+        layer axis a block prepends) under Megatron-core's keys (``LAYER_KEYS``; a mixture-of-experts
+        layer's: ``MOE_LAYER_KEYS`` and the ``MoELayer``'s own)."""
+        if not isinstance(self.mlp, MoELayer):
+            return renamed_sharded_state_dict(self, prefix, sharded_offsets, LAYER_KEYS, metadata)
+        out = renamed_sharded_state_dict(
+            self, prefix, sharded_offsets, MOE_LAYER_KEYS, metadata, skip=("mlp",)
+        )
+        out.update(self.mlp.sharded_state_dict(f"{prefix}mlp.", sharded_offsets, metadata))
+        return out
 
     def forward(
         self,

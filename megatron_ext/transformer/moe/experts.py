@@ -15,10 +15,12 @@ same for both implementations.
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 import torch
 
+from megatron_ext.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron_ext.resolve import group_rank, group_size
 from megatron_ext.tensor_parallel.layers import _initialize_affine_weight_cpu
 from megatron_ext.transformer.moe.grouped_gemm_util import ops
@@ -161,7 +163,7 @@ class SequentialMLP(torch.nn.Module):
         _check_ffn(config)
         self.config = config
         self.num_local_experts = num_local_experts
-        groups = moe_process_groups(pg_collection)
+        groups = self.groups = moe_process_groups(pg_collection)
         self.ep_group, self.tp_group = getattr(groups, "ep", None), getattr(groups, "expt_tp", None)
         self.dp_group = getattr(groups, "expt_dp", None)
         weights = _ExpertWeights(config, num_local_experts, groups)
@@ -169,6 +171,10 @@ class SequentialMLP(torch.nn.Module):
             ExpertMLP(config, weights.w1[i].clone(), weights.w2[i].clone(), weights.gated, weights.etp_rank)
             for i in range(num_local_experts)
         )
+
+    def expert_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each local expert's ``(W1 [ffn*g/etp, h], W2 [h, ffn/etp])`` (the parameters)."""
+        return [(e.linear_fc1.weight, e.linear_fc2.weight) for e in self.local_experts]
 
     def forward(
         self,
@@ -195,7 +201,7 @@ class GroupedMLP(torch.nn.Module):
             raise ValueError("GroupedMLP (moe_grouped_gemm=True) has no biases: set add_bias_linear=False")
         self.config = config
         self.num_local_experts = num_local_experts
-        groups = moe_process_groups(pg_collection)
+        groups = self.groups = moe_process_groups(pg_collection)
         self.ep_group, self.tp_group = getattr(groups, "ep", None), getattr(groups, "expt_tp", None)
         self.dp_group = getattr(groups, "expt_dp", None)
         weights = _ExpertWeights(config, num_local_experts, groups)
@@ -206,6 +212,14 @@ class GroupedMLP(torch.nn.Module):
         _set_parallel(self.weight1, 1, 2 if weights.gated else 1)
         _set_parallel(self.weight2, 0, 1)
         self.activation = _activation(config, weights.gated)
+
+    def expert_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each local expert's ``(W1 [ffn*g/etp, h], W2 [h, ffn/etp])``, as views of
+        ``weight1`` and ``weight2``."""
+        h, n = self.config.hidden_size, self.num_local_experts
+        w1 = self.weight1.view(n, h, -1).transpose(1, 2)
+        w2 = self.weight2.view(n, -1, h).transpose(1, 2)
+        return [(w1[e], w2[e]) for e in range(n)]
 
     def forward(
         self,
@@ -220,3 +234,117 @@ class GroupedMLP(torch.nn.Module):
         fc1 = ops.gmm(permuted_local_hidden_states, w1, sizes, trans_b=False)
         act = (self.activation(fc1) * permuted_probs.unsqueeze(-1)).to(fc1.dtype)
         return ops.gmm(act, w2, sizes, trans_b=False), None
+
+
+def _expert_build(
+    pieces_of: Callable[[torch.Tensor], list[torch.Tensor]],
+    first_expert: int,
+    num_experts: int,
+    dim: int,
+    stride: int,
+    etp_rank: int,
+    etp: int,
+    offsets: tuple,
+    key: str,
+    data: torch.Tensor,
+    replica_id: Any,
+    _flat: Any,
+) -> list[ShardedTensor]:
+    """Each local expert's shard as ShardedTensors of the global ``[*offsets, E, ...]`` tensor:
+    the expert axis after ``offsets``, the etp split (stride ``stride``) along ``dim``."""
+    prepend = len(offsets) + 1
+    out = []
+    for i, piece in enumerate(pieces_of(data)):
+        for k, part in enumerate(piece.detach().contiguous().chunk(stride, dim)):
+            out.append(
+                ShardedTensor.from_rank_offsets(
+                    key,
+                    part.contiguous(),
+                    *offsets,
+                    (len(offsets), first_expert + i, num_experts),
+                    (prepend + dim, k * etp + etp_rank, etp * stride),
+                    replica_id=replica_id,
+                    prepend_axis_num=prepend,
+                )
+            )
+    return out
+
+
+def _expert_merge(
+    assemble: Callable[[list[torch.Tensor]], torch.Tensor], dim: int, stride: int, parts: list[torch.Tensor]
+) -> torch.Tensor:
+    experts = [torch.cat(parts[i : i + stride], dim) for i in range(0, len(parts), stride)]
+    return assemble(experts)
+
+
+def experts_sharded_state_dict(
+    experts: torch.nn.Module, prefix: str, sharded_offsets: tuple, metadata: dict | None = None
+) -> dict:
+    """The experts stored by global expert index under Megatron-core's keys
+    (``<prefix>linear_fc1.weight`` [*layers, E, ffn*g, h], ``linear_fc2.weight`` [*layers, E, h,
+    ffn], and the biases), whatever ep, etp and the implementation: a checkpoint loads at another
+    ep or etp, and a SequentialMLP's into a GroupedMLP. Replicas: the expert-data-parallel ranks."""
+    groups, config = experts.groups, experts.config
+    etp_group, ep_group, edp_group = (getattr(groups, n, None) for n in ("expt_tp", "ep", "expt_dp"))
+    etp, etp_rank = group_size(etp_group), group_rank(etp_group)
+    n = experts.num_local_experts
+    total, first = n * group_size(ep_group), group_rank(ep_group) * n
+    replica_id = (0, 0, group_rank(edp_group))
+    stride = 2 if getattr(config, "gated_linear_unit", False) else 1
+    out = {}
+
+    def add(state_key: str, name: str, data: torch.Tensor, pieces_of, assemble, first_expert, count, dim, s):
+        build = partial(
+            _expert_build, pieces_of, first_expert, total, dim, s, etp_rank, etp, tuple(sharded_offsets)
+        )
+        del count
+        out[state_key] = ShardedTensorFactory(
+            f"{prefix}{name}", data, build, partial(_expert_merge, assemble, dim, s), replica_id
+        )
+
+    if isinstance(experts, GroupedMLP):
+        h = config.hidden_size
+        add(
+            f"{prefix}weight1",
+            "linear_fc1.weight",
+            experts.weight1,
+            lambda w: [p.T for p in w.view(n, h, -1)],
+            lambda ps: torch.stack([p.T for p in ps]).contiguous().view(h, -1),
+            first,
+            n,
+            0,
+            stride,
+        )
+        add(
+            f"{prefix}weight2",
+            "linear_fc2.weight",
+            experts.weight2,
+            lambda w: [p.T for p in w.view(n, -1, h)],
+            lambda ps: torch.stack([p.T for p in ps]).contiguous().view(-1, h),
+            first,
+            n,
+            1,
+            1,
+        )
+        return out
+    for i, expert in enumerate(experts.local_experts):
+        local = f"{prefix}local_experts.{i}."
+        for name, param in expert.named_parameters():
+            if param.dim() == 2:
+                dim, s = (0, stride) if name.startswith("linear_fc1") else (1, 1)
+            else:  # fc1's bias is split like its rows, fc2's replicated over etp
+                dim, s = (0, stride) if name.startswith("linear_fc1") else (0, 1)
+            if param.dim() == 1 and name.startswith("linear_fc2"):
+                build = partial(
+                    _expert_build, lambda t: [t], first + i, total, 0, 1, 0, 1, tuple(sharded_offsets)
+                )
+                out[local + name] = ShardedTensorFactory(
+                    f"{prefix}{name}",
+                    param,
+                    build,
+                    partial(_expert_merge, lambda ps: ps[0], 0, 1),
+                    (0, etp_rank, group_rank(edp_group)),
+                )
+                continue
+            add(local + name, name, param, lambda t: [t], lambda ps: ps[0], first + i, 1, dim, s)
+    return out

@@ -10,7 +10,9 @@ import torch
 
 from megatron_ext.resolve import group_rank, group_size
 from megatron_ext.transformer.transformer_config import MOE_DISPATCHERS, check_moe_config
-from megatron_ext.transformer.moe.experts import GroupedMLP, SequentialMLP
+from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict, renamed_sharded_state_dict
+from megatron_ext.transformer.mlp import MLP_KEYS
+from megatron_ext.transformer.moe.experts import GroupedMLP, SequentialMLP, experts_sharded_state_dict
 from megatron_ext.transformer.moe.router import TopKRouter, moe_process_groups
 from megatron_ext.transformer.moe.shared_experts import SharedExpertMLP
 from megatron_ext.transformer.moe.token_dispatcher import (
@@ -79,6 +81,24 @@ class MoELayer(torch.nn.Module):
             self.shared_experts = shared_cls(
                 config, gate=bool(config.moe_shared_expert_gate), pg_collection=groups
             )
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """Megatron-core's keys: ``router.weight`` (and ``bias``, ``expert_bias``) replicated,
+        ``shared_experts.linear_fc1/2.*`` split like the MLP, the routed experts by global index
+        (``experts.linear_fc1.weight`` ..., see ``experts_sharded_state_dict``)."""
+        out = module_sharded_state_dict(
+            self, prefix, sharded_offsets, skip=("experts", "shared_experts"), metadata=metadata
+        )
+        if self.shared_experts is not None:
+            out.update(
+                renamed_sharded_state_dict(
+                    self.shared_experts, f"{prefix}shared_experts.", sharded_offsets, MLP_KEYS, metadata
+                )
+            )
+        out.update(experts_sharded_state_dict(self.experts, f"{prefix}experts.", sharded_offsets, metadata))
+        return out
 
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
