@@ -104,6 +104,35 @@ TORCH_LIBRARY(megatron_ext, m) {
   m.def("swiglu_forward(Tensor input, Tensor? bias) -> Tensor");
   m.def("swiglu_backward(Tensor grad_output, Tensor input, Tensor? bias) -> Tensor");
 
+  // The experts' token permutation (ops/moe.cpp, kernels/moe_permute*). ``moe_sort_by_expert``
+  // returns the token and the expert of each permuted row, expert-major (with ``capacity``: that
+  // many rows per expert, padded with tokens the expert was not sent). ``moe_permute`` gathers the
+  // rows of ``sorted_indices`` (times ``probs``), ``moe_unpermute`` adds rows (times ``probs``)
+  // back into ``num_tokens`` tokens: autograd nodes over the CPU and CUDA kernels
+  // ``moe_gather_rows``,
+  // ``moe_scatter_add_rows`` and ``moe_gathered_row_dot`` (the probabilities' gradient).
+  m.def("moe_sort_by_expert(Tensor routing_map, int? capacity) -> (Tensor, Tensor)");
+  m.def("moe_permute(Tensor tokens, Tensor sorted_indices, Tensor? probs) -> Tensor");
+  m.def(
+      "moe_unpermute(Tensor permuted_tokens, Tensor sorted_indices, Tensor? probs, int num_tokens) "
+      "-> Tensor");
+  m.def("moe_gather_rows(Tensor input, Tensor indices, Tensor? scale) -> Tensor");
+  m.def(
+      "moe_scatter_add_rows(Tensor input, Tensor indices, Tensor? scale, int num_rows) -> Tensor");
+  m.def("moe_gathered_row_dot(Tensor grad, Tensor indices, Tensor input) -> Tensor");
+
+  // The experts' grouped GEMM (ops/moe.cpp): ``a``'s rows grouped by expert (``batch_sizes``, a CPU
+  // tensor) times each expert's matrix of ``b``; a loop of GEMMs, its backward one op too.
+  m.def("grouped_gemm(Tensor a, Tensor b, Tensor batch_sizes, bool trans_b) -> Tensor");
+  m.def(
+      "grouped_gemm_backward(Tensor grad, Tensor a, Tensor b, Tensor batch_sizes, bool trans_b) -> "
+      "(Tensor, Tensor)");
+
+  // The all-to-all along dim 0 of expert parallelism, uneven splits given (ops/all_to_all.cpp).
+  m.def(
+      "all_to_all(Tensor(a) input, int[]? output_split_sizes, int[]? input_split_sizes, "
+      "str group_name, int group_size, int rank) -> Tensor(a)");
+
   // Output layer + vocabulary-parallel cross-entropy over chunks of tokens, never holding the
   // [tokens, vocab / tp] logits (ops/linear_cross_entropy.cpp). ``hidden`` [..., h] is replicated
   // over the group, ``weight`` [vocab / tp, h] is this rank's slice. ``_forward`` returns the loss,

@@ -51,6 +51,7 @@ from megatron_ext.optimizer import MegatronOptimizer, OptimizerConfig, get_megat
 from megatron_ext.pipeline_parallel import get_forward_backward_func
 from megatron_ext.tensor_parallel.utils import comm_device
 from megatron_ext.transformer import TransformerConfig
+from megatron_ext.transformer.moe.router_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
 from megatron_ext.utils import get_batch_on_this_cp_rank
 
 DTYPES = {
@@ -169,6 +170,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds a collective may wait before failing (default: 120 on CPU; 600 on GPUs, where "
         "NCCL's watchdog ends the process instead)",
     )
+    p.add_argument("--num-experts", type=int, default=None,
+                   help="mixture of experts: this many experts in every layer's MLP (default: dense MLPs)")
+    p.add_argument("--moe-router-topk", type=int, default=2, help="experts per token")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (the experts split over it)")
+    p.add_argument("--etp", type=int, default=None,
+                   help="expert-tensor-parallel size (each expert's MLP split over it; default: --tp)")
+    p.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="the experts as GroupedMLP (one grouped GEMM per projection; no biases: "
+                   "--arch llama)")
+    p.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                   help="coefficient of the load-balancing loss (0: none); the loss is logged with the loss")
+    p.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather",
+                   help="how tokens reach their experts' ranks")
+    p.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="each expert's MLP width (default: the dense MLP's)")
+    p.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="drop an expert's tokens beyond capacity factor x tokens x topk / experts "
+                   "(default: none dropped)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--save", default=None, help="directory to save checkpoints in (also after the last step)")
     p.add_argument("--save-interval", type=int, default=None, help="save every this many steps")
@@ -264,6 +283,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
             f"launch with --nproc-per-node {model_parallel * args.dp}"
         )
     check_context_parallel_args(args)
+    check_moe_args(args, world_size)
     if args.heads % args.tp != 0:
         raise ValueError(f"--heads {args.heads} is not divisible by --tp {args.tp}")
     if args.hidden % args.heads != 0 and args.hf_config is None:
@@ -339,6 +359,82 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--keep-last {args.keep_last} needs --save and must be >= 1")
     check_checkpoint_paths(args)
     resolve_timeout(args)
+
+
+def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
+    """The mixture-of-experts flags: experts divisible by --ep, top-k within the experts, the expert
+    grid (--etp x --ep x --pp) dividing the world, sequence parallelism with --tp > 1."""
+    experts = args.num_experts
+    if experts is None:
+        for flag, value, default in (("--ep", args.ep, 1), ("--etp", args.etp, None),
+                                     ("--moe-grouped-gemm", args.moe_grouped_gemm, False),
+                                     ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, 0.0),
+                                     ("--moe-expert-capacity-factor", args.moe_expert_capacity_factor, None),
+                                     ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size, None)):
+            if value != default:
+                raise ValueError(f"{flag} {value} needs --num-experts (a mixture-of-experts model)")
+        return
+    if experts < 1:
+        raise ValueError(f"--num-experts must be >= 1, got {experts}")
+    if not 1 <= args.moe_router_topk <= experts:
+        raise ValueError(
+            f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts {experts}"
+        )
+    if args.ep < 1 or experts % args.ep != 0:
+        raise ValueError(f"--num-experts {experts} is not divisible by --ep {args.ep}")
+    etp = args.tp if args.etp is None else args.etp
+    if etp < 1:
+        raise ValueError(f"--etp must be >= 1, got {etp}")
+    grid = etp * args.ep * args.pp
+    if world_size % grid != 0:
+        raise ValueError(
+            f"--etp x --ep x --pp = {etp} x {args.ep} x {args.pp} = {grid} does not divide the world size "
+            f"{world_size}: the experts' grid must tile the ranks"
+        )
+    if args.tp > 1 and not args.sequence_parallel:
+        raise ValueError(
+            "a mixture-of-experts model with --tp > 1 needs --sequence-parallel (as in Megatron-core)"
+        )
+    if args.moe_grouped_gemm and args.arch != "llama":
+        raise ValueError("--moe-grouped-gemm has no biases: use --arch llama")
+    if not 0.0 <= args.moe_aux_loss_coeff < FLOAT32_MAX:
+        raise ValueError(f"--moe-aux-loss-coeff must be a finite number >= 0, got {args.moe_aux_loss_coeff}")
+    factor = args.moe_expert_capacity_factor
+    if factor is not None and not 0.0 < factor < FLOAT32_MAX:
+        raise ValueError(f"--moe-expert-capacity-factor must be a finite number > 0, got {factor}")
+    ffn = args.moe_ffn_hidden_size
+    if ffn is not None and (ffn < 1 or ffn % etp != 0):
+        raise ValueError(
+            f"--moe-ffn-hidden-size {ffn} must be >= 1 and divisible by the expert-tensor size {etp}"
+        )
+
+
+def moe_settings(args: argparse.Namespace) -> dict:
+    """The TransformerConfig fields of the mixture-of-experts flags (none without --num-experts)."""
+    if args.num_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        expert_model_parallel_size=args.ep,
+        expert_tensor_parallel_size=args.etp,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+    )
+
+
+def moe_aux_losses(args: argparse.Namespace, num_microbatches: int) -> dict[str, float]:
+    """The step's auxiliary losses (mean over micro-batches and MoE layers), reduced over the ranks
+    as Megatron-core logs them; clears the tracker."""
+    if args.num_experts is None:
+        return {}
+    totals: dict[str, torch.Tensor] = {}
+    track_moe_metrics(1.0 / num_microbatches, 0, total_loss_dict=totals, num_layers=args.layers,
+                      moe_layer_freq=1)
+    return {name: float(value) for name, value in totals.items()}
 
 
 # The float flags: each finite (and in float32's range, where the optimizer takes it as a float32
@@ -612,6 +708,7 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
         sequence_parallel=args.sequence_parallel,
         finalize_model_grads_func=finalize_model_grads,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline,
+        **moe_settings(args),
     )
     if args.hf_config is not None:
         config, model_kwargs = config_from_hf(args.hf_config, **training)
@@ -669,6 +766,8 @@ def train(args: argparse.Namespace) -> dict:
         pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline,
         context_parallel_size=args.cp,
+        expert_model_parallel_size=args.ep,
+        expert_tensor_parallel_size=args.etp,
         distributed_timeout_minutes=args.timeout / 60,
         # ZB-V's V: the first and the last stage (both copies of the tied embedding) on rank 0.
         get_embedding_ranks=(lambda ranks: [ranks[0]]) if args.schedule == "zb-v" else None,
@@ -737,7 +836,8 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
 
         progress = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True)
 
-    losses, tokens_per_s, grad_norms, skipped = [], [], [], 0
+    losses, tokens_per_s, grad_norms, skipped, aux_losses = [], [], [], 0, []
+    get_moe_layer_wise_logging_tracker().clear()  # nothing tracked by an earlier run in this process
     tokens_per_step = args.global_batch_size * args.seq_len
     for chunk in chunks:
         chunk.train()
@@ -772,12 +872,15 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
         skipped += not update_successful
         grad_norms.append(grad_norm)
         losses.append(global_mean_loss(step_losses, device))
+        aux_losses.append(moe_aux_losses(args, num_microbatches))
         tokens_per_s.append(tokens_per_step / (time.perf_counter() - start))
         # the norm is computed only to clip: none without --clip-grad, none for a skipped step
         log_event(args, step=step + 1, loss=losses[-1], tokens_per_s=tokens_per_s[-1],
-                  grad_norm=grad_norm if args.clip_grad > 0 else None, skipped=not update_successful)
+                  grad_norm=grad_norm if args.clip_grad > 0 else None, skipped=not update_successful,
+                  **aux_losses[-1])
         if progress is not None:
-            progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s[-1]:.0f}")
+            aux = {name: f"{value:.4f}" for name, value in aux_losses[-1].items()}
+            progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s[-1]:.0f}", **aux)
             progress.update(1)
         at_interval = args.save_interval is not None and (step + 1) % args.save_interval == 0
         if args.save and (at_interval or step + 1 == args.steps):
@@ -793,6 +896,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
         "losses": losses,
         "tokens_per_s": tokens_per_s,
         "grad_norms": grad_norms,
+        "aux_losses": aux_losses,
         "skipped_steps": skipped,
     }
 

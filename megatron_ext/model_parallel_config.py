@@ -174,11 +174,6 @@ class ModelParallelConfig:
         if self.fp16 and self.bf16:
             raise ValueError("ModelParallelConfig: fp16 and bf16 cannot both be True")
         refuse_unimplemented(self, _UNIMPLEMENTED)
-        if self.expert_model_parallel_size != 1:
-            raise NotImplementedError(
-                f"ModelParallelConfig.expert_model_parallel_size={self.expert_model_parallel_size} is not "
-                "supported (mixture-of-experts layers); parallel_state creates the expert groups"
-            )
         if self.pipeline_model_parallel_comm_backend not in (None, "nccl", "ucc"):
             raise ValueError(
                 "ModelParallelConfig.pipeline_model_parallel_comm_backend must be None, 'nccl' or 'ucc', "
@@ -287,10 +282,6 @@ def check_model_parallel_config(config: Any, owner: str) -> Any:
                 f"{owner}: config.{name}={value!r} is not supported ({why}); leave it at its default "
                 f"{default!r}"
             )
-    for name, why in (("expert_model_parallel_size", "mixture-of-experts layers"),):
-        if config_field(config, name) != 1:
-            value = config_field(config, name)
-            raise NotImplementedError(f"{owner}: config.{name}={value!r} is not supported ({why})")
     if not isinstance(config_field(config, "params_dtype"), torch.dtype):
         dtype = config_field(config, "params_dtype")
         raise TypeError(f"{owner}: config.params_dtype must be a torch.dtype, got {dtype!r}")

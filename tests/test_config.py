@@ -313,7 +313,6 @@ def test_replace_round_trip():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("num_moe_experts", 8),
         ("fp8", "e4m3"),
         ("glu_linear_offset", 1.0),
         ("no_rope_freq", 4),
@@ -321,7 +320,6 @@ def test_replace_round_trip():
         ("tp_comm_overlap", True),
         ("cpu_offloading", True),
         ("enable_autocast", True),
-        ("expert_model_parallel_size", 2),
         ("transformer_impl", "inference_optimized"),
         ("embedding_init_method_std", 0.5),
     ],

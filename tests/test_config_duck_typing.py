@@ -17,7 +17,7 @@ from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
 from megatron_ext.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_ext.optimizer import OptimizerConfig, get_megatron_optimizer
-from tests.config_checks import OUT, VOCAB, H, check_ddp_schedule_optimizer, check_layers
+from tests.config_checks import OUT, H, check_ddp_schedule_optimizer, check_layers
 from tests.distributed import run_distributed
 
 
@@ -31,10 +31,6 @@ def _duck_worker() -> dict:
             tp_.ColumnParallelLinear(H, OUT, config=not_a_config, init_method=init)
     with pytest.raises(NotImplementedError, match=r"config.tp_comm_overlap=True is not supported"):
         tp_.ColumnParallelLinear(H, OUT, config=SimpleNamespace(tp_comm_overlap=True), init_method=init)
-    with pytest.raises(NotImplementedError, match=r"config.expert_model_parallel_size=2 is not supported"):
-        tp_.VocabParallelEmbedding(
-            VOCAB, H, config=SimpleNamespace(expert_model_parallel_size=2), init_method=init
-        )
     with pytest.raises(TypeError, match=r"config.params_dtype must be a torch.dtype, got 'float'"):
         tp_.RowParallelLinear(
             H,

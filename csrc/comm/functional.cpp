@@ -221,6 +221,36 @@ Pending start_reduce_scatter_dim0(const at::Tensor& input, int64_t group_size,
   });
 }
 
+Pending start_all_to_all_dim0(const at::Tensor& input,
+                              const std::vector<int64_t>& output_split_sizes,
+                              const std::vector<int64_t>& input_split_sizes, int64_t group_size,
+                              const std::string& group_name, const std::string& where) {
+  return started("all-to-all", input, group_name, where, [&]() -> Pending {
+    auto local = input.contiguous();
+    std::vector<int64_t> out_splits = output_split_sizes;
+    std::vector<int64_t> in_splits = input_split_sizes;
+    const int64_t chunk = local.size(0) / group_size;
+    if (out_splits.empty()) out_splits.assign(group_size, chunk);
+    if (in_splits.empty()) in_splits.assign(group_size, chunk);
+    if (is_plain(input)) {
+      auto hidden = hide_from_modes();
+      auto sizes = local.sizes().vec();
+      sizes[0] = 0;
+      for (const int64_t s : out_splits) sizes[0] += s;
+      auto out = at::empty(sizes, local.options());
+      const auto pg = resolve(group_name);
+#if MEGATRON_EXT_TORCH_2_13
+      auto work = pg->all_to_all_single(out, local, out_splits, in_splits);
+#else
+      auto work = pg->alltoall_base(out, local, out_splits, in_splits);
+#endif
+      return {out, work};
+    }
+    static const auto all_to_all = functional_op("_c10d_functional::all_to_all_single");
+    return {call(all_to_all, {local, out_splits, in_splits, group_name}), nullptr};
+  });
+}
+
 at::Tensor wait(Pending pending) {
   try {
     if (pending.work) {

@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <string>
+#include <vector>
 
 namespace megatron_ext::comm {
 
@@ -54,6 +55,13 @@ Pending start_all_gather_dim0(const at::Tensor& input, int64_t group_size,
 // The sum over the group, this rank's dim-0 chunk.
 Pending start_reduce_scatter_dim0(const at::Tensor& input, int64_t group_size,
                                   const std::string& group_name, const std::string& where);
+// Rows of ``input`` sent to each rank along dim 0, ``input_split_sizes[r]`` of them to rank r,
+// and ``output_split_sizes[r]`` rows received from rank r, laid one after another (both empty:
+// equal chunks of the input's dim 0).
+Pending start_all_to_all_dim0(const at::Tensor& input,
+                              const std::vector<int64_t>& output_split_sizes,
+                              const std::vector<int64_t>& input_split_sizes, int64_t group_size,
+                              const std::string& group_name, const std::string& where);
 // Blocks until the collective has finished and returns its output.
 at::Tensor wait(Pending pending);
 

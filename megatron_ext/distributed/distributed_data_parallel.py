@@ -48,7 +48,7 @@ from megatron_ext.distributed.param_and_grad_buffer import (
 )
 from megatron_ext.model_parallel_config import check_config_object
 from megatron_ext.process_groups_config import ProcessGroupCollection
-from megatron_ext.resolve import group_rank
+from megatron_ext.resolve import default_group, group_rank
 from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict
 
 DEFAULT_BUCKET_SIZE_BYTES = 40 * 1024 * 1024
@@ -148,12 +148,6 @@ class DistributedDataParallel(torch.nn.Module):
                 f"{type(module).__name__} has no parameter with requires_grad=True: there is no "
                 "gradient to reduce"
             )
-        expert = [n for n, p in named if not getattr(p, "allreduce", True)]
-        if expert:
-            raise NotImplementedError(
-                f"DistributedDataParallel: expert-parallel parameters (allreduce=False: {expert[:3]}) "
-                "are not supported by megatron_ext"
-            )
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs torch.distributed: call "
@@ -205,9 +199,24 @@ class DistributedDataParallel(torch.nn.Module):
         self.grads_are_summed = sum_not_average
 
         self.params_with_grad = [p for _, p in named]
-        self.buffers, self.bucket_groups = self._allocate_buffers(named, disable_bucketing)
-        self.expert_parallel_buffers: list[_ParamAndGradBuffer] = []
-        self.expert_parallel_bucket_groups: list[_ParamAndGradBucketGroup] = []
+        # Expert parameters (allreduce=False, as Megatron-core marks them) have buffers of their
+        # own, reduced over the expert-data-parallel group; ``buffers`` and ``bucket_groups``
+        # hold both kinds.
+        expert = [(n, p) for n, p in named if not getattr(p, "allreduce", True)]
+        if expert and self.intra_expt_dp_group is None:
+            raise ValueError(
+                f"DistributedDataParallel: expert parameters (allreduce=False: {[n for n, _ in expert][:3]}) "
+                "need the expert-data-parallel group: initialise parallel_state with "
+                "expert_model_parallel_size or pass a pg_collection with expt_dp"
+            )
+        dense = [(n, p) for n, p in named if getattr(p, "allreduce", True)]
+        self.buffers, self.bucket_groups = self._allocate_buffers(dense, disable_bucketing)
+        self.expert_parallel_buffers, self.expert_parallel_bucket_groups = self._allocate_buffers(
+            expert, disable_bucketing, expert=True
+        )
+        self.buffers = self.buffers + self.expert_parallel_buffers
+        self.bucket_groups = self.bucket_groups + self.expert_parallel_bucket_groups
+        self._bucket_buffer = {id(b): buffer for buffer in self.buffers for b in buffer.buckets}
         self.param_to_bucket_group = {p: g for g in self.bucket_groups for p in g.params}
         self._launch_order = self._order_of_first_gradient(named)
         for group in self.bucket_groups:
@@ -270,7 +279,11 @@ class DistributedDataParallel(torch.nn.Module):
             initialized = parallel_state.model_parallel_is_initialized()
             groups = {
                 "dp_group": group, "dp_cp_group": group, "intra_dp_cp_group": group,
-                "expt_dp_group": None, "intra_expt_dp_group": None,
+                # The expert-data-parallel group comes from parallel_state where it exists.
+                "expt_dp_group": default_group("expt_dp", check_initialized=False) if initialized else None,
+                "intra_expt_dp_group": (
+                    default_group("intra_expt_dp", check_initialized=False) if initialized else None
+                ),
                 "tp_group": parallel_state.get_tensor_model_parallel_group() if initialized else None,
                 "pp_group": parallel_state.get_pipeline_model_parallel_group() if initialized else None,
                 "ep_group": None, "inter_dist_opt_group": None, "intra_dist_opt_group": None,
@@ -283,9 +296,17 @@ class DistributedDataParallel(torch.nn.Module):
             setattr(self, key, group)
 
     def _allocate_buffers(
-        self, named: list[tuple[str, torch.nn.Parameter]], disable_bucketing: bool
+        self, named: list[tuple[str, torch.nn.Parameter]], disable_bucketing: bool, expert: bool = False
     ) -> tuple[list[_ParamAndGradBuffer], list[_ParamAndGradBucketGroup]]:
-        """One buffer per (parameter dtype, gradient dtype, device), in order of first appearance."""
+        """One buffer per (parameter dtype, gradient dtype, device), in order of first appearance;
+        expert parameters' over the expert-data-parallel group, scaled like the others by 1 / the
+        data-parallel size (the loss is the mean over the data-parallel ranks; the expert copies'
+        sum over expert-data-parallel ranks covers all of them)."""
+        group, scaling = self.intra_dp_cp_group, self.gradient_scaling_factor
+        if expert:
+            group = self.intra_expt_dp_group
+            if self._buffer_config.average_in_collective:
+                scaling = dist.get_world_size(group) / dist.get_world_size(self.dp_cp_group)
         fp32_grads = self._buffer_config.grad_reduce_in_fp32 and self._main_grads
         by_kind: dict[tuple, list[torch.nn.Parameter]] = {}
         for _, p in named:
@@ -298,8 +319,8 @@ class DistributedDataParallel(torch.nn.Module):
             if self.bucket_size_bytes is not None:
                 bucket_size = max(1, self.bucket_size_bytes // grad_dtype.itemsize)
             buffers.append(_ParamAndGradBuffer(
-                self._buffer_config, param_dtype, grad_dtype, params, self.intra_dp_cp_group, bucket_size,
-                names, self.gradient_scaling_factor,
+                self._buffer_config, param_dtype, grad_dtype, params, group, bucket_size,
+                names, scaling,
             ))
         return buffers, partition_buckets(buffers, force_single_bucket_group=disable_bucketing)
 
@@ -454,13 +475,20 @@ class DistributedDataParallel(torch.nn.Module):
 
     # Parameter synchronisation (distributed optimizer) ---------------------------------------
 
+    def bucket_data_parallel_group(self, bucket: _ParamAndGradBucket) -> dist.ProcessGroup:
+        """The group ``bucket`` is reduced (and sharded) over: the data-parallel group, or the
+        expert-data-parallel group for expert parameters."""
+        return self._bucket_buffer[id(bucket)].data_parallel_group
+
     def shard_range(self, bucket: _ParamAndGradBucket) -> tuple[int, int]:
         """The ``[start, end)`` of ``bucket``'s ``grad_data`` this data-parallel rank owns under
         the distributed optimizer (the whole bucket otherwise)."""
         if not self._reduce_scatter:
             return 0, bucket.padded_numel
-        size = bucket.padded_numel // self._dp_size
-        return self._dp_rank * size, (self._dp_rank + 1) * size
+        group = self.bucket_data_parallel_group(bucket)
+        size = bucket.padded_numel // dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        return rank * size, (rank + 1) * size
 
     def _require_param_gather(self, what: str) -> None:
         if not self._reduce_scatter:
@@ -473,8 +501,9 @@ class DistributedDataParallel(torch.nn.Module):
         """Starts the asynchronous all-gather of ``bucket``'s parameter slices, in place: this
         rank's slice of the bucket's parameter buffer (which its parameters view) is the input,
         the whole bucket the output."""
-        local = shard_buffer(bucket.param_data, self._dp_size)[self._dp_rank]
-        what, group = f"all-gather of the parameters of {bucket.describe()}", self.intra_dp_cp_group
+        group = self.bucket_data_parallel_group(bucket)
+        local = shard_buffer(bucket.param_data, dist.get_world_size(group))[dist.get_rank(group)]
+        what = f"all-gather of the parameters of {bucket.describe()}"
         with reported(what, group, tensor=local):
             work = dist_all_gather_func(bucket.param_data, local, group=group, async_op=True)
         bucket.param_gather = (ReportedWork(work, what, group, tensor=local), bucket.param_data)
@@ -500,9 +529,8 @@ class DistributedDataParallel(torch.nn.Module):
         gathered now. ``force_dispatch`` is accepted for Megatron-core's signature (it only
         matters with ``overlap_param_gather_with_optimizer_step``, which is not supported)."""
         self._require_param_gather("start_param_sync")
-        if self._dp_size == 1:
-            return  # every parameter is whole on the one rank
-        order = self._param_gather_order()
+        # A bucket reduced over one rank holds its parameters whole.
+        order = [b for b in self._param_gather_order() if self.bucket_data_parallel_group(b).size() > 1]
         self._called.clear()  # the next forwards show again which owners they call
         pending = [b for b in order if b.param_gather is not None]
         started = [b for b in order if b.param_gather is None]

@@ -273,15 +273,56 @@ def finalize_model_grads(
             ddp.finish_grad_sync(force_all_reduce=True) if force_all_reduce else ddp.finish_grad_sync()
         else:
             params.extend(p for p in chunk.parameters() if p.requires_grad)
+    experts = [p for p in params if not getattr(p, "allreduce", True)]
+    params = [p for p in params if getattr(p, "allreduce", True)]
     if params:
         allreduce_gradients(params, dp_group)
+    if experts:
+        # Summed over the expert copies, scaled like the rest by 1 / the data-parallel size.
+        allreduce_gradients(experts, default_group("expt_dp"), average=False)
+        for p in experts:
+            grad = model_grad(p)
+            if grad is not None:
+                grad.div_(dist.get_world_size(dp_group))
     _allreduce_conditional_embedding_grads(model_chunks, config, pp_group)
     allreduce_layernorm_grads(model_chunks, tp_group)
     allreduce_embedding_grads(model_chunks, embd_group, pp_group)
     _allreduce_position_embedding_grads(model_chunks, config, pos_embd_group, pp_group)
 
+    if config is not None and getattr(config, "moe_router_enable_expert_bias", False):
+        _update_router_expert_bias(model_chunks, config)
+
     if num_tokens is not None:
         _scale_by_global_tokens(model_chunks, num_tokens, pp_group, dp_group)
+
+
+def updated_expert_bias(
+    tokens_per_expert: torch.Tensor, expert_bias: torch.Tensor, update_rate: float, group: Any
+) -> torch.Tensor:
+    """The aux-loss-free balancing step: ``tokens_per_expert`` summed (in place) over ``group``,
+    then each bias moved by ``update_rate`` towards the mean load (up for an expert below it)."""
+    with torch.no_grad():
+        if group is not None and dist.get_world_size(group) > 1:
+            with reported("all-reduce of the routers' token counts", group):
+                dist.all_reduce(tokens_per_expert, group=group)
+        average = tokens_per_expert.sum(dim=-1, keepdim=True) / tokens_per_expert.shape[-1]
+        return expert_bias + torch.sign(average - tokens_per_expert) * update_rate
+
+
+def _update_router_expert_bias(model_chunks: list[torch.nn.Module], config: Any) -> None:
+    """Moves every router's ``expert_bias`` from the tokens it counted since the last step (summed
+    over the tensor × data × context-parallel group), then clears the counts (Megatron-core's
+    ``_update_router_expert_bias``)."""
+    routers = [m for c in model_chunks for m in c.modules() if getattr(m, "enable_expert_bias", False)]
+    if not routers:
+        return
+    tokens = torch.stack([r.local_tokens_per_expert for r in routers])
+    biases = torch.stack([r.expert_bias for r in routers])
+    group = default_group("tp_dp_cp")
+    updated = updated_expert_bias(tokens, biases, config.moe_router_bias_update_rate, group)
+    for router, bias in zip(routers, updated):
+        router.expert_bias.copy_(bias)
+        router.local_tokens_per_expert.zero_()
 
 
 def _scale_by_global_tokens(

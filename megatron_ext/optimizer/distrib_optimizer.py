@@ -107,6 +107,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def get_grad_stats_parallel_group(self) -> list[dist.ProcessGroup]:
         return [self._data_parallel_group, self._model_parallel_group()]
 
+    def get_expert_grad_stats_parallel_group(self) -> list[dist.ProcessGroup]:
+        expert_dp = _ddp_of(self.model_chunks[0], 0).intra_expt_dp_group
+        return [expert_dp, *super().get_expert_grad_stats_parallel_group()]
+
     def _found_inf_groups(self) -> list[dist.ProcessGroup]:
         return self.get_grad_stats_parallel_group()  # the data-parallel group is among them
 
@@ -158,8 +162,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     mine[offset + s.start - lo : offset + s.end - lo].copy_(value.detach())
             full = torch.empty(bucket.padded_numel, dtype=main_dtype, device=bucket.device)
             what = f"all-gather of the optimizer's {key} of {bucket.describe()}"
-            with reported(what, ddp.intra_dp_cp_group, tensor=mine):
-                all_gather_single(full, mine, group=ddp.intra_dp_cp_group)
+            group = ddp.bucket_data_parallel_group(bucket)
+            with reported(what, group, tensor=mine):
+                all_gather_single(full, mine, group=group)
             for p in bucket.params_list:
                 offset = bucket.param_to_index[p][0]
                 out[id(p)] = full[offset : offset + p.numel()].view_as(p).clone()

@@ -82,6 +82,13 @@ class MegatronOptimizer:
         self.data_parallel_group: dist.ProcessGroup | None = None
         self.tp_group: dist.ProcessGroup | None = None
         self._slots = slots
+        # Mixture-of-experts models: the experts' gradient norm is reduced over the expert groups
+        # (decided from the model's config, the same on every rank).
+        self._has_experts = any(
+            getattr(getattr(m, "config", None), "num_moe_experts", None)
+            for c in model_chunks
+            for m in c.modules()
+        )
         self._state_keys = _state_keys(optimizer)
         self._steps = 0  # successful updates: Adam's step count
         if config.fp16 and grad_scaler is None:
@@ -122,20 +129,37 @@ class MegatronOptimizer:
     def get_parameters(self) -> list[torch.Tensor]:
         return [s.main for s in self._slots]
 
-    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
+    def get_main_grads_for_grad_norm(self, expert: bool = False) -> list[torch.Tensor]:
         """Main gradients counted once across ranks: without tensor-parallel duplicates and the
-        last stage's copy of the tied embedding."""
+        last stage's copy of the tied embedding; those of the dense parameters, or with
+        ``expert`` of the expert parameters (``allreduce=False``)."""
         return [
             s.main.grad
             for s in self._slots
             if s.main.grad is not None
+            and getattr(s.model_param, "allreduce", True) != expert
             and not getattr(s.model_param, "shared", False)
             and param_is_not_tensor_parallel_duplicate(s.model_param, self.tp_group)
         ]
 
+    def get_expert_grad_stats_parallel_group(self) -> list[dist.ProcessGroup]:
+        """Expert gradients are already averaged over expert-data-parallel ranks: the expert
+        tensor × expert × pipeline-parallel group, where each expert shard lives once."""
+        return [default_group("tp_ep_pp")]
+
+    def _grad_norm_tensor(self) -> torch.Tensor:
+        """The norm of all gradients, each counted once: the dense parameters' over their groups,
+        the experts' over theirs."""
+        norm = grad_norm_tensor(self.get_main_grads_for_grad_norm(),
+                                grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+        if not self._has_experts:
+            return norm
+        experts = grad_norm_tensor(self.get_main_grads_for_grad_norm(expert=True),
+                                   grad_stats_parallel_group=self.get_expert_grad_stats_parallel_group())
+        return (norm.square() + experts.to(norm.device).square()).sqrt()
+
     def get_grad_norm(self) -> float:
-        return get_grad_norm_fp32(self.get_main_grads_for_grad_norm(),
-                                  grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+        return float(self._grad_norm_tensor())
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         grad_norm = self.get_grad_norm()
@@ -242,8 +266,7 @@ class MegatronOptimizer:
         grad_norm: float | torch.Tensor = 0.0
         if self.config.clip_grad > 0.0:
             # On the device until the update is queued: the host waits once, at the end.
-            grad_norm = grad_norm_tensor(self.get_main_grads_for_grad_norm(),
-                                         grad_stats_parallel_group=self.get_grad_stats_parallel_group())
+            grad_norm = self._grad_norm_tensor()
             clip_grad_by_total_norm_fp32(self.get_parameters(), self.config.clip_grad, grad_norm)
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         update_successful = self.step_with_ready_grads()

@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from megatron_ext import parallel_state
+from megatron_ext.pipeline_parallel.aux_loss import set_aux_loss_scale
 from megatron_ext.resolve import get_attr_wrapped_model
 
 ForwardStepFunc = Callable[..., tuple[torch.Tensor, Callable[..., tuple]]]
@@ -154,6 +155,7 @@ def forward_step(
                 f"{type(result).__name__}"
             )
         output_tensor, loss_func = result
+        set_aux_loss_scale(config, num_microbatches)
         output_tensor, num_tokens = forward_step_calc_loss(
             model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data,
             num_microbatches, forward_data_store, cp_group_size, is_last_stage,

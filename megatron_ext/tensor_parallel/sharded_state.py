@@ -139,13 +139,17 @@ def renamed_sharded_state_dict(
     sharded_offsets: tuple,
     keys: dict[str, str],
     metadata: dict | None = None,
+    skip: tuple[str, ...] = (),
 ) -> ShardedStateDict:
     """``module_sharded_state_dict`` under Megatron-core's keys: a name inside ``module`` starting
     with a key of ``keys`` is stored under its value instead (the dict keeps the module's names),
     and each column- or row-parallel linear (``module`` itself included) adds an empty
-    ``_extra_state`` object, as Megatron-core's linears do."""
-    out = module_sharded_state_dict(module, prefix, sharded_offsets, metadata=metadata)
+    ``_extra_state`` object, as Megatron-core's linears do. The submodules named in ``skip`` are
+    left out."""
+    out = module_sharded_state_dict(module, prefix, sharded_offsets, skip=skip, metadata=metadata)
     for name, sub in module.named_modules():
+        if name.split(".", 1)[0] in skip and name:
+            continue
         if getattr(sub, "saves_megatron_extra_state", False):
             key = f"{prefix}{name}{'.' if name else ''}_extra_state"
             out[key] = make_sharded_object_for_checkpoint(None, key, sharded_offsets)

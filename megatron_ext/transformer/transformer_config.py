@@ -62,7 +62,6 @@ _UNIMPLEMENTED = {
     "activation_func_fp8_input_store": "FP8 activation storage",
     "glu_linear_offset": "an offset on the linear half of the gated linear unit",
     "activation_func_clamp_value": "activation clamping",
-    "num_moe_experts": "mixture-of-experts layers",
     "window_size": "sliding-window attention",
     "window_attn_skip_freq": "sliding-window attention",
     "qk_l2_norm": "query/key L2 normalisation",
@@ -105,6 +104,74 @@ _UNIMPLEMENTED = {
     "quant_recipe": "quantisation recipes",
     "fine_grained_activation_offloading": "activation offloading",
 }
+
+
+MOE_DISPATCHERS = ("allgather", "alltoall")
+
+
+def check_moe_config(config: Any, ep: int | None = None) -> None:
+    """ValueError naming the offending setting of an MoE configuration."""
+    experts, topk = config.num_moe_experts, config.moe_router_topk
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+        raise ValueError(f"num_moe_experts must be a positive integer, got {experts!r}")
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= experts:
+        raise ValueError(f"moe_router_topk ({topk!r}) must be between 1 and num_moe_experts ({experts})")
+    ep = config.expert_model_parallel_size if ep is None else ep
+    if experts % ep:
+        raise ValueError(
+            f"num_moe_experts ({experts}) must be divisible by expert_model_parallel_size ({ep})"
+        )
+    if config.moe_token_dispatcher_type not in MOE_DISPATCHERS:
+        raise ValueError(
+            f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r} is not one of "
+            f"{list(MOE_DISPATCHERS)}"
+        )
+    if config.moe_router_score_function not in ("softmax", "sigmoid"):
+        raise ValueError(
+            f"moe_router_score_function={config.moe_router_score_function!r} is not 'softmax' or 'sigmoid'"
+        )
+    types = config.moe_router_load_balancing_type
+    for kind in types if isinstance(types, list) else [types]:
+        if kind not in ("aux_loss", "seq_aux_loss", "none"):
+            raise ValueError(
+                f"moe_router_load_balancing_type={kind!r} is not supported; expected 'aux_loss', "
+                "'seq_aux_loss' or 'none'"
+            )
+    if isinstance(types, list) and (
+        not isinstance(config.moe_aux_loss_coeff, list) or len(config.moe_aux_loss_coeff) != len(types)
+    ):
+        raise ValueError("moe_aux_loss_coeff must be a list as long as moe_router_load_balancing_type")
+    if config.moe_router_enable_expert_bias and config.moe_router_score_function != "sigmoid":
+        raise ValueError("moe_router_enable_expert_bias needs moe_router_score_function='sigmoid'")
+    factor = config.moe_expert_capacity_factor
+    if factor is not None and (
+        isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0
+    ):
+        raise ValueError(f"moe_expert_capacity_factor must be a positive number or None, got {factor!r}")
+    if config.moe_pad_expert_input_to_capacity and factor is None:
+        raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
+    if config.moe_token_drop_policy not in ("probs", "position"):
+        raise ValueError(
+            f"moe_token_drop_policy={config.moe_token_drop_policy!r} is not 'probs' or 'position'"
+        )
+    ffn = config.moe_ffn_hidden_size
+    if not isinstance(ffn, int) or ffn < 1:
+        raise ValueError(f"moe_ffn_hidden_size must be a positive integer, got {ffn!r}")
+    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    if ffn % etp:
+        raise ValueError(
+            f"moe_ffn_hidden_size ({ffn}) must be divisible by expert_tensor_parallel_size ({etp})"
+        )
+    freq = config.moe_layer_freq
+    pattern_ok = isinstance(freq, (list, tuple)) and len(freq) == config.num_layers and set(freq) <= {0, 1}
+    if not (isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1) and not pattern_ok:
+        raise ValueError(
+            f"moe_layer_freq must be a positive integer or a list of num_layers ({config.num_layers}) "
+            f"0/1 entries, got {freq!r}"
+        )
+    shared = config.moe_shared_expert_intermediate_size
+    if shared is not None and (not isinstance(shared, int) or shared < 1):
+        raise ValueError(f"moe_shared_expert_intermediate_size must be a positive integer, got {shared!r}")
 
 
 @dataclass
@@ -404,6 +471,15 @@ class TransformerConfig(ModelParallelConfig):
                 f"tensor_model_parallel_size ({tp})"
             )
         check_context_parallel_config(self)
+        if self.num_moe_experts is not None:
+            if self.moe_ffn_hidden_size is None:
+                self.moe_ffn_hidden_size = self.ffn_hidden_size
+            check_moe_config(self)
+        elif self.expert_model_parallel_size > 1:
+            raise ValueError(
+                f"expert_model_parallel_size={self.expert_model_parallel_size} needs num_moe_experts "
+                "(a mixture-of-experts model)"
+            )
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(
                 f"TransformerConfig.normalization={self.normalization!r} is not one of 'LayerNorm', 'RMSNorm'"

@@ -9,6 +9,7 @@ from megatron_ext.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron_ext.tensor_parallel.sharded_state import renamed_key, renamed_sharded_state_dict
 from megatron_ext.transformer.attention import ATTENTION_KEYS, ParallelAttention
 from megatron_ext.transformer.mlp import MLP_KEYS, ParallelMLP
+from megatron_ext.transformer.moe.moe_layer import MoELayer
 from megatron_ext.transformer.transformer_config import TransformerConfig
 from megatron_ext.transformer.utils import layer_norm, selectively_recomputed
 
@@ -20,6 +21,27 @@ LAYER_KEYS = {
     **{f"self_attention.{k}": f"self_attention.{v}" for k, v in ATTENTION_KEYS.items()},
     **{f"mlp.{k}": f"mlp.{v}" for k, v in MLP_KEYS.items()},
 }
+
+
+# A mixture-of-experts layer stores its second norm on its own, as Megatron-core's MoE specs do.
+MOE_LAYER_KEYS = {**LAYER_KEYS, "post_attention_layernorm.": "pre_mlp_layernorm."}
+
+
+def is_moe_layer(config: TransformerConfig, layer_number: int) -> bool:
+    """Whether layer ``layer_number`` (1-based, global) is a mixture-of-experts layer:
+    ``moe_layer_freq`` k makes every k-th layer one (layers 1, k + 1, ...), a list of 0/1 is the
+    pattern itself (Megatron-core's rule)."""
+    if getattr(config, "num_moe_experts", None) is None:
+        return False
+    freq = config.moe_layer_freq
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        return (layer_number - 1) % freq == 0
+    if isinstance(freq, (list, tuple)) and len(freq) == config.num_layers and set(freq) <= {0, 1}:
+        return bool(freq[layer_number - 1])
+    raise ValueError(
+        f"moe_layer_freq must be a positive integer or a list of num_layers ({config.num_layers}) 0/1 "
+        f"entries, got {freq!r}"
+    )
 
 
 def megatron_core_name(name: str) -> str:
@@ -64,14 +86,24 @@ class ParallelTransformerLayer(torch.nn.Module):
         self.input_layernorm = layer_norm(config, config.hidden_size)
         self.self_attention = ParallelAttention(config, layer_number)
         self.post_attention_layernorm = layer_norm(config, config.hidden_size)
-        self.mlp = ParallelMLP(config)
+        if is_moe_layer(config, layer_number):
+            self.mlp = MoELayer(config, layer_number=layer_number)
+        else:
+            self.mlp = ParallelMLP(config)
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict:
         """Megatron's checkpointing API: each tensor as a ShardedTensor (``sharded_offsets``: the
-        layer axis a block prepends) under Megatron-core's keys (``LAYER_KEYS``)."""
-        return renamed_sharded_state_dict(self, prefix, sharded_offsets, LAYER_KEYS, metadata)
+        layer axis a block prepends) under Megatron-core's keys (``LAYER_KEYS``; a mixture-of-experts
+        layer's: ``MOE_LAYER_KEYS`` and the ``MoELayer``'s own)."""
+        if not isinstance(self.mlp, MoELayer):
+            return renamed_sharded_state_dict(self, prefix, sharded_offsets, LAYER_KEYS, metadata)
+        out = renamed_sharded_state_dict(
+            self, prefix, sharded_offsets, MOE_LAYER_KEYS, metadata, skip=("mlp",)
+        )
+        out.update(self.mlp.sharded_state_dict(f"{prefix}mlp.", sharded_offsets, metadata))
+        return out
 
     def forward(
         self,

@@ -1,0 +1,129 @@
+"""The mixture-of-experts layer (Megatron-core's ``MoELayer``): route, dispatch, run the local
+experts, combine, and add the shared experts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_ext.resolve import group_rank, group_size
+from megatron_ext.transformer.transformer_config import MOE_DISPATCHERS, check_moe_config
+from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict, renamed_sharded_state_dict
+from megatron_ext.transformer.mlp import MLP_KEYS
+from megatron_ext.transformer.moe.experts import GroupedMLP, SequentialMLP, experts_sharded_state_dict
+from megatron_ext.transformer.moe.router import TopKRouter, moe_process_groups
+from megatron_ext.transformer.moe.shared_experts import SharedExpertMLP
+from megatron_ext.transformer.moe.token_dispatcher import (
+    MoEAllGatherTokenDispatcher,
+    MoEAlltoAllTokenDispatcher,
+)
+
+DISPATCHERS = {"allgather": MoEAllGatherTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher}
+assert tuple(DISPATCHERS) == MOE_DISPATCHERS
+
+
+@dataclass
+class MoESubmodules:
+    """The classes the layer builds (None: ``SequentialMLP`` or ``GroupedMLP`` by
+    ``moe_grouped_gemm``, ``SharedExpertMLP``)."""
+
+    experts: Any = None
+    shared_experts: Any = None
+
+
+class MoELayer(torch.nn.Module):
+    """``forward(hidden_states [s, b, h]) -> (output [s, b, h], None)``.
+
+    Experts are split over the expert-parallel group (rank r holds experts
+    ``r * E/ep .. (r+1) * E/ep - 1``) and each expert's ffn over the expert-tensor-parallel group;
+    attention's tensor, context and data parallelism fold into the expert groups as
+    ``parallel_state`` lays them out. With tensor parallelism, training needs sequence parallelism
+    (the tokens of each rank are then its own), as in Megatron-core."""
+
+    def __init__(
+        self,
+        config: Any,
+        submodules: MoESubmodules | None = None,
+        layer_number: int | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__()
+        check_moe_config(config)
+        self.config = config
+        self.submodules = submodules or MoESubmodules()
+        groups = moe_process_groups(pg_collection)
+        self.tp_group = getattr(groups, "tp", None)
+        ep_group = getattr(groups, "ep", None)
+        ep = group_size(ep_group)
+        if config.num_moe_experts % ep:
+            raise ValueError(
+                f"num_moe_experts ({config.num_moe_experts}) must be divisible by the expert-parallel "
+                f"size ({ep})"
+            )
+        self.expert_parallel_size = ep
+        self.num_local_experts = config.num_moe_experts // ep
+        first = group_rank(ep_group) * self.num_local_experts
+        self.local_expert_indices = list(range(first, first + self.num_local_experts))
+        self.layer_number = layer_number
+        self.router = TopKRouter(config=config, pg_collection=groups)
+        self.router.set_layer_number(layer_number)
+        self.token_dispatcher = DISPATCHERS[config.moe_token_dispatcher_type](
+            self.num_local_experts, self.local_expert_indices, config=config, pg_collection=groups
+        )
+        experts_cls = self.submodules.experts or (GroupedMLP if config.moe_grouped_gemm else SequentialMLP)
+        self.experts = experts_cls(self.num_local_experts, config, pg_collection=groups)
+        self.use_shared_expert = config.moe_shared_expert_intermediate_size is not None
+        self.shared_experts = None
+        if self.use_shared_expert:
+            shared_cls = self.submodules.shared_experts or SharedExpertMLP
+            self.shared_experts = shared_cls(
+                config, gate=bool(config.moe_shared_expert_gate), pg_collection=groups
+            )
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """Megatron-core's keys: ``router.weight`` (and ``bias``, ``expert_bias``) replicated,
+        ``shared_experts.linear_fc1/2.*`` split like the MLP, the routed experts by global index
+        (``experts.linear_fc1.weight`` ..., see ``experts_sharded_state_dict``)."""
+        out = module_sharded_state_dict(
+            self, prefix, sharded_offsets, skip=("experts", "shared_experts"), metadata=metadata
+        )
+        if self.shared_experts is not None:
+            out.update(
+                renamed_sharded_state_dict(
+                    self.shared_experts, f"{prefix}shared_experts.", sharded_offsets, MLP_KEYS, metadata
+                )
+            )
+        out.update(experts_sharded_state_dict(self.experts, f"{prefix}experts.", sharded_offsets, metadata))
+        return out
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.layer_number = layer_number
+        self.router.set_layer_number(layer_number)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        intermediate_tensors: Any = None,
+        padding_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, None]:
+        if self.training and group_size(self.tp_group) > 1 and not self.config.sequence_parallel:
+            raise ValueError(
+                "MoELayer: training with tensor_model_parallel_size > 1 needs sequence_parallel=True"
+            )
+        dispatcher = self.token_dispatcher
+        shared = self.shared_experts(hidden_states) if self.shared_experts is not None else None
+        probs, routing_map = self.router(hidden_states)
+        tokens, probs = dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
+        tokens, probs = dispatcher.token_dispatch(tokens, probs)
+        tokens, tokens_per_expert, probs = dispatcher.dispatch_postprocess(tokens, probs)
+        expert_output, _ = self.experts(tokens, tokens_per_expert, probs)
+        output = dispatcher.combine_postprocess(
+            dispatcher.token_combine(dispatcher.combine_preprocess(expert_output))
+        )
+        if shared is not None:
+            output = output + shared
+        return output, None

@@ -1,0 +1,202 @@
+"""The top-k router: a replicated linear gate h -> E, the top-k choice, the load-balancing and z
+losses and token dropping (Megatron-core's ``TopKRouter``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_ext import parallel_state
+from megatron_ext.process_groups_config import ProcessGroupCollection
+from megatron_ext.resolve import group_size
+from megatron_ext.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron_ext.transformer.moe.router_utils import (
+    MoEAuxLossAutoScaler,
+    apply_router_token_dropping,
+    compute_routing_scores_for_aux_loss,
+    save_to_aux_losses_tracker,
+    switch_load_balancing_loss_func,
+    topk_routing_with_score_function,
+    z_loss_func,
+)
+
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+
+
+def moe_process_groups(pg_collection: Any = None) -> ProcessGroupCollection:
+    """``pg_collection``, or parallel_state's groups; without torch.distributed's process groups,
+    an empty collection (every group then reads as size 1)."""
+    if pg_collection is not None:
+        return pg_collection
+    if parallel_state.model_parallel_is_initialized():
+        return ProcessGroupCollection.use_mpu_process_groups()
+    return ProcessGroupCollection()
+
+
+class TopKRouter(torch.nn.Module):
+    """Routes each token to its ``moe_router_topk`` experts.
+
+    ``forward(input [s, b, h]) -> (probs, routing_map)``, both [s*b, E]. The gate weight [E, h]
+    is replicated (with ``sequence_parallel`` set under sequence parallelism, so its gradient is
+    summed over the tensor-parallel ranks like a LayerNorm's). In training, the balance loss
+    (``moe_router_load_balancing_type`` ``aux_loss`` over the micro-batch, ``seq_aux_loss`` per
+    sequence) and the z-loss (``moe_z_loss_coeff``) join the backward through
+    ``MoEAuxLossAutoScaler`` and are tracked per layer for logging. Token counts for the balance
+    loss are summed over the tensor × context-parallel group: each rank's loss is its share of the
+    loss of all those tokens. With ``moe_router_enable_expert_bias`` the (sigmoid) routing adds
+    ``expert_bias``, a float32 buffer that ``finalize_model_grads`` moves after each step from the
+    tokens counted in ``local_tokens_per_expert``.
+    """
+
+    def __init__(self, config: Any, pg_collection: Any = None) -> None:
+        super().__init__()
+        self.config = config
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        self.routing_type = config.moe_router_load_balancing_type
+        self.score_function = config.moe_router_score_function
+        self.layer_number: int | None = None
+        groups = moe_process_groups(pg_collection)
+        self.tp_cp_group = getattr(groups, "tp_cp", None)
+        self.weight = torch.nn.Parameter(
+            torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32)
+        )
+        self.bias = (
+            torch.nn.Parameter(torch.empty(self.num_experts, dtype=torch.float32))
+            if getattr(config, "add_bias_linear", False)
+            else None
+        )
+        self.calculate_per_token_loss = bool(getattr(config, "calculate_per_token_loss", False))
+        self.reset_parameters()
+        self.enable_expert_bias = bool(config.moe_router_enable_expert_bias)
+        if self.enable_expert_bias:
+            self.register_buffer(
+                "local_tokens_per_expert",
+                torch.zeros(self.num_experts, dtype=torch.float32),
+                persistent=False,
+            )
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+        else:
+            self.local_tokens_per_expert = None
+            self.expert_bias = None
+
+    def reset_parameters(self) -> None:
+        if getattr(self.config, "perform_initialization", True):
+            self.config.init_method(self.weight.data)
+        self.weight.data = self.weight.data.to(self.config.params_dtype)
+        self.weight.sequence_parallel = bool(self.config.sequence_parallel)
+        if self.bias is not None:
+            if getattr(self.config, "perform_initialization", True):
+                self.config.init_method(self.bias.data)
+            self.bias.data = self.bias.data.to(self.config.params_dtype)
+            self.bias.sequence_parallel = bool(self.config.sequence_parallel)
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.layer_number = layer_number
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        """The logits [s, b, E] (in ``moe_router_dtype`` when set)."""
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        weight = self.weight.to(dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return torch.nn.functional.linear(input.to(dtype), weight, bias)
+
+    def get_aux_loss_coeff(self, aux_loss_type: str) -> float:
+        """``moe_aux_loss_coeff`` for ``aux_loss_type`` when it is (one of) the balancing types."""
+        if isinstance(self.routing_type, str):
+            return self.config.moe_aux_loss_coeff if self.routing_type == aux_loss_type else 0.0
+        if aux_loss_type in self.routing_type:
+            return self.config.moe_aux_loss_coeff[self.routing_type.index(aux_loss_type)]
+        return 0.0
+
+    def is_aux_loss_enabled(self) -> bool:
+        return any(self.get_aux_loss_coeff(t) > 0 for t in ("aux_loss", "seq_aux_loss"))
+
+    def _num_layers(self) -> int:
+        return self.config.num_layers + (getattr(self.config, "mtp_num_layers", None) or 0)
+
+    def _balance_loss(
+        self,
+        probs: torch.Tensor,
+        scores: torch.Tensor,
+        routing_map: torch.Tensor,
+        aux_loss_type: str,
+        seq_length: int,
+        bsz: int,
+    ) -> torch.Tensor:
+        coeff = self.get_aux_loss_coeff(aux_loss_type)
+        if coeff == 0:
+            return probs
+        topk, per_sequence = self.topk, aux_loss_type == "seq_aux_loss"
+        if per_sequence:  # each sequence's tokens counted apart: the batch as extra experts
+            scores, routing_map, topk = (
+                scores.reshape(seq_length, -1),
+                routing_map.reshape(seq_length, -1),
+                topk * bsz,
+            )
+        local = routing_map.sum(dim=0)
+        if group_size(self.tp_cp_group) > 1:
+            counts = reduce_from_tensor_model_parallel_region(local.to(scores.dtype), self.tp_cp_group)
+        else:
+            counts = local.to(scores.dtype)
+        total_tokens = routing_map.shape[0] * group_size(self.tp_cp_group)
+        loss = switch_load_balancing_loss_func(
+            scores, counts, total_tokens, self.topk, self.num_experts, coeff
+        )
+        if per_sequence:
+            loss = loss / bsz
+        name = "seq_load_balancing_loss" if per_sequence else "load_balancing_loss"
+        save_to_aux_losses_tracker(
+            name, loss / coeff, self.layer_number, self._num_layers(), reduce_group=self.tp_cp_group
+        )
+        if self.calculate_per_token_loss:
+            loss = loss * probs.shape[0]
+        return MoEAuxLossAutoScaler.apply(probs, loss)
+
+    def apply_z_loss(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attaches the z-loss (coefficient split over the tensor × context-parallel ranks) to the
+        logits in training."""
+        if self.config.moe_z_loss_coeff is None or not self.training or not torch.is_grad_enabled():
+            return logits
+        coeff = self.config.moe_z_loss_coeff / group_size(self.tp_cp_group)
+        z_loss = z_loss_func(logits, coeff, padding_mask=padding_mask)
+        scaled = z_loss * logits.shape[0] if self.calculate_per_token_loss else z_loss
+        logits = MoEAuxLossAutoScaler.apply(logits, scaled)
+        save_to_aux_losses_tracker("z_loss", z_loss / coeff, self.layer_number, self._num_layers())
+        return logits
+
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        seq_length, bsz = logits.shape[:2]
+        logits = logits.reshape(-1, self.num_experts)
+        logits = self.apply_z_loss(logits)
+        probs, routing_map = topk_routing_with_score_function(
+            logits,
+            self.topk,
+            use_pre_softmax=self.config.moe_router_pre_softmax,
+            scaling_factor=self.config.moe_router_topk_scaling_factor,
+            score_function=self.score_function,
+            expert_bias=self.expert_bias,
+        )
+        if self.config.moe_expert_capacity_factor is not None:
+            probs, routing_map = apply_router_token_dropping(
+                probs,
+                routing_map,
+                router_topk=self.topk,
+                capacity_factor=self.config.moe_expert_capacity_factor,
+                drop_policy=self.config.moe_token_drop_policy,
+                pad_to_capacity=self.config.moe_pad_expert_input_to_capacity,
+            )
+        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+            aux_map, scores = compute_routing_scores_for_aux_loss(logits, self.topk, self.score_function)
+            for kind in ("aux_loss", "seq_aux_loss"):
+                probs = self._balance_loss(probs, scores, aux_map, kind, seq_length, bsz)
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+        return probs, routing_map
+
+    def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias.data = self.expert_bias.data.float()
+        return self.routing(self.gating(input), padding_mask)
