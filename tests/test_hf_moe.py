@@ -39,14 +39,14 @@ MODELS = {
 LAYOUTS = [(1, 1, None, False), (1, 2, None, False), (1, 2, None, True), (2, 2, 1, False)]
 
 
-def _hf_config(model_type: str):
-    return transformers.AutoConfig.for_model(model_type, **SIZES, **MODELS[model_type])
+def _hf_config(model_type: str, **overrides):
+    return transformers.AutoConfig.for_model(model_type, **{**SIZES, **MODELS[model_type], **overrides})
 
 
-def _hf_model(model_type: str):
+def _hf_model(model_type: str, **overrides):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
-        _hf_config(model_type), attn_implementation="sdpa", experts_implementation="eager",
+        _hf_config(model_type, **overrides), attn_implementation="sdpa", experts_implementation="eager",
         dtype=torch.float64,
     )
     with torch.no_grad():  # the norms start at ones: make them tell the layers apart
@@ -150,7 +150,6 @@ def test_hf_moe_models_give_transformers_logits(tmp_path):
         for layout, err in result["diffs"].items():
             assert err < 1e-9, (model_type, layout, err)
         assert result["errors"] == second[model_type]["errors"]  # the same error on every rank
-        experts_name = "num_local_experts" if model_type == "mixtral" else "num_experts"
         for error in result["errors"]:
             layer = 1 if model_type == "qwen3_moe" else 0  # the first MoE layer
             assert error.startswith(
@@ -160,16 +159,68 @@ def test_hf_moe_models_give_transformers_logits(tmp_path):
             assert "gives 4" in error and "rank 1:" in error, error
         # transformers reads the export (with hf_config_dict's config.json) as the same model
         out = tmp_path / f"{model_type}_export"
-        config = json.loads((out / "config.json").read_text())
-        original = json.loads((tmp_path / model_type / "config.json").read_text())
-        for key in ("model_type", "architectures", experts_name, "num_experts_per_tok", "intermediate_size",
-                    "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob",
-                    "mlp_only_layers", "qkv_bias"):
-            assert config.get(key) == original.get(key) or key in ("mlp_only_layers", "norm_topk_prob") and (
-                model_type == "mixtral"), (model_type, key, config.get(key), original.get(key))
+        written, original = transformers.AutoConfig.from_pretrained(str(out)), _hf_config(model_type)
+        assert type(written) is type(original)
+        for key in ("num_experts", "num_experts_per_tok", "intermediate_size", "moe_intermediate_size",
+                    "shared_expert_intermediate_size", "norm_topk_prob", "num_key_value_heads", "qkv_bias"):
+            assert getattr(written, key, None) == getattr(original, key, None), (model_type, key)
         reread = transformers.AutoModelForCausalLM.from_pretrained(
             str(out), dtype=torch.float64, experts_implementation="eager"
         ).eval()
         logits = _float64_logits(reread, _tokens())
         expected = torch.tensor(result["logits"], dtype=torch.float64)
         assert ((logits - expected).abs().max() / expected.abs().max()).item() < 1e-12, model_type
+
+
+# --- examples/train_gpt.py --load-hf / --export-hf --------------------------------------------------
+
+EXAMPLE = ["--seq-len", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--dtype", "float64",
+           "--no-progress", "--plot", "", "--steps", "1", "--lr", "0"]
+
+
+def _example_worker(path: str, export_dir: str) -> list[float]:
+    from tests.conftest import load_train_gpt
+
+    train_gpt = load_train_gpt()
+    args = EXAMPLE + ["--ep", "2", "--load-hf", path, "--export-hf", export_dir]
+    return train_gpt.train(train_gpt.parse_args(args))["losses"]
+
+
+def _transformers_loss(path: str) -> float:
+    """transformers' mean loss of the model in ``path`` on the example's first global batch."""
+    from tests.conftest import load_train_gpt
+
+    train_gpt = load_train_gpt()
+    args = train_gpt.parse_args(EXAMPLE + ["--load-hf", path, "--dp", "1"])
+    args.vocab_size = 256
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel(1)
+        batches = train_gpt.step_microbatches(train_gpt.load_corpus(None, args.seq_len + 2), 0, args)
+        ps.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float64, experts_implementation="eager"
+    ).eval()
+    losses = []
+    for batch in batches:
+        logits = _float64_logits(model, batch["tokens"])
+        losses.append(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()))
+    return torch.stack(losses).mean().item()
+
+
+def test_example_loads_and_exports_hf_moe(tmp_path):
+    """train_gpt.py --load-hf of a Qwen2-MoE model at ep 2 (lr 0) starts from transformers' loss
+    and --export-hf writes back the same files."""
+    from safetensors.torch import load_file
+
+    path, export_dir = str(tmp_path / "qwen2_moe"), str(tmp_path / "export")
+    _hf_model("qwen2_moe", vocab_size=256).save_pretrained(path)  # the example's tokens are bytes
+    first, second = run_distributed(2, _example_worker, path, export_dir)
+    assert first == second
+    hf_loss = _transformers_loss(path)
+    assert abs(first[0] - hf_loss) < 1e-9 * hf_loss, (first, hf_loss)
+    original, exported = load_file(f"{path}/model.safetensors"), load_file(f"{export_dir}/model.safetensors")
+    assert set(original) == set(exported)
+    assert all(torch.equal(exported[k], v) for k, v in original.items())
