@@ -174,8 +174,8 @@ def test_hf_moe_models_give_transformers_logits(tmp_path):
 
 # --- examples/train_gpt.py --load-hf / --export-hf --------------------------------------------------
 
-EXAMPLE = ["--seq-len", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--dtype", "float64",
-           "--no-progress", "--plot", "", "--steps", "1", "--lr", "0"]
+EXAMPLE = ["--tp", "1", "--pp", "1", "--seq-len", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+           "--dtype", "float64", "--no-progress", "--plot", "", "--steps", "1", "--lr", "0"]
 
 
 def _example_worker(path: str, export_dir: str) -> list[float]:

@@ -9,6 +9,13 @@ grouped-query attention. The tensors map one to one, except two that megatron_ex
 - ``gate_proj``, ``up_proj`` -> ``mlp.dense_h_to_4h`` as ``[gate | up]``, dealt to
   tensor-parallel ranks with stride 2 so each rank holds matching rows of both.
 
+Mixtral, Qwen2-MoE and Qwen3-MoE add mixture-of-experts layers: the router (``gate``) ->
+``mlp.router``, Qwen2-MoE's shared expert and its sigmoid gate -> ``mlp.shared_experts``, and
+each routed expert, by global index, -> the local expert of the expert-parallel rank that holds
+it, ``[gate | up]`` and ``down`` split over the expert-tensor-parallel group like the dense MLP.
+The experts are read from transformers' in-memory fused tensors (``mlp.experts.gate_up_proj``,
+``down_proj``) or the files' per-expert ones, and exported under the files' names.
+
 Everything runs on whatever parallel layout the model was built for: a rank reads only the
 tensors of its own layers (from a dict, or a directory of safetensors files opened lazily) and
 keeps its shard of each. ``transformers`` and ``safetensors`` are imported only when a function
@@ -644,7 +651,7 @@ def _experts_in(source: _TensorSource, layer: torch.nn.Module, used: set[str]) -
             held = 0
             while _expert_names(prefix, block, held)[0] in source:
                 held += 1
-            counts[_expert_names(prefix, block, 0)[0].replace(".0.", ".{e}.")] = held
+            counts[f"{prefix}{block}.experts.{{e}}.{_EXPERT_NAMES[block][0]}.weight"] = held
             used.update(n for e in range(experts) for n in _expert_names(prefix, block, e))
     wrong = {n: c for n, c in counts.items() if c != experts}
     if wrong:
