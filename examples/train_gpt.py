@@ -51,7 +51,7 @@ from megatron_ext.optimizer import MegatronOptimizer, OptimizerConfig, get_megat
 from megatron_ext.pipeline_parallel import get_forward_backward_func
 from megatron_ext.tensor_parallel.utils import comm_device
 from megatron_ext.transformer import TransformerConfig
-from megatron_ext.transformer.moe.router_utils import track_moe_metrics
+from megatron_ext.transformer.moe.router_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
 from megatron_ext.utils import get_batch_on_this_cp_rank
 
 DTYPES = {
@@ -848,6 +848,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
         progress = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True)
 
     losses, tokens_per_s, grad_norms, skipped, aux_losses = [], [], [], 0, []
+    get_moe_layer_wise_logging_tracker().clear()  # nothing tracked by an earlier run in this process
     tokens_per_step = args.global_batch_size * args.seq_len
     for chunk in chunks:
         chunk.train()

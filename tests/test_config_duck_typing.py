@@ -17,7 +17,7 @@ from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel as tp_
 from megatron_ext.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_ext.optimizer import OptimizerConfig, get_megatron_optimizer
-from tests.config_checks import OUT, VOCAB, H, check_ddp_schedule_optimizer, check_layers
+from tests.config_checks import OUT, H, check_ddp_schedule_optimizer, check_layers
 from tests.distributed import run_distributed
 
 

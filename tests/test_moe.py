@@ -274,3 +274,18 @@ def test_shared_experts_and_expert_bias():
 def test_bad_settings_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         moe_config(**kwargs)
+
+
+def test_expert_bias_step_and_layer_pattern():
+    from megatron_ext.transformer.moe.router_utils import get_updated_expert_bias
+    from megatron_ext.transformer.transformer_layer import is_moe_layer
+
+    tokens = torch.tensor([1.0, 5.0, 3.0, 3.0])
+    updated = get_updated_expert_bias(tokens, torch.tensor([0.5, 0.5, 0.0, 0.0]), 0.25)
+    torch.testing.assert_close(updated, torch.tensor([0.75, 0.25, 0.0, 0.0]))
+    config = moe_config(num_layers=4, moe_layer_freq=2)
+    assert [is_moe_layer(config, n) for n in range(1, 5)] == [True, False, True, False]
+    config = moe_config(num_layers=4, moe_layer_freq=[0, 1, 1, 0])
+    assert [is_moe_layer(config, n) for n in range(1, 5)] == [False, True, True, False]
+    with pytest.raises(ValueError, match=r"moe_layer_freq must be a positive integer or a list of"):
+        moe_config(num_layers=4, moe_layer_freq=[1, 0])

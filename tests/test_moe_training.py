@@ -273,15 +273,16 @@ def test_bad_moe_arguments_raise():
 
 
 def _checkpoint_worker(save_dir: str) -> tuple[list[float], dict]:
-    """Trains 4 steps at ep 2 (distributed optimizer) saving after step 2, then resumes that
-    checkpoint at other expert layouts and implementations."""
+    """Trains 4 steps at ep 2 with GroupedMLP experts (distributed optimizer) saving after step 2,
+    then resumes that checkpoint at other expert layouts and implementations (SequentialMLP among
+    them: both store each expert under the same keys)."""
     train_gpt = load_train_gpt()
 
     def run(*flags: str) -> dict:
         argv = TINY + ARCHS["llama"] + ["--steps", "4", "--use-distributed-optimizer", *flags]
         return train_gpt.train(train_gpt.parse_args(argv))
 
-    full = run("--ep", "2", "--save", save_dir, "--save-interval", "2")["losses"]
+    full = run("--ep", "2", "--moe-grouped-gemm", "--save", save_dir, "--save-interval", "2")["losses"]
     ckpt = os.path.join(save_dir, "iter_0000002")
     resumed = {}
     for name, flags in RESUME_LAYOUTS.items():

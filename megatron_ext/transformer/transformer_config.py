@@ -162,6 +162,13 @@ def check_moe_config(config: Any, ep: int | None = None) -> None:
         raise ValueError(
             f"moe_ffn_hidden_size ({ffn}) must be divisible by expert_tensor_parallel_size ({etp})"
         )
+    freq = config.moe_layer_freq
+    pattern_ok = isinstance(freq, (list, tuple)) and len(freq) == config.num_layers and set(freq) <= {0, 1}
+    if not (isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1) and not pattern_ok:
+        raise ValueError(
+            f"moe_layer_freq must be a positive integer or a list of num_layers ({config.num_layers}) "
+            f"0/1 entries, got {freq!r}"
+        )
     shared = config.moe_shared_expert_intermediate_size
     if shared is not None and (not isinstance(shared, int) or shared < 1):
         raise ValueError(f"moe_shared_expert_intermediate_size must be a positive integer, got {shared!r}")

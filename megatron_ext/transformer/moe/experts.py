@@ -255,11 +255,11 @@ def _expert_build(
     prepend = len(offsets) + 1
     out = []
     for i, piece in enumerate(pieces_of(data)):
-        for k, part in enumerate(piece.detach().contiguous().chunk(stride, dim)):
+        for k, part in enumerate(piece.detach().chunk(stride, dim)):
             out.append(
                 ShardedTensor.from_rank_offsets(
                     key,
-                    part.contiguous(),
+                    part,  # a view: checkpoints load in place
                     *offsets,
                     (len(offsets), first_expert + i, num_experts),
                     (prepend + dim, k * etp + etp_rank, etp * stride),

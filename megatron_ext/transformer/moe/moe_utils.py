@@ -98,3 +98,22 @@ def unpermute(
     out = permuted_tokens.new_zeros((num_tokens, hidden))
     out.index_add_(0, sorted_indices, permuted_tokens)
     return out.to(dtype)
+
+
+# The router's helpers live in router_utils; Megatron-core code imports them from here.
+from megatron_ext.transformer.moe.router_utils import (  # noqa: E402,F401
+    MoEAuxLossAutoScaler,
+    apply_router_token_dropping,
+    clear_aux_losses_tracker,
+    compute_routing_scores_for_aux_loss,
+    get_capacity,
+    get_moe_layer_wise_logging_tracker,
+    get_updated_expert_bias,
+    reduce_aux_losses_tracker_across_ranks,
+    save_to_aux_losses_tracker,
+    sort_chunks_by_idxs,
+    switch_load_balancing_loss_func,
+    topk_routing_with_score_function,
+    track_moe_metrics,
+    z_loss_func,
+)
