@@ -219,12 +219,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--load-hf",
         default=None,
         help="start from Hugging Face weights: a directory with config.json and safetensors files "
-        "(Llama, Mistral, Qwen2, Qwen3); the model's shape comes from its config.json, not from "
-        "--arch --layers --hidden --heads --num-query-groups --ffn-hidden --vocab-size",
+        "(Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE); the model's shape comes from its "
+        "config.json, not from --arch --layers --hidden --heads --num-query-groups --ffn-hidden "
+        "--vocab-size (nor, for a mixture of experts, --num-experts --moe-router-topk "
+        "--moe-ffn-hidden-size)",
     )
     p.add_argument("--export-hf", default=None,
                    help="after training, write the weights as Hugging Face safetensors + config.json to this "
-                        "directory (Llama-shaped models: --arch llama or --load-hf); it must be new or "
+                        "directory (Llama-shaped models: --arch llama, Mixtral with --num-experts, or "
+                        "--load-hf); it must be new or "
                         "empty unless --export-hf-overwrite, and never the --load-hf directory")
     p.add_argument("--export-hf-overwrite", action="store_true",
                    help="with --export-hf: replace the model in that directory (its config.json, "
@@ -249,6 +252,14 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         args.arch, args.layers, args.hidden = "hf", config.num_layers, config.hidden_size
         args.heads, args.num_query_groups = config.num_attention_heads, config.num_query_groups
         args.ffn_hidden, args.vocab_size = config.ffn_hidden_size, kwargs["vocab_size"]
+        if config.num_moe_experts is not None:  # the experts, their width and top-k are the model's
+            if args.num_experts not in (None, config.num_moe_experts):
+                raise ValueError(
+                    f"--num-experts {args.num_experts} differs from the --load-hf model's "
+                    f"{config.num_moe_experts} experts"
+                )
+            args.num_experts, args.moe_router_topk = config.num_moe_experts, config.moe_router_topk
+            args.moe_ffn_hidden_size = config.moe_ffn_hidden_size
         if args.seq_len > kwargs["max_sequence_length"]:
             raise ValueError(
                 f"--seq-len {args.seq_len} exceeds the --load-hf model's {kwargs['max_sequence_length']} "
@@ -395,7 +406,7 @@ def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(
             "a mixture-of-experts model with --tp > 1 needs --sequence-parallel (as in Megatron-core)"
         )
-    if args.moe_grouped_gemm and args.arch != "llama":
+    if args.moe_grouped_gemm and args.arch not in ("llama", "hf"):
         raise ValueError("--moe-grouped-gemm has no biases: use --arch llama")
     if not 0.0 <= args.moe_aux_loss_coeff < FLOAT32_MAX:
         raise ValueError(f"--moe-aux-loss-coeff must be a finite number >= 0, got {args.moe_aux_loss_coeff}")

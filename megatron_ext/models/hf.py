@@ -9,6 +9,13 @@ grouped-query attention. The tensors map one to one, except two that megatron_ex
 - ``gate_proj``, ``up_proj`` -> ``mlp.dense_h_to_4h`` as ``[gate | up]``, dealt to
   tensor-parallel ranks with stride 2 so each rank holds matching rows of both.
 
+Mixtral, Qwen2-MoE and Qwen3-MoE add mixture-of-experts layers: the router (``gate``) ->
+``mlp.router``, Qwen2-MoE's shared expert and its sigmoid gate -> ``mlp.shared_experts``, and
+each routed expert, by global index, -> the local expert of the expert-parallel rank that holds
+it, ``[gate | up]`` and ``down`` split over the expert-tensor-parallel group like the dense MLP.
+The experts are read from transformers' in-memory fused tensors (``mlp.experts.gate_up_proj``,
+``down_proj``) or the files' per-expert ones, and exported under the files' names.
+
 Everything runs on whatever parallel layout the model was built for: a rank reads only the
 tensors of its own layers (from a dict, or a directory of safetensors files opened lazily) and
 keeps its shard of each. ``transformers`` and ``safetensors`` are imported only when a function
@@ -29,8 +36,10 @@ import torch.nn.functional as F
 
 from megatron_ext import parallel_state
 from megatron_ext.dist_checkpointing.core import _agree
-from megatron_ext.resolve import module_with
+from megatron_ext.resolve import group_rank, group_size, module_with
 from megatron_ext.transformer import TransformerConfig
+from megatron_ext.transformer.moe.moe_layer import MoELayer
+from megatron_ext.transformer.transformer_layer import is_moe_layer
 
 _ACTIVATIONS: dict[str, Callable] = {
     "silu": F.silu,
@@ -38,7 +47,8 @@ _ACTIVATIONS: dict[str, Callable] = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
 }
-_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *_MOE_TYPES)
 # The config.json fields that size the model: each a positive integer.
 _SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
                 "max_position_embeddings")
@@ -92,7 +102,9 @@ def config_from_hf(
     act = _field(hf_config, "hidden_act", "silu")
     if act not in _ACTIVATIONS:
         raise NotImplementedError(f"hidden_act {act!r} is not supported: one of {list(_ACTIVATIONS)}")
-    if model_type in ("qwen2", "qwen3"):
+    if model_type == "qwen2_moe":
+        qkv_bias, linear_bias = bool(_field(hf_config, "qkv_bias", True)), False
+    elif model_type in ("qwen2", "qwen3", "qwen3_moe"):
         qkv_bias = model_type == "qwen2" or bool(_field(hf_config, "attention_bias", False))
         linear_bias = False
     else:
@@ -124,19 +136,21 @@ def config_from_hf(
         activation_func=_ACTIVATIONS[act],
         add_bias_linear=linear_bias,
         add_qkv_bias=qkv_bias,
-        qk_layernorm=model_type == "qwen3",
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0,
         attention_dropout=float(_field(hf_config, "attention_dropout", 0.0) or 0.0),
         init_method_std=_field(hf_config, "initializer_range", 0.02),
         params_dtype=dtype,
     )
+    if model_type in _MOE_TYPES:
+        fields.update(_moe_fields(hf_config, model_type))
     fields.update(config_overrides)
     fields.setdefault("pipeline_dtype", fields["params_dtype"])
     vocab = _field(hf_config, "vocab_size")
     vocab = -(-vocab // make_vocab_size_divisible_by) * make_vocab_size_divisible_by
     max_length = _field(hf_config, "max_position_embeddings")
     window = _field(hf_config, "sliding_window")
-    if window and (model_type == "mistral" or _field(hf_config, "use_sliding_window", False)):
+    if window and (model_type in ("mistral", "mixtral") or _field(hf_config, "use_sliding_window", False)):
         max_length = min(max_length, window)
     model_kwargs = dict(
         vocab_size=vocab,
@@ -149,31 +163,127 @@ def config_from_hf(
     return TransformerConfig(**fields), model_kwargs
 
 
+def _positive(hf_config: Any, name: str, default: Any = None) -> int:
+    value = _field(hf_config, name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"the Hugging Face config's {name!r} must be a positive integer, got "
+            + ("nothing (the field is missing)" if value is None else repr(value))
+        )
+    return value
+
+
+def _moe_fields(hf_config: Any, model_type: str) -> dict[str, Any]:
+    """The mixture-of-experts TransformerConfig fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config.
+
+    Routing: both take the top-k of a softmax over all experts; Mixtral renormalises the k
+    weights (= a softmax over the top-k logits: ``moe_router_pre_softmax=False``), Qwen does when
+    ``norm_topk_prob`` (else the weights stay the full softmax's: ``moe_router_pre_softmax=True``).
+    Qwen's layer i is an MoE layer unless it is in ``mlp_only_layers`` or ``(i + 1)`` is not a
+    multiple of ``decoder_sparse_step``; the others are dense MLPs of ``intermediate_size``."""
+    layers = _field(hf_config, "num_hidden_layers")
+    experts_field = "num_local_experts" if model_type == "mixtral" else "num_experts"
+    experts = _positive(hf_config, experts_field)
+    topk = _positive(hf_config, "num_experts_per_tok")
+    if topk > experts:
+        raise ValueError(
+            f"the Hugging Face config's num_experts_per_tok ({topk}) exceeds {experts_field} ({experts})"
+        )
+    aux = _field(hf_config, "router_aux_loss_coef", 0.0) if _field(hf_config, "output_router_logits") else 0.0
+    fields: dict[str, Any] = dict(
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        moe_router_score_function="softmax",
+        moe_aux_loss_coeff=float(aux or 0.0),
+    )
+    if model_type == "mixtral":
+        fields.update(moe_ffn_hidden_size=_field(hf_config, "intermediate_size"),
+                      moe_router_pre_softmax=False)
+        return fields
+    step = _positive(hf_config, "decoder_sparse_step", 1)
+    dense = _field(hf_config, "mlp_only_layers") or []
+    if not isinstance(dense, (list, tuple)) or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers for i in dense
+    ):
+        raise ValueError(
+            f"the Hugging Face config's 'mlp_only_layers' must list layer indices below {layers}, "
+            f"got {dense!r}"
+        )
+    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
+    if not any(pattern):
+        raise ValueError(
+            "the Hugging Face config makes no layer a mixture of experts "
+            f"(decoder_sparse_step={step}, mlp_only_layers={list(dense)})"
+        )
+    fields.update(
+        moe_ffn_hidden_size=_positive(hf_config, "moe_intermediate_size"),
+        moe_router_pre_softmax=not _field(hf_config, "norm_topk_prob", False),
+        moe_layer_freq=1 if all(pattern) else pattern,
+    )
+    if model_type == "qwen2_moe":
+        fields.update(
+            moe_shared_expert_intermediate_size=_positive(hf_config, "shared_expert_intermediate_size"),
+            moe_shared_expert_gate=True,
+        )
+    return fields
+
+
+def _moe_model_type(config) -> str:
+    """The Hugging Face model type a mixture-of-experts GPTModel's tensors are named for: Qwen2-MoE
+    with shared experts, Qwen3-MoE with query/key norms, else Mixtral."""
+    if config.moe_shared_expert_intermediate_size is not None:
+        return "qwen2_moe"
+    return "qwen3_moe" if config.qk_layernorm else "mixtral"
+
+
+def _moe_pattern(config) -> list[int]:
+    return [int(is_moe_layer(config, n)) for n in range(1, config.num_layers + 1)]
+
+
 def hf_config_dict(model_chunks, vocab_size: int | None = None) -> dict[str, Any]:
-    """A ``LlamaConfig``'s ``config.json`` for a Llama-shaped GPTModel (RMSNorm, a SiLU gated MLP,
-    rotary embeddings, biases on every linear or none, no query/key norms): what
-    ``transformers.AutoModelForCausalLM.from_pretrained`` needs beside ``export_hf_state_dict``'s
-    tensors. ``vocab_size`` drops padded vocabulary rows. ValueError for other models."""
+    """A Hugging Face ``config.json`` for a GPTModel with RMSNorm, a SiLU gated MLP and rotary
+    embeddings: what ``transformers.AutoModelForCausalLM.from_pretrained`` needs beside
+    ``export_hf_state_dict``'s tensors. ``vocab_size`` drops padded vocabulary rows. A dense model
+    becomes a ``LlamaConfig`` (biases on every linear or none, no query/key norms); a mixture of
+    experts (softmax routing, no biases) a ``MixtralConfig`` (every layer MoE, the top-k weights
+    renormalised), a ``Qwen2MoeConfig`` (gated shared experts) or a ``Qwen3MoeConfig`` (query/key
+    norms). ValueError for other models."""
     model = _chunks(model_chunks)[0]
     config = model.config
+    moe_type = _moe_model_type(config) if config.num_moe_experts else None
     checks = {
         "normalization": (config.normalization, "RMSNorm"),
         "gated_linear_unit": (config.gated_linear_unit, True),
         "activation_func": (config.activation_func, F.silu),
         "position_embedding_type": (model.position_embedding_type, "rope"),
-        "qk_layernorm": (config.qk_layernorm, False),
+        "qk_layernorm": (config.qk_layernorm, moe_type == "qwen3_moe"),
         "rotary_interleaved": (config.rotary_interleaved, False),
-        "add_qkv_bias": (config.add_qkv_bias and not config.add_bias_linear, False),
     }
+    if moe_type is None:
+        checks["add_qkv_bias"] = (config.add_qkv_bias and not config.add_bias_linear, False)
+    else:
+        checks["add_bias_linear"] = (config.add_bias_linear, False)
+        if moe_type != "qwen2_moe":
+            checks["add_qkv_bias"] = (config.add_qkv_bias, False)
+        else:
+            checks["moe_shared_expert_gate"] = (bool(config.moe_shared_expert_gate), True)
+        checks["moe_router_score_function"] = (config.moe_router_score_function, "softmax")
+        checks["moe_router_topk_scaling_factor"] = (config.moe_router_topk_scaling_factor, None)
+        checks["moe_router_enable_expert_bias"] = (config.moe_router_enable_expert_bias, False)
+        if moe_type == "mixtral":
+            checks["moe_router_pre_softmax"] = (config.moe_router_pre_softmax, False)
+            checks["moe_layer_freq"] = (_moe_pattern(config), [1] * config.num_layers)
     differ = [f"{name}={got!r} (expected {want!r})" for name, (got, want) in checks.items() if got != want]
     if differ:
-        raise ValueError("the model is not Llama-shaped: " + ", ".join(differ))
+        shape = "Llama-shaped" if moe_type is None else f"a {moe_type} model"
+        raise ValueError(f"the model is not {shape}: " + ", ".join(differ))
     rope = model.rotary_pos_emb
     if rope.dim != config.kv_channels or rope.seq_len_interpolation_factor is not None:
         raise ValueError(
-            "the model rotates part of each head or interpolates positions; a LlamaConfig cannot say so"
+            "the model rotates part of each head or interpolates positions; a Hugging Face config cannot "
+            "say so"
         )
-    return {
+    out = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": vocab_size or model.vocab_size,
@@ -194,6 +304,31 @@ def hf_config_dict(model_chunks, vocab_size: int | None = None) -> dict[str, Any
         "tie_word_embeddings": bool(model.share_embeddings_and_output_weights),
         "dtype": str(config.params_dtype).replace("torch.", ""),
     }
+    if moe_type is None:
+        return out
+    del out["mlp_bias"]
+    out["model_type"] = moe_type
+    out["num_experts_per_tok"] = config.moe_router_topk
+    coeff = config.moe_aux_loss_coeff
+    out["router_aux_loss_coef"] = float(coeff if not isinstance(coeff, list) else sum(coeff))
+    if moe_type == "mixtral":
+        out.update(architectures=["MixtralForCausalLM"], intermediate_size=config.moe_ffn_hidden_size,
+                   num_local_experts=config.num_moe_experts, sliding_window=None)
+        return out
+    out.update(
+        architectures=["Qwen2MoeForCausalLM" if moe_type == "qwen2_moe" else "Qwen3MoeForCausalLM"],
+        num_experts=config.num_moe_experts,
+        moe_intermediate_size=config.moe_ffn_hidden_size,
+        norm_topk_prob=not config.moe_router_pre_softmax,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i, moe in enumerate(_moe_pattern(config)) if not moe],
+        use_sliding_window=False,
+    )
+    if moe_type == "qwen2_moe":
+        del out["attention_bias"]
+        out.update(qkv_bias=bool(config.add_qkv_bias),
+                   shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size)
+    return out
 
 
 # --- name and layout mapping ----------------------------------------------------------------------
@@ -207,11 +342,20 @@ _LAYER_NAMES = {  # megatron_ext name inside a layer -> Hugging Face name inside
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "mlp.dense_4h_to_h.weight": "mlp.down_proj.weight",
     "mlp.dense_4h_to_h.bias": "mlp.down_proj.bias",
+    "mlp.shared_experts.dense_4h_to_h.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
 _FUSED = {  # fused megatron_ext tensors and the Hugging Face tensors they hold, in order
     "self_attention.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.dense_h_to_4h": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.shared_experts.dense_h_to_4h": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
 }
+# A routed expert's (gate, up, down) projections in the files of each naming (Mixtral's, Qwen's).
+_EXPERT_NAMES = {
+    "block_sparse_moe": ("w1", "w3", "w2"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+_EXPERT_WEIGHTS = ("linear_fc1.weight", "linear_fc2.weight", "experts.weight1", "experts.weight2")
 _GLOBAL_NAMES = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",
@@ -226,8 +370,20 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _hf_sources(name: str, model: torch.nn.Module) -> tuple[str, ...]:
-    """The Hugging Face tensors behind the megatron_ext parameter ``name`` of GPTModel ``model``."""
+def _moe_block(config) -> str:
+    """The module that holds a MoE layer's router and experts in the files: Mixtral's
+    ``block_sparse_moe``, Qwen's ``mlp``."""
+    return "block_sparse_moe" if _moe_model_type(config) == "mixtral" else "mlp"
+
+
+def _expert_names(prefix: str, block: str, expert: int) -> tuple[str, str, str]:
+    return tuple(f"{prefix}{block}.experts.{expert}.{p}.weight" for p in _EXPERT_NAMES[block])
+
+
+def _hf_sources(name: str, model: torch.nn.Module, block: str | None = None) -> tuple[str, ...]:
+    """The Hugging Face tensors behind the megatron_ext parameter ``name`` of GPTModel ``model``
+    (the routed experts aside: ``_load_experts``, ``_export_experts``); ``block`` names a MoE
+    layer's router module (default: the model type's)."""
     if name in _GLOBAL_NAMES:
         return (_GLOBAL_NAMES[name],)
     parts = name.split(".")
@@ -236,6 +392,8 @@ def _hf_sources(name: str, model: torch.nn.Module) -> tuple[str, ...]:
     layer = model.decoder.layers[int(parts[2])]
     prefix = f"model.layers.{layer.layer_number - 1}."
     inner = ".".join(parts[3:])
+    if inner == "mlp.router.weight":
+        return (f"{prefix}{block or _moe_block(model.config)}.gate.weight",)
     module, _, kind = inner.rpartition(".")
     if module in _FUSED:
         return tuple(f"{prefix}{source}.{kind}" for source in _FUSED[module])
@@ -260,30 +418,45 @@ def _split_qkv(fused: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor,
     return tuple(t.reshape(-1, *rest) for t in (q, k, v))
 
 
+def _shard(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s part of ``full``: ``size * stride`` pieces along ``dim``, rank r holding
+    pieces r, r + size, ..."""
+    pieces = full.chunk(size * stride, dim)
+    return torch.cat(pieces[rank::size], dim)
+
+
+def _gather(local: torch.Tensor, dim: int, stride: int, group: Any) -> torch.Tensor:
+    """The inverse of ``_shard`` over ``group`` (collective)."""
+    size = group_size(group)
+    if size == 1:
+        return local.detach()
+    local = local.detach().contiguous()
+    shards = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(shards, local, group=group)
+    pieces = [shard.chunk(stride, dim) for shard in shards]
+    return torch.cat([pieces[r][k] for k in range(stride) for r in range(size)], dim)
+
+
 def _local_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's part of the global tensor ``full`` as ``param``'s partition attributes deal it:
-    ``tp * stride`` pieces along ``partition_dim``, rank r holding pieces r, r + tp, ..."""
+    """This rank's part of the global tensor ``full`` as ``param``'s partition attributes deal it
+    over the tensor-parallel group."""
     if not getattr(param, "tensor_model_parallel", False):
         return full
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    dim = param.partition_dim % full.dim()
-    pieces = full.chunk(tp * param.partition_stride, dim)
-    return torch.cat(pieces[rank::tp], dim)
+    return _shard(
+        full, param.partition_dim % full.dim(), param.partition_stride,
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
 
 
 def _gather_global(param: torch.Tensor) -> torch.Tensor:
     """The global tensor of a tensor-parallel parameter (the inverse of ``_local_shard``)."""
     if not getattr(param, "tensor_model_parallel", False):
         return param.detach()
-    group = parallel_state.get_tensor_model_parallel_group()
-    tp = dist.get_world_size(group)
-    local = param.detach().contiguous()
-    shards = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(shards, local, group=group)
-    dim, stride = param.partition_dim % local.dim(), param.partition_stride
-    pieces = [shard.chunk(stride, dim) for shard in shards]
-    return torch.cat([pieces[r][k] for k in range(stride) for r in range(tp)], dim)
+    return _gather(
+        param, param.partition_dim % param.dim(), param.partition_stride,
+        parallel_state.get_tensor_model_parallel_group(),
+    )
 
 
 def _read_json(file: str) -> dict:
@@ -410,9 +583,18 @@ def _load(chunks: list[torch.nn.Module], source: _TensorSource) -> None:
     for model in chunks:
         layers.update(layer.layer_number - 1 for layer in model.decoder.layers)
         config = model.config
+        for layer in model.decoder.layers:
+            if isinstance(layer.mlp, MoELayer):
+                _load_experts(layer, source, used)
         for name, param in model.named_parameters():
+            if ".mlp.experts." in name:
+                if not name.endswith(_EXPERT_WEIGHTS):
+                    raise KeyError(f"no Hugging Face tensor for {name!r} (the experts have no biases)")
+                continue
             if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
                 hf_names = ("model.embed_tokens.weight",)
+            elif name.endswith(".mlp.router.weight"):
+                hf_names = (_router_name(source, model.decoder.layers[int(name.split(".")[2])]),)
             else:
                 hf_names = _hf_sources(name, model)
             missing = [n for n in hf_names if n not in source]
@@ -441,6 +623,99 @@ def _load(chunks: list[torch.nn.Module], source: _TensorSource) -> None:
                          "from this checkpoint's config")
 
 
+def _router_name(source: _TensorSource, layer: torch.nn.Module) -> str:
+    """A MoE layer's router in ``source``: Mixtral's files name it ``block_sparse_moe.gate``,
+    transformers' in-memory state dicts and Qwen's files ``mlp.gate``."""
+    prefix = f"model.layers.{layer.layer_number - 1}."
+    for block in _EXPERT_NAMES:
+        if f"{prefix}{block}.gate.weight" in source:
+            return f"{prefix}{block}.gate.weight"
+    return f"{prefix}{_moe_block(layer.config)}.gate.weight"
+
+
+def _experts_in(source: _TensorSource, layer: torch.nn.Module, used: set[str]) -> Callable[[int], tuple]:
+    """For a MoE layer: checks that ``source`` holds as many experts as the model (the router's
+    rows, the fused tensors' first dimension, no expert past the last), marks them all used (each
+    has a place, on this rank or another expert-parallel rank) and returns ``expert -> (gate, up,
+    down)``, from the files' per-expert tensors or transformers' fused ones."""
+    config, index = layer.config, layer.layer_number - 1
+    prefix, experts = f"model.layers.{index}.", config.num_moe_experts
+    router = _router_name(source, layer)
+    counts = {router: source[router].shape[0]} if router in source else {}
+    fused = (f"{prefix}mlp.experts.gate_up_proj", f"{prefix}mlp.experts.down_proj")
+    if all(n in source for n in fused):
+        counts.update({n: source[n].shape[0] for n in fused})
+        used.update(fused)
+    for block in _EXPERT_NAMES:
+        if _expert_names(prefix, block, 0)[0] in source:
+            held = 0
+            while _expert_names(prefix, block, held)[0] in source:
+                held += 1
+            counts[f"{prefix}{block}.experts.{{e}}.{_EXPERT_NAMES[block][0]}.weight"] = held
+            used.update(n for e in range(experts) for n in _expert_names(prefix, block, e))
+    wrong = {n: c for n, c in counts.items() if c != experts}
+    if wrong:
+        raise ValueError(
+            f"layer {index} of the Hugging Face checkpoint has a different number of experts than the "
+            f"model's num_moe_experts={experts}: " + ", ".join(f"{n} gives {c}" for n, c in wrong.items())
+        )
+
+    def expert(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        for block in _EXPERT_NAMES:
+            names = _expert_names(prefix, block, e)
+            if all(n in source for n in names):
+                return tuple(source[n] for n in names)
+        if all(n in source for n in fused):
+            gate, up = source[fused[0]][e].chunk(2, dim=0)
+            return gate, up, source[fused[1]][e]
+        raise KeyError(
+            f"the Hugging Face state dict has no {_expert_names(prefix, _moe_block(config), e)[0]!r} (nor "
+            f"{fused[0]!r}): expert {e} of layer {index}"
+        )
+
+    return expert
+
+
+def _load_experts(layer: torch.nn.Module, source: _TensorSource, used: set[str]) -> None:
+    """Fills a MoE layer's local experts (its global experts ``local_expert_indices``), each
+    split over the expert-tensor-parallel group like the dense MLP (W1 ``[gate | up]`` by rows
+    with stride 2, W2 by columns)."""
+    mlp = layer.mlp
+    expert = _experts_in(source, layer, used)
+    group = mlp.experts.tp_group
+    rank, size = group_rank(group), group_size(group)
+    for e, (w1, w2) in zip(mlp.local_expert_indices, mlp.experts.expert_weights()):
+        gate, up, down = expert(e)
+        shards = (_shard(torch.cat([gate, up]), 0, 2, rank, size), _shard(down, 1, 1, rank, size))
+        for param, local in zip((w1, w2), shards):
+            if local.shape != param.shape:
+                raise ValueError(
+                    f"expert {e} of layer {layer.layer_number - 1}: the Hugging Face tensors give a shard of "
+                    f"shape {tuple(local.shape)} for a weight of shape {tuple(param.shape)}: the model was "
+                    "not built from this config"
+                )
+            param.copy_(local)
+
+
+def _export_experts(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A MoE layer's routed experts under their file names, gathered over the expert-tensor- and
+    the expert-parallel group (collective over both)."""
+    mlp, config = layer.mlp, layer.config
+    group = mlp.experts.tp_group
+    prefix, block = f"model.layers.{layer.layer_number - 1}.", _moe_block(config)
+    local: dict[str, torch.Tensor] = {}
+    for e, (w1, w2) in zip(mlp.local_expert_indices, mlp.experts.expert_weights()):
+        gate, up = _gather(w1, 0, 2, group).cpu().chunk(2, dim=0)
+        down = _gather(w2, 1, 1, group).cpu()
+        local.update(zip(_expert_names(prefix, block, e), (gate.clone(), up.clone(), down.clone())))
+    ep_group = mlp.experts.ep_group
+    if group_size(ep_group) == 1:
+        return local
+    gathered: list[dict[str, torch.Tensor]] = [{}] * group_size(ep_group)
+    dist.all_gather_object(gathered, local, group=ep_group)
+    return {name: t for part in gathered for name, t in part.items()}
+
+
 def _pad_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
     if full.shape[0] > rows:
         raise ValueError(f"a vocabulary of {full.shape[0]} rows does not fit the model's vocab_size {rows}")
@@ -463,7 +738,12 @@ def export_hf_state_dict(model_chunks, vocab_size: int | None = None) -> dict[st
     for model in chunks:
         config = model.config
         tied = model.share_embeddings_and_output_weights
+        for layer in model.decoder.layers:
+            if isinstance(layer.mlp, MoELayer):
+                local.update(_export_experts(layer))
         for name, param in _parameters(model):
+            if ".mlp.experts." in name:
+                continue
             full = _gather_global(param).cpu()
             hf_names = _hf_sources(name, model)
             if name.endswith("query_key_value.weight") or name.endswith("query_key_value.bias"):
@@ -491,16 +771,21 @@ def export_hf_state_dict(model_chunks, vocab_size: int | None = None) -> dict[st
 
 _LAYER_ORDER = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
-    "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-    "post_attention_layernorm",
+    "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "block_sparse_moe.gate", "mlp.gate",
+    "experts", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
+    "mlp.shared_expert_gate", "input_layernorm", "post_attention_layernorm",
 )
 
 
 def _hf_order(name: str) -> tuple:
-    """transformers' order: embedding, layers by index (modules as LlamaDecoderLayer defines them,
-    weight before bias), final norm, output layer."""
+    """transformers' order: embedding, layers by index (modules as the decoder layers define them,
+    the routed experts by index, weight before bias), final norm, output layer."""
     if name.startswith("model.layers."):
         _, _, index, rest = name.split(".", 3)
         module, _, kind = rest.rpartition(".")
-        return (1, int(index), _LAYER_ORDER.index(module), kind != "weight")
-    return ({"model.embed_tokens.weight": 0, "model.norm.weight": 2}.get(name, 3), 0, 0, False)
+        parts = module.split(".")
+        if len(parts) == 4 and parts[1] == "experts":  # {block}.experts.{e}.{projection}
+            block = _EXPERT_NAMES[parts[0]]
+            return (1, int(index), _LAYER_ORDER.index("experts"), int(parts[2]), block.index(parts[3]), kind)
+        return (1, int(index), _LAYER_ORDER.index(module), 0, 0, kind != "weight")
+    return ({"model.embed_tokens.weight": 0, "model.norm.weight": 2}.get(name, 3), 0, 0, 0, 0, False)
