@@ -218,3 +218,65 @@ def _(query, key, value, group_name, group_size, group_rank, is_causal, cp_comm_
 def _(grad_out, query, key, value, out, log_sum_exp, group_name, group_size, group_rank, is_causal,
       cp_comm_type, scale):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+# --- The experts' token permutation and grouped GEMM (ops/moe.cpp) ------------------------------
+
+
+@torch.library.register_fake("megatron_ext::moe_sort_by_expert")
+def _(routing_map, capacity):
+    torch._check(routing_map.dim() == 2, lambda: "routing_map [num_tokens, num_experts]")
+    num_tokens, num_experts = routing_map.shape
+    if capacity is None:  # one row per routed (token, expert) pair: known when the map is
+        rows = torch.library.get_ctx().new_dynamic_size()
+    else:
+        rows = num_experts * min(capacity, num_tokens)
+    return (torch.empty((rows,), dtype=torch.long, device=routing_map.device),
+            torch.empty((rows,), dtype=torch.long, device=routing_map.device))
+
+
+def _gathered_rows(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    torch._check(input.dim() == 2 and indices.dim() == 1, lambda: "rows [n, hidden] and indices [m]")
+    return input.new_empty((indices.shape[0], input.shape[1]))
+
+
+def _scattered_rows(input: torch.Tensor, indices: torch.Tensor, num_rows: int) -> torch.Tensor:
+    torch._check(input.dim() == 2 and indices.shape == (input.shape[0],), lambda: "one index per row")
+    return input.new_empty((num_rows, input.shape[1]))
+
+
+@torch.library.register_fake("megatron_ext::moe_permute")
+def _(tokens, sorted_indices, probs):
+    return _gathered_rows(tokens, sorted_indices)
+
+
+@torch.library.register_fake("megatron_ext::moe_gather_rows")
+def _(input, indices, scale):
+    return _gathered_rows(input, indices)
+
+
+@torch.library.register_fake("megatron_ext::moe_unpermute")
+def _(permuted_tokens, sorted_indices, probs, num_tokens):
+    return _scattered_rows(permuted_tokens, sorted_indices, num_tokens)
+
+
+@torch.library.register_fake("megatron_ext::moe_scatter_add_rows")
+def _(input, indices, scale, num_rows):
+    return _scattered_rows(input, indices, num_rows)
+
+
+@torch.library.register_fake("megatron_ext::moe_gathered_row_dot")
+def _(grad, indices, input):
+    torch._check(input.dim() == 2 and indices.shape == (input.shape[0],), lambda: "one index per row")
+    return input.new_empty((input.shape[0],))
+
+
+@torch.library.register_fake("megatron_ext::grouped_gemm")
+def _(a, b, batch_sizes, trans_b):
+    torch._check(a.dim() == 2 and b.dim() == 3, lambda: "a [tokens, k] and b [experts, k, n]")
+    return a.new_empty((a.shape[0], b.shape[1] if trans_b else b.shape[2]))
+
+
+@torch.library.register_fake("megatron_ext::grouped_gemm_backward")
+def _(grad, a, b, batch_sizes, trans_b):
+    return a.new_empty(a.shape), b.new_empty(b.shape)

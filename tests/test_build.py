@@ -35,8 +35,9 @@ def test_cuda_kernels_registered_when_compiled():
     info = megatron_ext.build_info()
     if os.environ.get("FORCE_CUDA") == "1":  # how CI builds: the CUDA sources must be in
         assert info["cuda_compiled"] and "8.0" in info["cuda_archs"]
-    assert has_kernel("vocab_range_mask", "CUDA") == info["cuda_compiled"]
-    assert has_kernel("vocab_range_mask", "CPU")
+    for op in ("vocab_range_mask", "moe_gather_rows", "moe_scatter_add_rows", "moe_gathered_row_dot"):
+        assert has_kernel(op, "CUDA") == info["cuda_compiled"], op
+        assert has_kernel(op, "CPU"), op
 
 
 @pytest.mark.parametrize("op", REGION_OPS)

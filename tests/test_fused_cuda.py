@@ -49,7 +49,8 @@ def test_extension_has_its_cuda_kernels():
     assert megatron_ext.build_info()["cuda_compiled"], "built without CUDA on a machine with a GPU"
     for op in ("bias_gelu_forward", "bias_dropout_add_forward", "vocab_parallel_cross_entropy_row_stats",
                "rms_norm_forward", "rms_norm_backward", "rotary_pos_emb_forward", "rotary_pos_emb_backward",
-               "swiglu_forward", "swiglu_backward"):
+               "swiglu_forward", "swiglu_backward", "moe_gather_rows", "moe_scatter_add_rows",
+               "moe_gathered_row_dot"):
         assert has_kernel(op, "CUDA"), op
 
 
@@ -214,6 +215,47 @@ def test_vocab_mask_kernel_equals_cpu_twin():
     ids = torch.randint(0, 500, (7, 33), generator=torch.Generator().manual_seed(14))
     for got, want in zip(ops.vocab_range_mask(ids.cuda(), 100, 250), ops.vocab_range_mask(ids, 100, 250)):
         assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES])
+def test_moe_permutation_kernels_equal_cpu_twin(dtype):
+    """permute / unpermute (with probs, dropless and with a capacity) forward and backward on the
+    GPU against the CPU kernels; the grouped GEMM's loop and torch._grouped_mm against the CPU
+    loop."""
+    from megatron_ext.transformer.moe import moe_utils
+    from megatron_ext.transformer.moe.grouped_gemm_util import ops as gg
+
+    g = torch.Generator().manual_seed(15)
+    scores = torch.randn(37, 8, generator=g)
+    routing_map = torch.zeros(37, 8, dtype=torch.bool).scatter(1, scores.topk(2, dim=1).indices, True)
+    probs = (torch.softmax(scores, -1) * routing_map).to(dtype)
+    tokens = _randn(37, 200, dtype=dtype, seed=16)
+    up = _randn(37, 200, dtype=dtype, seed=17)
+    tol = TOL.get(dtype, dict(rtol=1e-12, atol=1e-12))
+    for num_out, drop in ((None, False), (40, True)):
+        results = []
+        for device in ("cpu", "cuda"):
+            x, p = tokens.to(device).requires_grad_(), probs.to(device).requires_grad_()
+            rmap = routing_map.to(device)
+            rows, permuted_probs, idx = moe_utils.permute(x, rmap, p, num_out, drop_and_pad=drop)
+            out = moe_utils.unpermute(rows * 2, idx, x.shape, p, rmap, drop_and_pad=drop)
+            grads = torch.autograd.grad(out, (x, p), up.to(device))
+            results.append([rows, permuted_probs, idx, out, *grads])
+        for got, want in zip(results[1], results[0]):
+            assert_close(got.cpu(), want.detach(), **tol)
+    sizes = torch.tensor([5, 0, 19, 8])
+    a = _randn(32, 64, dtype=dtype, seed=18)
+    b = _randn(4, 64, 48, dtype=dtype, seed=19, scale=0.1)
+    results = []
+    for device in ("cpu", "cuda"):
+        leaves = [a.to(device).requires_grad_(), b.to(device).requires_grad_()]
+        out = gg.gmm(*leaves, sizes)
+        results.append([out, *torch.autograd.grad(out, leaves, torch.ones_like(out))])
+    for got, want in zip(results[1], results[0]):
+        if dtype == torch.float64:
+            assert_close(got.cpu(), want.detach())
+        else:
+            _close_to_scale(got, want.detach(), dtype)
 
 
 # --- a one-rank NCCL group -----------------------------------------------------------------

@@ -209,8 +209,8 @@ _register_fake("reduce_scatter_last_dim_to_tensor_parallel_region", "reduce_scat
 # the like. Here the autograd nodes are C++ (the functions above), so these classes are not
 # torch.autograd.Function subclasses: their static ``apply`` takes Megatron-core's arguments in its
 # order and calls the C++ op. Uneven first-dim splits (``output_split_sizes`` /
-# ``input_split_sizes``, used by expert routing) run as one all-to-all of torch's functional
-# collectives, whose autograd is C++ as well.
+# ``input_split_sizes``, used by expert routing) run as the C++ all-to-all op
+# (csrc/ops/all_to_all.cpp), whose autograd node is C++ as well.
 #
 # Megatron-core's ``symbolic(graph, ...)`` and ``backward(ctx, grad_output)`` are kept for code that
 # calls them directly: ``symbolic`` returns what ``apply`` returns; ``backward`` runs the conjugate
@@ -232,10 +232,24 @@ def _all_to_all_autograd(
     input_split_sizes: list[int] | None,
     group: dist.ProcessGroup,
 ) -> torch.Tensor:
-    from torch.distributed import _functional_collectives as fc
+    """The C++ all-to-all op along dim 0 (its autograd node's backward is the reverse exchange)."""
+    return _ops.all_to_all(
+        input_,
+        None if output_split_sizes is None else [int(s) for s in output_split_sizes],
+        None if input_split_sizes is None else [int(s) for s in input_split_sizes],
+        group.group_name,
+        group.size(),
+        group.rank(),
+    )
 
-    out = fc.all_to_all_single_autograd(input_.contiguous(), output_split_sizes, input_split_sizes, group)
-    return fc.wait_tensor(out)
+
+@torch.library.register_fake("megatron_ext::all_to_all")
+def _(input_, output_split_sizes, input_split_sizes, group_name, group_size, rank):
+    torch._check(0 <= rank < group_size, lambda: f"rank {rank} in a group of {group_size}")
+    if group_size == 1:
+        return torch.ops.aten.alias(input_)
+    rows = sum(output_split_sizes) if output_split_sizes is not None else input_.shape[0]
+    return input_.new_empty((rows, *input_.shape[1:]))
 
 
 def _check_split_sizes(what: str, sizes: list[int], world: int) -> list[int]:
@@ -423,22 +437,8 @@ class _AllToAll(_RegionClass):
         input_split_sizes: list[int] | None,
     ) -> torch.Tensor:
         _check_tensor(input, "all_to_all")
-        world = group.size()
-        if world == 1:
+        if group.size() == 1:
             return input
-        if output_split_sizes is None and input_split_sizes is None and input.shape[0] % world != 0:
-            raise ValueError(
-                f"all_to_all: the first dim ({input.shape[0]}) is not divisible by the group size ({world})"
-            )
-        if output_split_sizes is not None:
-            output_split_sizes = _check_split_sizes("output_split_sizes", output_split_sizes, world)
-        if input_split_sizes is not None:
-            input_split_sizes = _check_split_sizes("input_split_sizes", input_split_sizes, world)
-            if sum(input_split_sizes) != input.shape[0]:
-                raise ValueError(
-                    f"input_split_sizes {input_split_sizes} sum to {sum(input_split_sizes)}, "
-                    f"but the input has {input.shape[0]} rows"
-                )
         return _all_to_all_autograd(input, output_split_sizes, input_split_sizes, group)
 
     @staticmethod

@@ -2,33 +2,32 @@
 
 ``permute`` lays the tokens out expert-major (all of expert 0's tokens in token order, then
 expert 1's, ...), ``unpermute`` adds each token's copies back into its row, weighted by the
-router's probabilities when given; Megatron-core 0.16.1's semantics and numbers.
+router's probabilities when given; Megatron-core 0.16.1's semantics and numbers. Both run as C++
+ops with C++ autograd nodes over CPU and CUDA kernels (``torch.ops.megatron_ext.moe_*``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from megatron_ext import _C  # noqa: F401  (registers the ops)
 
-def _check_routing(tokens: torch.Tensor, routing_map: torch.Tensor, where: str) -> None:
-    if tokens.dim() != 2:
-        raise ValueError(f"{where}: tokens must be [num_tokens, hidden], got shape {tuple(tokens.shape)}")
-    if routing_map.dim() != 2 or routing_map.shape[0] != tokens.shape[0]:
-        raise ValueError(
-            f"{where}: routing_map must be [num_tokens={tokens.shape[0]}, num_experts], "
-            f"got shape {tuple(routing_map.shape)}"
-        )
+_ops = torch.ops.megatron_ext
 
 
-def _capacity_indices(routing_map: torch.Tensor, capacity: int) -> torch.Tensor:
-    """[num_experts * capacity]: each expert's tokens in token order, padded with the tokens it
-    was not routed (in token order) up to ``capacity``."""
-    by_expert = routing_map.to(torch.int8).T.contiguous()
-    return by_expert.argsort(dim=-1, descending=True, stable=True)[:, :capacity].reshape(-1)
+def _experts_of_rows(routing_map: torch.Tensor, num_rows: int, drop_and_pad: bool) -> torch.Tensor:
+    """The expert of each permuted row."""
+    num_experts = routing_map.shape[1]
+    if drop_and_pad:
+        capacity = num_rows // num_experts
+        return torch.arange(num_experts, device=routing_map.device).repeat_interleave(capacity)
+    return _ops.moe_sort_by_expert(routing_map, None)[1]
 
 
-def _probs_at(probs: torch.Tensor, sorted_indices: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    return probs[sorted_indices, experts]
+def _permuted_probs(probs: torch.Tensor, sorted_indices: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """``probs[sorted_indices[i], experts[i]]`` for each permuted row i (with autograd)."""
+    flat = sorted_indices * probs.shape[1] + experts
+    return _ops.moe_permute(probs.reshape(-1, 1), flat, None).view(-1)
 
 
 def permute(
@@ -48,26 +47,29 @@ def permute(
     tokens, then padding rows taken from tokens it was not routed). ``fused`` is accepted for
     Megatron-core's signature; the permutation is always this library's own.
     """
-    _check_routing(tokens, routing_map, "permute")
-    num_tokens = tokens.shape[0]
+    if tokens.dim() != 2:
+        raise ValueError(f"permute: tokens must be [num_tokens, hidden], got shape {tuple(tokens.shape)}")
+    if routing_map.dim() != 2 or routing_map.shape[0] != tokens.shape[0]:
+        raise ValueError(
+            f"permute: routing_map must be [num_tokens={tokens.shape[0]}, num_experts], "
+            f"got shape {tuple(routing_map.shape)}"
+        )
     num_experts = routing_map.shape[1]
+    capacity = None
     if drop_and_pad and num_out_tokens is not None:
         if num_out_tokens < 0:
             raise ValueError(f"permute: num_out_tokens must be >= 0, got {num_out_tokens}")
         capacity = num_out_tokens // num_experts
-        sorted_indices = _capacity_indices(routing_map, capacity)
-        experts = torch.arange(num_experts, device=tokens.device).repeat_interleave(capacity)
-    else:
-        experts, sorted_indices = routing_map.bool().T.nonzero(as_tuple=True)
+    sorted_indices, experts = _ops.moe_sort_by_expert(routing_map, capacity)
     permuted_probs = None
     if probs is not None:
-        if tuple(probs.shape) != (num_tokens, num_experts):
+        if tuple(probs.shape) != tuple(routing_map.shape):
             raise ValueError(
-                f"permute: probs must be [{num_tokens}, {num_experts}] like routing_map, "
+                f"permute: probs must be [{routing_map.shape[0]}, {num_experts}] like routing_map, "
                 f"got shape {tuple(probs.shape)}"
             )
-        permuted_probs = _probs_at(probs, sorted_indices, experts)
-    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+        permuted_probs = _permuted_probs(probs, sorted_indices, experts)
+    return _ops.moe_permute(tokens, sorted_indices, None), permuted_probs, sorted_indices
 
 
 def unpermute(
@@ -82,21 +84,28 @@ def unpermute(
     """Adds each permuted row back into row ``sorted_indices[i]`` of a zero tensor of
     ``restore_shape`` [num_tokens, hidden], scaled by its router probability when ``probs``
     [num_tokens, num_experts] (with ``routing_map``) is given; the result has the permuted
-    tokens' dtype."""
+    tokens' dtype (the sum is taken in the wider of the two dtypes, as Megatron-core does)."""
     num_tokens, hidden = restore_shape
+    if permuted_tokens.dim() != 2 or permuted_tokens.shape[1] != hidden:
+        raise ValueError(
+            f"unpermute: permuted_tokens must be [rows, hidden={hidden}] for restore_shape "
+            f"{tuple(restore_shape)}, got shape {tuple(permuted_tokens.shape)}"
+        )
     dtype = permuted_tokens.dtype
+    permuted_probs = None
     if probs is not None:
         if routing_map is None:
             raise ValueError("unpermute: probs need the routing_map they were permuted with")
-        num_experts = routing_map.shape[1]
-        if drop_and_pad:
-            capacity = sorted_indices.numel() // num_experts
-            experts = torch.arange(num_experts, device=probs.device).repeat_interleave(capacity)
-        else:
-            experts, _ = routing_map.bool().T.nonzero(as_tuple=True)
-        permuted_tokens = permuted_tokens * _probs_at(probs, sorted_indices, experts).unsqueeze(-1)
-    out = permuted_tokens.new_zeros((num_tokens, hidden))
-    out.index_add_(0, sorted_indices, permuted_tokens)
+        experts = _experts_of_rows(routing_map, sorted_indices.numel(), drop_and_pad)
+        if experts.numel() != sorted_indices.numel():
+            raise ValueError(
+                f"unpermute: routing_map routes {experts.numel()} rows, but sorted_indices has "
+                f"{sorted_indices.numel()}"
+            )
+        common = torch.promote_types(dtype, probs.dtype)
+        permuted_probs = _permuted_probs(probs.to(common), sorted_indices, experts)
+        permuted_tokens = permuted_tokens.to(common)
+    out = _ops.moe_unpermute(permuted_tokens, sorted_indices, permuted_probs, num_tokens)
     return out.to(dtype)
 
 
