@@ -12,7 +12,8 @@ the CPU, each patch named here:
 
 - model code (both runs): ``torch.cuda.current_device()`` returns ``"cpu"`` (the rotary
   embedding moves its frequencies there on the first forward), ``Tensor.cuda()`` returns the
-  tensor (the tied embedding's first all-reduce across pipeline stages);
+  tensor (the tied embedding's first all-reduce across pipeline stages), ``torch.tensor`` ignores
+  ``pin_memory=True`` (the rotary embedding's context-parallel index, pinned for its copy to the GPU);
 - Megatron-core's own DDP, optimizer and schedules (``full=True``, the Megatron-core-alone run):
   also ``torch.cuda.synchronize`` does nothing, ``torch.cuda.Stream``/``torch.cuda.stream`` are
   null, the factory functions given ``device="cuda"`` allocate on the CPU, and ``Tensor.type()``
@@ -112,6 +113,8 @@ def cpu_patches(full: bool) -> None:
     """Points Megatron-core's CUDA device calls at the CPU (see the module docstring)."""
     torch.cuda.current_device = lambda: "cpu"
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    tensor = torch.tensor
+    torch.tensor = lambda *args, pin_memory=False, **kwargs: tensor(*args, **kwargs)
     if not full:
         return
     torch.cuda.synchronize = lambda *args, **kwargs: None
@@ -148,6 +151,8 @@ class Run:
     tp: int = 1
     pp: int = 1
     vp: int | None = None
+    cp: int = 1  # > 1: Megatron-core's local spec with megatron_ext's context-parallel core_attention
+    cp_comm_type: str = "p2p"
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     dtype: torch.dtype = torch.float64
@@ -179,6 +184,8 @@ def config_fields(run: Run) -> dict[str, Any]:
         apply_rope_fusion=run.fused and run.arch == "llama",
         persist_layer_norm=run.fused and run.arch == "llama",
     )
+    if run.cp > 1:
+        fields.update(context_parallel_size=run.cp, cp_comm_type=run.cp_comm_type)
     if run.arch == "llama":
         fields.update(
             normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
@@ -224,6 +231,10 @@ def build_model(run: Run, config: Any, stack: str = "megatron.core") -> list[tor
 
         _use_torch_norm_with_sequence_parallel()
         spec = get_gpt_layer_local_spec(normalization="RMSNorm" if run.arch == "llama" else None)
+        if run.cp > 1:  # Megatron-core's own DotProductAttention refuses context parallelism
+            from megatron_ext.transformer.context_parallel import ContextParallelDotProductAttention
+
+            spec.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention
         build = lambda **kw: GPTModel(config, spec, run.vocab, run.seq, **kw)  # noqa: E731
     else:
         from megatron_ext.models import GPTModel
@@ -284,13 +295,21 @@ def batches(run: Run, step: int, dp_rank: int, dp_size: int) -> list[tuple[torch
 def forward_step(data_iterator, model):
     """Megatron-LM's forward step: the model's per-token losses, masked and averaged. Megatron-core's
     attention gets the causal mask as a tensor (Megatron-LM's data loader makes one); megatron_ext's
-    model applies it as a flag."""
+    model applies it as a flag. With context parallelism the loss is Megatron-LM's three values (the
+    sum over this rank's tokens and their count: the schedule divides, and the data-parallel
+    average over dp x cp makes it the mean over the sequence); the reported loss is this rank's
+    mean."""
     tokens, labels, loss_mask, positions, causal = next(data_iterator)
-    takes_mask = type(getattr(model, "module", model)).__module__.startswith("megatron.core")
+    module = getattr(model, "module", model)
+    takes_mask = type(module).__module__.startswith("megatron.core")
+    split_sequence = getattr(module.config, "context_parallel_size", 1) > 1
     losses = model(tokens, positions, causal if takes_mask else None, labels=labels)
 
     def loss_func(output):
-        loss = (output.to(loss_mask.dtype) * loss_mask).sum() / loss_mask.sum()
+        total = (output.to(loss_mask.dtype) * loss_mask).sum()
+        loss = total / loss_mask.sum()
+        if split_sequence:
+            return total, loss_mask.sum().to(torch.int), {"lm loss": loss.detach()}
         return loss, {"lm loss": loss.clone().detach()}  # the schedule scales loss in place
 
     return losses, loss_func
@@ -310,7 +329,7 @@ def setup(run: Run, stack: str = "megatron.core", weights_from: list[torch.nn.Mo
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
-            virtual_pipeline_model_parallel_size=run.vp,
+            virtual_pipeline_model_parallel_size=run.vp, context_parallel_size=run.cp,
         )
     on_megatron_core = stack == "megatron.core" and not _ON_MEGATRON_EXT
     tensor_parallel.model_parallel_cuda_manual_seed(
@@ -370,6 +389,10 @@ def train_step(run: Run, model: list[torch.nn.Module], optimizer: Any, scheduler
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     micro = batches(run, step, dp_rank, dp_size)
+    if run.cp > 1:  # this cp rank's chunks of each sequence (the mask's rows: dim 2)
+        cp_slice = importlib.import_module(f"{stack}.utils").get_batch_on_this_cp_rank
+        names = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+        micro = [tuple(cp_slice(dict(zip(names, mb))).values()) for mb in micro]
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -386,9 +409,10 @@ def train_step(run: Run, model: list[torch.nn.Module], optimizer: Any, scheduler
         scheduler.step(increment=1)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
+    # Each cp rank's loss is the mean over its tokens, as many on every rank.
     loss = torch.stack([m["lm loss"] for m in losses]).mean().to(torch.float64)
-    torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
-    return float(loss) / dp_size
+    torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return float(loss) / (dp_size * run.cp)
 
 
 def train(run: Run) -> dict[str, Any]:

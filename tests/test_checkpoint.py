@@ -1,4 +1,4 @@
-"""Sharded checkpoints: a run saved at one (tp, pp, dp) layout and resumed at another computes the
+"""Sharded checkpoints: a run saved at one (tp, pp, dp, cp) layout and resumed at another computes the
 uninterrupted run's losses (float64, 1e-9); saves are atomic; checkpoints of another model or
 with a corrupted file are refused on every rank; the unsharded conversion round-trips."""
 
@@ -45,6 +45,8 @@ def saved_at_tp2_pp2(tmp_path_factory):
         (2, 2, 1, "--sequence-parallel"),
         (1, 2, 2, "--virtual-pipeline", "2"),
         (2, 2, 1, "--schedule", "zb-v"),
+        (1, 1, 2, "--cp", "2"),  # cp ranks are replicas: a cp 1 checkpoint loads at cp 2
+        (1, 2, 1, "--cp", "2"),
     ]
     results = run_distributed(4, _save_then_resume_worker, save_dir, layouts, "0.0")
     full, resumed = results[0]
@@ -71,7 +73,7 @@ def test_resume_at_other_layouts_matches_uninterrupted(saved_at_tp2_pp2):
         assert f.read().strip() == "4"
     with open(os.path.join(save_dir, "iter_0000002", "checkpoint.json")) as f:
         marker = json.load(f)
-    assert marker["iteration"] == 2 and marker["layout"] == {"tp": 2, "pp": 2, "dp": 1, "vpp": 1}
+    assert marker["iteration"] == 2 and marker["layout"] == {"tp": 2, "pp": 2, "dp": 1, "cp": 1, "vpp": 1}
     assert marker["metadata"]["data"]["consumed_samples"] == 16
 
 
@@ -444,6 +446,37 @@ def test_distributed_optimizer_state_reshards(saved_at_tp2_pp2, tmp_path):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(full["losses"]), rtol=1e-9, atol=0)
     for start_and_losses in resumed.values():
         _assert_resumed_equal(full["losses"], *start_and_losses)
+
+
+def _context_parallel_worker(save_dir: str):
+    """Trains 4 steps at cp 2 x dp 2 with the distributed optimizer (its state sharded over the 4
+    ranks of dp x cp) saving after step 2, then resumes at cp 1, cp 4 and cp 2 x tp 2."""
+    dist_opt = "--use-distributed-optimizer"
+    full = checkpoint_run((1, 1, 2), "--cp", "2", dist_opt, "--save", save_dir, "--save-interval", "2")
+    ckpt = os.path.join(save_dir, "iter_0000002")
+    resumed = {
+        layout: checkpoint_run(layout[:3], "--load", ckpt, *layout[3:])
+        for layout in [
+            (1, 1, 2, "--cp", "2", dist_opt),  # the saving layout: its RNG states are restored
+            (1, 1, 4, dist_opt),
+            (1, 1, 1, "--cp", "4"),
+            (2, 1, 1, "--cp", "2", dist_opt),
+        ]
+    }
+    return full["losses"], {k: (v["start_step"], v["losses"]) for k, v in resumed.items()}
+
+
+def test_resume_across_context_parallel_sizes(saved_at_tp2_pp2, tmp_path):
+    # The cp ranks of a checkpoint are replicas, so it loads at any cp size; the run at cp 2 and
+    # every resumed run compute the uninterrupted tp 2 x pp 2 run's losses.
+    _, full, _ = saved_at_tp2_pp2
+    (losses, resumed), *_ = run_distributed(4, _context_parallel_worker, str(tmp_path / "run"))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(full["losses"]), rtol=1e-9, atol=0)
+    assert len(resumed) == 4
+    for start_and_losses in resumed.values():
+        _assert_resumed_equal(full["losses"], *start_and_losses)
+    with open(os.path.join(tmp_path, "run", "iter_0000002", "checkpoint.json")) as f:
+        assert json.load(f)["layout"] == {"tp": 1, "pp": 1, "dp": 2, "cp": 2, "vpp": 1}
 
 
 def _mixed_precision_worker(save_dir: str, precision: str):

@@ -1,7 +1,7 @@
 """examples/train_gpt.py with context parallelism: GPT and Llama at (tp, cp, pp, dp) = (1,2,1,1),
-(2,2,1,1), (1,2,2,1), (1,4,1,1) and (1,2,1,2), every comm type, equal to the serial run in float64
-(per-step losses, gradient norms and the final weights); the configuration's and the example's
-refusals."""
+(2,2,1,1), (1,2,2,1) (1F1B, interleaved and ZB-V), (1,4,1,1) and (1,2,1,2), every comm type, equal
+to the serial run in float64 (per-step losses, gradient norms and the final weights); the
+configuration's and the example's refusals."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ WORLD_4 = [
     # The distributed optimizer shards over dp x cp (here cp alone).
     ((2, 2, 1, 1), "p2p", ("--sequence-parallel", "--use-distributed-optimizer")),
     ((1, 2, 2, 1), "p2p", ("--virtual-pipeline", "2")),
+    # Zero bubble: the backward split into input and weight gradients (the attention's is all in
+    # the input part), ZB-V's two chunks per rank.
+    ((1, 2, 2, 1), "p2p", ("--schedule", "zb-v")),
 ]
 
 

@@ -16,6 +16,7 @@ the float32 runs with the distributed optimizer use Adam and a looser bound."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -97,4 +98,49 @@ def test_megatron_core_gpt_model_trains_on_megatron_ext_as_on_megatron_core():
             diffs = {p: _max_difference(v, got["params"][p]) for p, v in expected["params"].items()}
             for param, diff in diffs.items():
                 assert diff <= param_tolerance, (name, rank, param, diff)
+        assert last_stages == 4 // run.pp, name
+
+
+# Context parallelism on megatron_ext: Megatron-core's local spec with its core_attention swapped
+# for megatron_ext's ContextParallelDotProductAttention, against the unchanged local spec at cp 1
+# and otherwise the same layout (Megatron-core's initialisation depends on the pipeline layout).
+# SGD: its update is proportional to the gradient, so a wrongly scaled gradient shows in the
+# losses (Adam's first steps are nearly the gradient's sign, and would hide a factor of cp).
+CP_RUNS = {
+    "gpt cp2 dp2 p2p": Run(cp=2, cp_comm_type="p2p", optimizer="sgd"),
+    "gpt cp4 all_gather": Run(cp=4, cp_comm_type="all_gather", optimizer="sgd"),
+    "llama tp2 cp2 p2p": Run(arch="llama", tp=2, cp=2, cp_comm_type="p2p", optimizer="sgd"),
+    "llama cp2 pp2 a2a": Run(arch="llama", cp=2, pp=2, cp_comm_type="a2a", optimizer="sgd"),
+}
+
+
+def _train_context_parallel() -> dict:
+    use_megatron_ext()
+    cpu_patches(full=False)
+    runs = {**CP_RUNS, **{name + " at cp 1": dataclasses.replace(run, cp=1) for name, run in CP_RUNS.items()}}
+    return {name: train(run) for name, run in runs.items()}
+
+
+def test_megatron_core_gpt_model_trains_with_context_parallelism_on_megatron_ext():
+    # Rank r has the same tensor- and pipeline-parallel ranks at cp 1 (dp x cp ranks there), so
+    # its parameters compare with the cp 1 run's rank r.
+    results = run_distributed(4, _train_context_parallel, timeout=900)
+    for name, run in CP_RUNS.items():
+        last_stages = 0
+        for rank, result in enumerate(results):
+            got, expected = result[name], result[name + " at cp 1"]
+            assert (got["losses"] is None) == (expected["losses"] is None), (name, rank)
+            if got["losses"] is not None:  # float64: the cp 1 run's losses
+                last_stages += 1
+                torch.testing.assert_close(
+                    torch.tensor(got["losses"]), torch.tensor(expected["losses"]), rtol=1e-9, atol=0,
+                    msg=lambda m: f"{name} rank {rank}: {m}",
+                )
+                assert expected["losses"][-1] < expected["losses"][0], (name, expected["losses"])
+            assert sorted(got["params"]) == sorted(expected["params"]), (name, rank)
+            for param, value in expected["params"].items():
+                torch.testing.assert_close(
+                    torch.tensor(got["params"][param]), torch.tensor(value), rtol=1e-9, atol=1e-12,
+                    msg=lambda m: f"{name} rank {rank} {param}: {m}",
+                )
         assert last_stages == 4 // run.pp, name

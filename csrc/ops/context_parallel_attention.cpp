@@ -13,14 +13,23 @@
 // output and log-sum-exp, so no block is recomputed in the forward's terms. No [s, s] scores.
 //
 // cp_comm_type:
-//   p2p         the ring. K/V (packed, query-group heads, never expanded) rotate rank r → r+1;
-//               the next block's send/recv is in flight while the current block computes. At
-//               step i rank r holds the K/V of rank src = r − i: step 0 is causal over the local
-//               2 chunks (the local order is increasing, so the plain causal mask is right); for
-//               src < r all local queries see src's first chunk only; for src > r only the local
-//               second chunk sees both of src's chunks; the rest lies above the diagonal and is
-//               skipped. The backward rotates K/V and the accumulating dK/dV the other way
-//               (r → r−1); after cp steps each accumulator is one hop from its owner.
+//   p2p         the ring. K/V (query-group heads, never expanded) rotate rank r → r+1; the next
+//               block's send/recv is in flight while the current block computes. At step i rank
+//               r holds the K/V of rank src = r − i: step 0 is causal over the local 2 chunks
+//               (the local order is increasing, so the plain causal mask is right); for src < r
+//               all local queries see src's first chunk only; for src > r only the local second
+//               chunk sees both of src's chunks; the rest lies above the diagonal and is skipped.
+//               The backward rotates K/V and the accumulating dK/dV the other way (r → r−1);
+//               after cp steps each accumulator is one hop from its owner.
+//
+// Memory of the ring, in units of one local [b, heads, s, d] tensor (MHA): besides the inputs,
+// the output and the gradients (what attention without cp holds too), it holds the K/V block in
+// flight and the one it computes with (2 + 2), and in the backward one dK/dV accumulator (2):
+// K and V travel as they are (not packed into one tensor, a copy), the accumulator arrives
+// before the block that adds to it and leaves after (so one is held, not one arriving and one
+// leaving), and a block's gradients are computed a few key/value groups at a time and added at
+// once (their kernels' outputs and workspace are a fraction of a unit), so the peak per rank
+// falls about as 1/cp.
 //   all_gather  K/V all-gathered once (no overlap); each local chunk at position p attends the
 //               chunks before it (one block) and its own (causal); the backward reduce-scatters
 //               dK/dV.
@@ -36,6 +45,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <limits>
@@ -57,6 +67,7 @@ using torch::autograd::Function;
 using torch::autograd::variable_list;
 
 constexpr const char* kOp = "context_parallel_attention";
+// Keys use the tag, values the tag + 2.
 constexpr int kKvTag = 0x4350;
 constexpr int kGradKvTag = 0x4351;
 
@@ -234,13 +245,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(
 }
 
 // Adds a block's partial result for the query rows [start, start + len) into the running output
-// ``out`` (acc_type) and log-sum-exp ``lse``.
-void merge(at::Tensor& out, at::Tensor& lse, const Block& block, int64_t start, int64_t len) {
+// ``out`` (acc_type) and log-sum-exp ``lse``; the block's output is scaled in place (no
+// temporary of its size).
+void merge(at::Tensor& out, at::Tensor& lse, Block block, int64_t start, int64_t len) {
   auto o = out.narrow(2, start, len);
   auto l = lse.narrow(2, start, len);
   const auto merged = at::logaddexp(l, block.lse);
   o.mul_((l - merged).exp().unsqueeze(-1));
-  o.add_(block.out.to(out.scalar_type()) * (block.lse - merged).exp().unsqueeze(-1));
+  auto part = block.out.to(out.scalar_type());
+  part.mul_((block.lse - merged).exp().unsqueeze(-1));
+  o.add_(part);
   l.copy_(merged);
 }
 
@@ -267,6 +281,32 @@ Exchange start_exchange(c10d::ProcessGroup& pg, const at::Tensor& send, int to, 
   ex.recv = pg.recv(in, from, tag);
   ex.send = pg.send(out, to, tag);
   return ex;
+}
+
+// Keys and values (or their gradients) as two tensors: packing them into one would be a copy.
+struct KeyValue {
+  at::Tensor k, v;
+};
+
+// One ring step of a key/value pair, each tensor its own message.
+struct KeyValueExchange {
+  Exchange k, v;
+
+  KeyValue wait() { return {k.wait(), v.wait()}; }
+};
+
+KeyValueExchange start_exchange(c10d::ProcessGroup& pg, const KeyValue& send, int to, int from,
+                                int tag) {
+  return {start_exchange(pg, send.k, to, from, tag), start_exchange(pg, send.v, to, from, tag + 2)};
+}
+
+// Key/value groups per block call in the ring's backward: about a quarter of them (a divisor),
+// so the kernels' gradients and workspace are a fraction of a local tensor.
+int64_t groups_per_call(int64_t groups) {
+  for (int64_t calls = std::min<int64_t>(4, groups); calls > 1; --calls) {
+    if (groups % calls == 0) return groups / calls;
+  }
+  return groups;
 }
 
 // The all-to-all of equal dim-0 slices.
@@ -394,7 +434,6 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& query, const a
     return {out.contiguous(), block.lse};
   }
   const int64_t s = q.size(2), c = s / 2;
-  auto kv = at::stack({key, value});  // [2, b, g, s, d]
   at::Tensor out, lse;
   auto add = [&](const Block& block, int64_t start, int64_t len) {
     if (!out.defined()) {
@@ -405,6 +444,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& query, const a
     merge(out, lse, block, start, len);
   };
   if (type == CommType::kAllGather) {
+    const auto kv = at::stack({key, value});  // [2, b, g, s, d]
     auto gathered = comm::wait(comm::start_all_gather_dim0(kv, cp, group, kOp));
     auto whole = gathered_in_order(gathered.view({cp, 2, kv.size(1), kv.size(2), s, kv.size(4)}),
                                    cp);  // [2, b, g, cp*s, d]
@@ -427,11 +467,12 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& query, const a
     const auto pg = comm::resolve(group);
     const int next = static_cast<int>((rank + 1) % cp),
               prev = static_cast<int>((rank + cp - 1) % cp);
+    KeyValue held{key.contiguous(), value.contiguous()};
     for (int64_t i = 0; i < cp; ++i) {
-      std::optional<Exchange> ex;
-      if (i + 1 < cp) ex = start_exchange(*pg, kv, next, prev, kKvTag);
+      std::optional<KeyValueExchange> ex;
+      if (i + 1 < cp) ex = start_exchange(*pg, held, next, prev, kKvTag);
       const int64_t src = (rank - i + cp) % cp;
-      const auto k = kv[0], v = kv[1];
+      const auto &k = held.k, &v = held.v;
       if (i == 0 || !is_causal) {
         add(block_forward(q, k, v, is_causal, scale), 0, s);
       } else if (src < rank) {
@@ -439,7 +480,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& query, const a
       } else {
         add(block_forward(q.narrow(2, c, c), k, v, false, scale), c, c);
       }
-      if (ex) kv = ex->wait();
+      if (ex) held = ex->wait();
     }
   }
   return {out.to(q.scalar_type()), lse};
@@ -471,30 +512,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(
   const int64_t s = q.size(2), c = s / 2;
   const auto acc = q.options().dtype(acc_type(q));
   auto dq = at::zeros(q.sizes(), acc);
-  auto kv = at::stack({key, value});  // [2, b, g, s, d]
-  // The gradients of query rows [qs, qs + len) against key/value rows [ks, ks + klen) of ``kvs``,
-  // added to dq and ``dkv``.
-  auto add = [&](const at::Tensor& kvs, at::Tensor& dkv, int64_t qs, int64_t len, int64_t ks,
+  // The gradients of query rows [qs, qs + len) against key/value rows [ks, ks + klen) of ``kv``,
+  // added to dq and ``dkv``, a few key/value groups (and their query heads) per call.
+  auto add = [&](const KeyValue& kv, KeyValue& dkv, int64_t qs, int64_t len, int64_t ks,
                  int64_t klen, bool causal) {
-    auto [gq, gk, gv] = block_backward(
-        dout.narrow(2, qs, len), q.narrow(2, qs, len).contiguous(), kvs[0].narrow(2, ks, klen),
-        kvs[1].narrow(2, ks, klen), out.narrow(2, qs, len), lse.narrow(2, qs, len), causal, scale);
-    dq.narrow(2, qs, len).add_(gq);
-    dkv[0].narrow(2, ks, klen).add_(gk);
-    dkv[1].narrow(2, ks, klen).add_(gv);
+    const int64_t groups = kv.k.size(1), per_group = q.size(1) / groups;
+    const int64_t step = groups_per_call(groups);
+    for (int64_t g = 0; g < groups; g += step) {
+      const auto rows = [&](const at::Tensor& t, int64_t heads_per_group) {
+        return t.narrow(1, g * heads_per_group, step * heads_per_group).narrow(2, qs, len);
+      };
+      const auto keys = [&](const at::Tensor& t) {
+        return t.narrow(1, g, step).narrow(2, ks, klen);
+      };
+      auto [gq, gk, gv] =
+          block_backward(rows(dout, per_group), rows(q, per_group).contiguous(), keys(kv.k),
+                         keys(kv.v), rows(out, per_group), rows(lse, per_group), causal, scale);
+      rows(dq, per_group).add_(gq);
+      keys(dkv.k).add_(gk);
+      keys(dkv.v).add_(gv);
+    }
   };
   if (type == CommType::kAllGather) {
+    const auto kv = at::stack({key, value});  // [2, b, g, s, d]
     auto gathered = comm::wait(comm::start_all_gather_dim0(kv, cp, group, kOp));
     auto whole =
         gathered_in_order(gathered.view({cp, 2, kv.size(1), kv.size(2), s, kv.size(4)}), cp);
     auto dwhole = at::zeros(whole.sizes(), acc);
+    const KeyValue all{whole[0], whole[1]};
+    KeyValue dall{dwhole[0], dwhole[1]};
     if (!is_causal) {
-      add(whole, dwhole, 0, s, 0, whole.size(3), false);
+      add(all, dall, 0, s, 0, whole.size(3), false);
     } else {
       for (int64_t half = 0; half < 2; ++half) {
         const int64_t p = half == 0 ? rank : 2 * cp - 1 - rank;
-        if (p > 0) add(whole, dwhole, half * c, c, 0, p * c, false);
-        add(whole, dwhole, half * c, c, p * c, c, true);
+        if (p > 0) add(all, dall, half * c, c, 0, p * c, false);
+        add(all, dall, half * c, c, p * c, c, true);
       }
     }
     auto mine =
@@ -503,25 +556,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(
   }
   const auto pg = comm::resolve(group);
   const int next = static_cast<int>((rank + 1) % cp), prev = static_cast<int>((rank + cp - 1) % cp);
-  std::optional<Exchange> grads_in_flight;
+  KeyValue held{key.contiguous(), value.contiguous()};
+  // The dK/dV accumulator of the K/V held: arrives from the next rank (the ranks after it added
+  // their parts), gets this rank's part, leaves for the previous rank.
+  std::optional<KeyValueExchange> grads_in_flight;
   for (int64_t i = 0; i < cp; ++i) {
-    std::optional<Exchange> ex;
-    if (i + 1 < cp) ex = start_exchange(*pg, kv, prev, next, kKvTag);
+    std::optional<KeyValueExchange> ex;
+    if (i + 1 < cp) ex = start_exchange(*pg, held, prev, next, kKvTag);
     const int64_t src = (rank + i) % cp;
-    auto dkv = at::zeros(kv.sizes(), acc);
+    KeyValue dkv = grads_in_flight
+                       ? grads_in_flight->wait()
+                       : KeyValue{at::zeros(held.k.sizes(), acc), at::zeros(held.v.sizes(), acc)};
+    grads_in_flight.reset();
     if (i == 0 || !is_causal) {
-      add(kv, dkv, 0, s, 0, s, is_causal);
+      add(held, dkv, 0, s, 0, s, is_causal);
     } else if (src < rank) {
-      add(kv, dkv, 0, s, 0, c, false);
+      add(held, dkv, 0, s, 0, c, false);
     } else {
-      add(kv, dkv, c, c, 0, s, false);
+      add(held, dkv, c, c, 0, s, false);
     }
-    if (grads_in_flight) dkv.add_(grads_in_flight->wait());
     grads_in_flight = start_exchange(*pg, dkv, prev, next, kGradKvTag);
-    if (ex) kv = ex->wait();
+    dkv = {};  // the exchange holds it until sent
+    if (ex) held = ex->wait();
   }
   auto dkv = grads_in_flight->wait();
-  return {dq.to(q.scalar_type()), dkv[0].to(q.scalar_type()), dkv[1].to(q.scalar_type())};
+  return {dq.to(q.scalar_type()), dkv.k.to(q.scalar_type()), dkv.v.to(q.scalar_type())};
 }
 
 using ForwardFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,

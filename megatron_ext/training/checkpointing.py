@@ -1,4 +1,5 @@
-"""Training checkpoints that load at any tensor/pipeline/data-parallel layout, atomic and verified.
+"""Training checkpoints that load at any tensor/pipeline/context/data-parallel layout, atomic and
+verified.
 
 A checkpoint is a directory ``<save>/iter_XXXXXXX`` written by ``serialization.save`` (Megatron-
 core's ``torch_dist`` format) plus ``checkpoint.json``, the completion marker (format, iteration,
@@ -11,7 +12,10 @@ complete one. What is stored is one sharded state dict:
 - ``optimizer``: ``param_state_by_name()``, each tensor sharded as its parameter under
   ``optimizer.state.<state name>.<parameter key>`` (whatever the optimizer: plain or distributed,
   so either loads the other's), and in the common part the step and fp16 loss scaler;
-- ``rng_state``: each rank's random states, an object shard at (pp rank, tp rank, dp rank).
+- ``rng_state``: each rank's random states, an object shard at (pp rank, tp rank, dp x cp rank).
+
+Context-parallel ranks hold the same parameters and optimizer state (replicas, as data-parallel
+ranks are), so a checkpoint saved at one cp size loads at any other.
 
 Atomicity: ranks write into ``<save>/.tmp.iter_XXXXXXX``; only after every rank's files are
 written and hashed does rank 0 write the marker and rename the directory into place, then update
@@ -142,21 +146,31 @@ def _layout() -> dict[str, int]:
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
         "pp": parallel_state.get_pipeline_model_parallel_world_size(),
         "dp": parallel_state.get_data_parallel_world_size(),
+        "cp": parallel_state.get_context_parallel_world_size(),
         "vpp": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
     }
 
 
+def _saved_layout(marker: dict[str, Any]) -> dict[str, int]:
+    """The layout a checkpoint was saved at; checkpoints written before cp was recorded are cp 1."""
+    return {"cp": 1, **marker["layout"]}
+
+
 def _rng_object(states: Any = None) -> ShardedObject:
-    """This rank's random states as the object shard (pp rank, tp rank, dp rank) of ``rng_state``."""
-    layout = _layout()
+    """This rank's random states as the object shard (pp rank, tp rank, dp x cp rank) of
+    ``rng_state``: every rank keeps its own (at cp 1 the third index is the dp rank)."""
     return ShardedObject(
         "rng_state",
         states,
-        (layout["pp"], layout["tp"], layout["dp"]),
+        (
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+        ),
         (
             parallel_state.get_pipeline_model_parallel_rank(),
             parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_rank(with_context_parallel=True),
         ),
     )
 
@@ -671,7 +685,7 @@ def load_checkpoint(
             f"cannot load checkpoint {resolved or path!r}: " + "; ".join(lines[:shown]) + more
         )
 
-    rng_loaded = load_rng and marker["layout"] == _layout()
+    rng_loaded = load_rng and _saved_layout(marker) == _layout()
     if rng_loaded:
         state["rng_state"] = _rng_object()
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
