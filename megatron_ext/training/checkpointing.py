@@ -151,11 +151,6 @@ def _layout() -> dict[str, int]:
     }
 
 
-def _saved_layout(marker: dict[str, Any]) -> dict[str, int]:
-    """The layout a checkpoint was saved at; checkpoints written before cp was recorded are cp 1."""
-    return {"cp": 1, **marker["layout"]}
-
-
 def _rng_object(states: Any = None) -> ShardedObject:
     """This rank's random states as the object shard (pp rank, tp rank, dp x cp rank) of
     ``rng_state``: every rank keeps its own (at cp 1 the third index is the dp rank)."""
@@ -167,11 +162,8 @@ def _rng_object(states: Any = None) -> ShardedObject:
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_data_parallel_world_size(with_context_parallel=True),
         ),
-        (
-            parallel_state.get_pipeline_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_data_parallel_rank(with_context_parallel=True),
-        ),
+        (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
+         parallel_state.get_data_parallel_rank(with_context_parallel=True)),
     )
 
 
@@ -685,7 +677,8 @@ def load_checkpoint(
             f"cannot load checkpoint {resolved or path!r}: " + "; ".join(lines[:shown]) + more
         )
 
-    rng_loaded = load_rng and _saved_layout(marker) == _layout()
+    # (a checkpoint written before its layout recorded cp is cp 1)
+    rng_loaded = load_rng and {"cp": 1, **marker["layout"]} == _layout()
     if rng_loaded:
         state["rng_state"] = _rng_object()
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
