@@ -64,6 +64,15 @@ def test_save_directory_is_checked_at_start(tmp_path):
     )
     assert "cannot be created: '/dev/null' is not a directory" in _refusal(TINY + ["--save", "/dev/null/x"])
     _accepts(TINY + ["--save", str(tmp_path / "new" / "deeper")])  # made at the first save
+    # the files written as the run goes or at its end: not a directory, in a directory that can be made
+    for flag in ("--log-json", "--plot"):
+        assert _refusal(TINY + [flag, str(tmp_path)]) == (
+            f"{flag} {str(tmp_path)!r} is a directory; expected the path of a file"
+        )
+        assert _refusal(TINY + [flag, under]) == (
+            f"{flag} {under!r}: its directory {str(file)!r} is not a directory"
+        )
+        _accepts(TINY + [flag, str(tmp_path / "new" / "out")])
 
 
 def _hf_dir(path, **config_changes) -> str:
@@ -104,6 +113,20 @@ def test_hf_directories_are_checked_at_start(tmp_path):
         f"--load-hf {headless!r}: the Hugging Face config's 'num_attention_heads' must be a positive "
         "integer, got nothing (the field is missing)"
     )
+    # the optional fields, when given, are checked and named too
+    for change, message in (
+        (dict(model_type=None), "the Hugging Face config has no 'model_type', expected one of ['llama', "),
+        (dict(num_key_value_heads=0), "the Hugging Face config's 'num_key_value_heads' must be a positive "
+                                      "integer, got 0"),
+        (dict(num_key_value_heads=3), "the Hugging Face config's 'num_key_value_heads' (3) must divide "
+                                      "'num_attention_heads' (4)"),
+        (dict(head_dim=-8), "the Hugging Face config's 'head_dim' must be a positive integer, got -8"),
+        (dict(rope_theta="1e4"), "the Hugging Face config's 'rope_theta' must be a positive finite number, "
+                                 "got '1e4'"),
+    ):
+        path = _hf_dir(tmp_path / "fields", **change)
+        assert _refusal(LLAMA + ["--load-hf", path]).startswith(f"--load-hf {path!r}: {message}"), change
+    _accepts(LLAMA + ["--load-hf", _hf_dir(tmp_path / "fields", num_key_value_heads=2, head_dim=16)])
     invalid = _hf_dir(tmp_path / "invalid")
     with open(os.path.join(invalid, "config.json"), "w") as f:
         f.write('{"model_type": "llama",')
@@ -121,6 +144,14 @@ def test_hf_directories_are_checked_at_start(tmp_path):
     assert _refusal(LLAMA + ["--load-hf", indexed]) == (
         f"--load-hf {indexed!r}: {index!r} has no 'weight_map' (tensor name -> shard file)"
     )
+    for weight_map, got in (({}, "an empty map"),
+                            ({"model.embed_tokens.weight": 1}, "1 for 'model.embed_tokens.weight'")):
+        with open(index, "w") as f:
+            json.dump({"weight_map": weight_map}, f)
+        assert _refusal(LLAMA + ["--load-hf", indexed]) == (
+            f"--load-hf {indexed!r}: {index!r}: 'weight_map' must map tensor names to shard file names, "
+            f"got {got}"
+        )
     with open(index, "w") as f:
         json.dump({"weight_map": {"model.embed_tokens.weight": shard}}, f)
     _accepts(LLAMA + ["--load-hf", indexed])
@@ -146,6 +177,14 @@ def test_export_never_mixes_or_overwrites_models(tmp_path):
         "--export-hf-overwrite to replace the model in it"
     )
     assert _refusal(LLAMA + ["--export-hf-overwrite"]) == "--export-hf-overwrite needs --export-hf"
+    run = str(tmp_path / "run")
+    for flags, flag in ((["--save", run], "--save"), (["--load", run, "--save", run], "--save"),
+                        (["--load", run, "--allow-fresh-start"], "--load")):
+        (tmp_path / "run").mkdir(exist_ok=True)
+        assert _refusal(LLAMA + flags + ["--export-hf", run, "--export-hf-overwrite"]) == (
+            f"--export-hf {run!r} is the {flag} directory: the Hugging Face model would lie among the "
+            "checkpoints; export to another directory"
+        )
     file = tmp_path / "file"
     file.write_text("x")
     assert _refusal(LLAMA + ["--export-hf", str(file)]) == f"--export-hf {str(file)!r} is not a directory"

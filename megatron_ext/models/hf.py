@@ -213,6 +213,12 @@ class _TensorSource:
                     weight_map = _read_json(index).get("weight_map")
                     if not isinstance(weight_map, dict):
                         raise ValueError(f"{index!r} has no 'weight_map' (tensor name -> shard file)")
+                    bad = [k for k, v in weight_map.items() if not isinstance(v, str)]
+                    if bad or not weight_map:
+                        raise ValueError(
+                            f"{index!r}: 'weight_map' must map tensor names to shard file names, got "
+                            + (f"{weight_map[bad[0]]!r} for {bad[0]!r}" if bad else "an empty map")
+                        )
                     self._files = {k: os.path.join(path, v) for k, v in weight_map.items()}
                     for file in sorted(set(self._files.values())):
                         _safetensors_keys(file)  # each shard present and whole

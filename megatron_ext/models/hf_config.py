@@ -5,6 +5,7 @@ mixture-of-experts ``config.json`` (or ``PretrainedConfig``) into a ``Transforme
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,9 +44,15 @@ def _rope(hf_config: Any) -> tuple[float, float]:
             f"rope type {rope_type!r} ({params}) is not supported: only the plain rotary embedding "
             "('default')"
         )
-    theta = params.get("rope_theta", _field(hf_config, "rope_theta", 10000.0))
-    percent = params.get("partial_rotary_factor", _field(hf_config, "partial_rotary_factor", 1.0))
-    return float(theta), float(percent)
+    numbers = []
+    for name, default in (("rope_theta", 10000.0), ("partial_rotary_factor", 1.0)):
+        value = params.get(name, _field(hf_config, name, default))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(
+                f"the Hugging Face config's {name!r} must be a positive finite number, got {value!r}"
+            )
+        numbers.append(float(value))
+    return numbers[0], numbers[1]
 
 
 def config_from_hf(
@@ -65,7 +72,10 @@ def config_from_hf(
     """
     model_type = _field(hf_config, "model_type")
     if model_type not in _MODEL_TYPES:
-        raise NotImplementedError(f"model_type {model_type!r} is not supported: one of {list(_MODEL_TYPES)}")
+        what = "the Hugging Face config has no 'model_type', expected" if model_type is None else (
+            f"model_type {model_type!r} is not supported:"
+        )
+        raise NotImplementedError(f"{what} one of {list(_MODEL_TYPES)}")
     for name in _SIZE_FIELDS:
         value = _field(hf_config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -97,12 +107,18 @@ def config_from_hf(
     dtype = _field(hf_config, "dtype") or _field(hf_config, "torch_dtype") or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
+    groups = _positive(hf_config, "num_key_value_heads", heads)
+    if heads % groups != 0:
+        raise ValueError(
+            f"the Hugging Face config's 'num_key_value_heads' ({groups}) must divide 'num_attention_heads' "
+            f"({heads})"
+        )
     fields = dict(
         num_layers=_field(hf_config, "num_hidden_layers"),
         hidden_size=hidden,
         num_attention_heads=heads,
-        num_query_groups=_field(hf_config, "num_key_value_heads") or heads,
-        kv_channels=_field(hf_config, "head_dim") or hidden // heads,
+        num_query_groups=groups,
+        kv_channels=_positive(hf_config, "head_dim", hidden // heads),
         ffn_hidden_size=_field(hf_config, "intermediate_size"),
         normalization="RMSNorm",
         layernorm_epsilon=_field(hf_config, "rms_norm_eps", 1e-6),
@@ -138,7 +154,9 @@ def config_from_hf(
 
 
 def _positive(hf_config: Any, name: str, default: Any = None) -> int:
-    value = _field(hf_config, name, default)
+    """The field, or ``default`` where it is missing or null; refused unless a positive integer."""
+    value = _field(hf_config, name)
+    value = default if value is None else value
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
             f"the Hugging Face config's {name!r} must be a positive integer, got "
