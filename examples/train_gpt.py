@@ -247,6 +247,9 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     check_export_dir(args)
     if args.save is not None:
         check_writable_dir("--save", args.save)
+    for flag, file in (("--log-json", args.log_json), ("--plot", args.plot)):
+        if file:
+            check_writable_file(flag, file)
     if args.hf_config is not None:
         config, kwargs = config_from_hf(args.hf_config)
         args.arch, args.layers, args.hidden = "hf", config.num_layers, config.hidden_size
@@ -486,6 +489,16 @@ def check_writable_dir(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path!r}: {target!r} is not writable")
 
 
+def check_writable_file(flag: str, path: str) -> None:
+    """``path`` is a file that can be written: not a directory, and its directory is one or can be
+    made."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory; expected the path of a file")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{flag} {path!r} is not writable")
+    check_writable_dir(f"{flag} {path!r}: its directory", os.path.dirname(os.path.abspath(path)))
+
+
 def check_export_dir(args: argparse.Namespace) -> None:
     """--export-hf: a new or empty directory (or one to replace, when asked), never the model
     --load-hf reads."""
@@ -499,6 +512,12 @@ def check_export_dir(args: argparse.Namespace) -> None:
             f"--export-hf {args.export_hf!r} is the --load-hf directory: exporting would overwrite the "
             "model this run starts from; export to another directory"
         )
+    for flag, checkpoints in (("--save", args.save), ("--load", args.load)):
+        if checkpoints is not None and os.path.realpath(args.export_hf) == os.path.realpath(checkpoints):
+            raise ValueError(
+                f"--export-hf {args.export_hf!r} is the {flag} directory: the Hugging Face model would "
+                "lie among the checkpoints; export to another directory"
+            )
     if os.path.isdir(args.export_hf) and os.listdir(args.export_hf) and not args.export_hf_overwrite:
         names = sorted(os.listdir(args.export_hf))
         raise ValueError(
