@@ -227,8 +227,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--export-hf", default=None,
                    help="after training, write the weights as Hugging Face safetensors + config.json to this "
                         "directory (Llama-shaped models: --arch llama, Mixtral with --num-experts, or "
-                        "--load-hf); it must be new or "
-                        "empty unless --export-hf-overwrite, and never the --load-hf directory")
+                        "--load-hf); it must be new or empty unless --export-hf-overwrite, and never "
+                        "the --load-hf, --save or --load directory")
     p.add_argument("--export-hf-overwrite", action="store_true",
                    help="with --export-hf: replace the model in that directory (its config.json, "
                         "*.safetensors and index are removed first)")
