@@ -194,6 +194,38 @@ def test_export_never_mixes_or_overwrites_models(tmp_path):
     _accepts(LLAMA + ["--export-hf", str(tmp_path / "empty")])
 
 
+def test_converter_refuses_what_it_cannot_read_or_write(tmp_path):
+    """The converter's refusals in this process (the command line prints them as one `error:`
+    line, exit 2: test_command_lines_end_in_one_error_line)."""
+    from megatron_ext.dist_checkpointing import convert
+    from megatron_ext.dist_checkpointing.core import CheckpointingException
+
+    missing, not_torch, out = tmp_path / "missing.pt", tmp_path / "notes.txt", tmp_path / "out"
+    not_torch.write_text("not a checkpoint")
+    out.mkdir()
+    torch.save({"model": {}}, tmp_path / "other.pt")
+    parts = {"model": {}, "optimizer": {}, "objects": {}, "common": {}}
+    torch.save({**parts, "checkpoint": {"format": convert.FORMAT}}, tmp_path / "saved.pt")
+    for argv, message in (
+        (["from-torch", str(missing), str(tmp_path / "ckpt")],
+         f"{str(missing)!r}: no such file (expected a file written by to-torch)"),
+        (["from-torch", str(not_torch), str(tmp_path / "ckpt")],
+         f"{str(not_torch)!r} is not a torch.save file written by to-torch (UnpicklingError: "),
+        (["from-torch", str(tmp_path / "other.pt"), str(tmp_path / "ckpt")],
+         f"{str(tmp_path / 'other.pt')!r} is not an unsharded megatron_ext checkpoint"),
+        (["from-torch", str(tmp_path / "saved.pt"), str(not_torch / "ckpt")],
+         f"cannot write {str(not_torch / 'ckpt')!r}: [Errno 20] Not a directory: "),
+        (["to-torch", str(tmp_path / "ckpt"), str(out)],
+         f"{str(out)!r} is a directory; expected the path of the file to write"),
+        (["to-torch", str(tmp_path / "ckpt"), str(not_torch / "x.pt")],
+         f"cannot write {str(not_torch / 'x.pt')!r}: {str(not_torch)!r} is not a directory"),
+    ):
+        with pytest.raises(CheckpointingException) as error:
+            convert.main(argv)
+        assert str(error.value).startswith(message), (argv, str(error.value))
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "other.pt", "out", "saved.pt"]
+
+
 def _export_over_worker(old: str) -> dict:
     """Exports a trained model over an older sharded export (--export-hf-overwrite), then loads it."""
     train_gpt = load_train_gpt()

@@ -113,7 +113,10 @@ def _write(state: Any, checkpoint: str, source: str) -> None:
         raise CheckpointingException(f"{checkpoint!r} exists; choose a new directory")
     tmp = checkpoint.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    try:
+        os.makedirs(tmp)
+    except OSError as e:  # a path under a regular file, a read-only parent
+        raise CheckpointingException(f"cannot write {checkpoint!r}: {e}") from None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         flat = {**state["model"], **state["optimizer"], **state["objects"]}
