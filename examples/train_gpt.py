@@ -454,11 +454,13 @@ def moe_aux_losses(args: argparse.Namespace, num_microbatches: int) -> dict[str,
 # The float flags: each finite (and in float32's range, where the optimizer takes it as a float32
 # scalar) and within its bounds. NaN passes no comparison, so every check is written as what holds.
 FLOAT32_MAX = torch.finfo(torch.float32).max
+# Adam's first step moves the weights by --lr / (1 - beta1), a float32 scalar: at most FLOAT32_MAX.
+LR_MAX = FLOAT32_MAX * (1 - OptimizerConfig.adam_beta1)
 
 
 def check_numbers(args: argparse.Namespace) -> None:
     for flag, value, low, high, closed in (
-        ("--lr", args.lr, 0.0, FLOAT32_MAX, True),
+        ("--lr", args.lr, 0.0, LR_MAX, True),
         ("--clip-grad", args.clip_grad, 0.0, FLOAT32_MAX, True),
         ("--weight-decay", args.weight_decay, 0.0, FLOAT32_MAX, True),
         ("--dropout", args.dropout, 0.0, 1.0, False),

@@ -37,10 +37,12 @@ def _accepts(argv: list[str], world: int = 1) -> None:
 
 def test_numbers_must_be_finite_and_in_range():
     refused = {
-        ("--lr", "inf"): "--lr must be a finite number in [0, 3.40282e+38], got inf",
-        ("--lr", "nan"): "--lr must be a finite number in [0, 3.40282e+38], got nan",
-        ("--lr", "1e39"): "--lr must be a finite number in [0, 3.40282e+38], got 1e+39",
-        ("--lr", "-1"): "--lr must be a finite number in [0, 3.40282e+38], got -1.0",
+        # the bound: Adam's first step moves the weights by lr / (1 - beta1), a float32 scalar
+        ("--lr", "inf"): "--lr must be a finite number in [0, 3.40282e+37], got inf",
+        ("--lr", "nan"): "--lr must be a finite number in [0, 3.40282e+37], got nan",
+        ("--lr", "1e39"): "--lr must be a finite number in [0, 3.40282e+37], got 1e+39",
+        ("--lr", "3.4e38"): "--lr must be a finite number in [0, 3.40282e+37], got 3.4e+38",
+        ("--lr", "-1"): "--lr must be a finite number in [0, 3.40282e+37], got -1.0",
         ("--clip-grad", "nan"): "--clip-grad must be a finite number in [0, 3.40282e+38], got nan",
         ("--clip-grad", "-1"): "--clip-grad must be a finite number in [0, 3.40282e+38], got -1.0",
         ("--weight-decay", "inf"): "--weight-decay must be a finite number in [0, 3.40282e+38], got inf",
@@ -284,12 +286,13 @@ def test_command_lines_end_in_one_error_line(tmp_path):
 
 
 def _nonfinite_save_worker(save_dir: str) -> dict:
-    """A parameter (then an optimizer state) of rank 1 made non-finite after step 1's update: the
-    save at iteration 1 is refused on both ranks and writes nothing."""
+    """A parameter (then an optimizer state) of rank 1 made non-finite after step 1's update, then
+    every weight by a weight decay that overflows: the save at iteration 1 is refused on both ranks
+    and writes nothing."""
     train_gpt = load_train_gpt()
     build = train_gpt.get_megatron_optimizer
     out = {}
-    for poison in ("param", "state"):
+    for poison in ("param", "state", "decay"):
 
         def poisoned(*a, **k):
             optimizer = build(*a, **k)
@@ -307,9 +310,11 @@ def _nonfinite_save_worker(save_dir: str) -> dict:
             optimizer.step = step_then_poison
             return optimizer
 
-        train_gpt.get_megatron_optimizer = poisoned
+        # "decay": no poison; the largest --lr allowed with a weight decay that overflows float32
+        train_gpt.get_megatron_optimizer = build if poison == "decay" else poisoned
+        extra = ["--dtype", "float32", "--lr", "3.4e37", "--weight-decay", "1e30"] * (poison == "decay")
         args = train_gpt.parse_args(
-            TINY + ["--dp", "2", "--steps", "2", "--save", save_dir, "--save-interval", "1"]
+            TINY + ["--dp", "2", "--steps", "2", "--save", save_dir, "--save-interval", "1", *extra]
         )
         try:
             train_gpt.train(args)
@@ -335,4 +340,8 @@ def test_nonfinite_state_is_never_saved(tmp_path):
     assert "rank 0" not in first["param"] and "rank 0" not in first["state"]
     assert first["param"].endswith("); nothing was written, no checkpoint was saved before")
     assert "rank 1: optimizer exp_avg of " in first["state"], first["state"]
-    assert first["param_files"] == first["state_files"] == []
+    assert first["decay"].startswith(
+        f"CheckpointingException: cannot save checkpoint {final!r}: the state is not finite (NaN or Inf in "
+        "rank 0: embedding.word_embeddings.weight, "
+    ), first["decay"]
+    assert first["param_files"] == first["state_files"] == first["decay_files"] == []
