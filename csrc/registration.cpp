@@ -1,7 +1,11 @@
 // The library's one schema block (every op's schema; the ops/ and kernels/ files register their
 // implementations in TORCH_LIBRARY_IMPL blocks), and the Python module that reports how it was
 // built.
-#include <torch/extension.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <string>
