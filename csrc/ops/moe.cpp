@@ -10,8 +10,15 @@
 //
 // ``grouped_gemm`` multiplies each expert's rows of ``a`` by its matrix of ``b``: a loop of GEMMs,
 // forward and backward (``grouped_gemm_backward``), on any device ATen's matmul runs on.
-#include <ATen/ATen.h>
-#include <torch/autograd.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <optional>
