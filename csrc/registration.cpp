@@ -132,6 +132,10 @@ TORCH_LIBRARY(megatron_ext, m) {
       "grouped_gemm_backward(Tensor grad, Tensor a, Tensor b, Tensor batch_sizes, bool trans_b) -> "
       "(Tensor, Tensor)");
 
+  // ``output`` unchanged; its backward gives ``aux_loss`` the gradient ``scale``, read when the
+  // backward runs (ops/moe.cpp): an auxiliary loss joining the main loss's backward.
+  m.def("moe_aux_loss_scaler(Tensor(a) output, Tensor aux_loss, Tensor scale) -> Tensor(a)");
+
   // The all-to-all along dim 0 of expert parallelism, uneven splits given (ops/all_to_all.cpp).
   m.def(
       "all_to_all(Tensor(a) input, int[]? output_split_sizes, int[]? input_split_sizes, "
