@@ -1,7 +1,11 @@
 // The library's one schema block (every op's schema; the ops/ and kernels/ files register their
 // implementations in TORCH_LIBRARY_IMPL blocks), and the Python module that reports how it was
 // built.
-#include <torch/extension.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <string>
@@ -127,6 +131,10 @@ TORCH_LIBRARY(megatron_ext, m) {
   m.def(
       "grouped_gemm_backward(Tensor grad, Tensor a, Tensor b, Tensor batch_sizes, bool trans_b) -> "
       "(Tensor, Tensor)");
+
+  // ``output`` unchanged; its backward gives ``aux_loss`` the gradient ``scale``, read when the
+  // backward runs (ops/moe.cpp): an auxiliary loss joining the main loss's backward.
+  m.def("moe_aux_loss_scaler(Tensor(a) output, Tensor aux_loss, Tensor scale) -> Tensor(a)");
 
   // The all-to-all along dim 0 of expert parallelism, uneven splits given (ops/all_to_all.cpp).
   m.def(

@@ -361,3 +361,32 @@ def test_all_to_all_uneven_2_ranks():
 @pytest.mark.slow
 def test_all_to_all_uneven_4_ranks():
     _check_all_to_all(4)
+
+
+def test_aux_loss_scaler_op():
+    from megatron_ext.transformer.moe.router_utils import MoEAuxLossAutoScaler
+
+    assert has_kernel("moe_aux_loss_scaler", "Autograd")
+    assert has_kernel("moe_aux_loss_scaler", "CompositeExplicitAutograd")
+    g = torch.Generator().manual_seed(11)
+    out = torch.randn(3, 4, dtype=F64, generator=g, requires_grad=True)
+    aux = torch.rand((), dtype=torch.float32, generator=g, requires_grad=True)
+    saved = MoEAuxLossAutoScaler.main_loss_backward_scale
+    try:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        y = MoEAuxLossAutoScaler.apply(out, aux)
+        assert torch.equal(y, out) and y.grad_fn is not None
+        # The scale set after the forward is the one the backward applies.
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(0.125, dtype=torch.float64))
+        w = torch.randn(3, 4, dtype=F64, generator=g)
+        out_grad, aux_grad = torch.autograd.grad((y * w).sum(), (out, aux))
+        torch.testing.assert_close(out_grad, w, rtol=0, atol=0)
+        assert aux_grad.dtype == torch.float32 and aux_grad.item() == 0.125
+        # Unset, the scale is 1.
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        (aux_grad,) = torch.autograd.grad(MoEAuxLossAutoScaler.apply(out, aux).sum(), (aux,))
+        assert aux_grad.item() == 1.0
+        with pytest.raises(ValueError, match="one number"):
+            _ops.moe_aux_loss_scaler(out, aux, torch.ones(2))
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved

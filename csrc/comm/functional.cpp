@@ -1,6 +1,6 @@
 #include "comm/functional.h"
 
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/python_variable.h>
 

@@ -1,6 +1,6 @@
 #include "comm/process_group.h"
 
-#include <ATen/ATen.h>
+#include <ATen/WrapDimUtils.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 namespace megatron_ext::comm {

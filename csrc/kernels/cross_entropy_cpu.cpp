@@ -1,7 +1,10 @@
 // CPU implementations of the cross-entropy's kernel ops: argument checks, threading over rows
 // with at::parallel_for, and the run-time choice of the instruction-set variant of the row loops
 // (kernels/cpu/cross_entropy_kernels.cpp).
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -4,9 +4,12 @@
 // RowState per thread and merges them with one CUB block reduction; the gradient kernel
 // recomputes the softmax from the saved row max and log-sum-exp. The arithmetic is the shared
 // header's, the one the CPU kernels run.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>

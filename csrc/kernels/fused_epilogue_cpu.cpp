@@ -1,9 +1,12 @@
 // CPU twins of the fused epilogue kernels: the same per-element arithmetic as the CUDA kernels
 // (kernels/fused_epilogue.h), in parallel loops.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include "kernels/fused_epilogue.h"

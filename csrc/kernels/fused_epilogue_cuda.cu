@@ -1,10 +1,13 @@
 // CUDA kernels of the fused epilogues: one grid-stride pass over the elements, the arithmetic of
 // kernels/fused_epilogue.h (the CPU twins run the same). The dropout kernels handle one Philox
 // group (four elements) per thread step.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>

@@ -1,8 +1,13 @@
 // CPU implementations of the RMSNorm, rotary embedding and SwiGLU kernel ops: argument checks,
 // threading over rows with at::parallel_for, and the run-time choice of the instruction-set
 // variant of the row loops (kernels/cpu/llama_fusions_kernels.cpp).
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>

@@ -3,10 +3,14 @@
 // product that is the probabilities' gradient. The row arithmetic is kernels/moe_permute.h's.
 // The sums into tokens are split over columns between threads, each adding the rows in their
 // order: the result does not depend on the number of threads.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>

@@ -4,11 +4,15 @@
 // dtype (float for 16-bit types), so the order of a token's k terms may vary from run to run, as
 // with ATen's scatter_add on CUDA. An index outside the tokens stops the kernel with a device
 // assertion.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cuda/Atomic.cuh>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/macros/Macros.h>

@@ -5,8 +5,8 @@
 // under create_graph=True the backward calls the op with autograd, so it is differentiable twice.
 // Every rank checks its arguments before communicating, so bad input raises instead of hanging;
 // a failed exchange is reported as the other collectives' are (comm/functional.h).
-#include <ATen/ATen.h>
-#include <torch/autograd.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <optional>

@@ -16,8 +16,13 @@
 // (the vocabulary slice a rank holds) is computed at run time inside ``_forward``, which hands the
 // backward a per-token ``local_target`` column instead of a rank-dependent constant. A compiled
 // graph is therefore valid on every rank and only at the group size it names.
-#include <ATen/ATen.h>
-#include <torch/autograd.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>

@@ -5,9 +5,11 @@
 // device's): the generator the RNG tracker forks and activation checkpointing snapshots, so a
 // recomputed forward draws the same mask, and ranks seeded alike draw alike. Backward regenerates
 // the mask from the same (seed, offset) rather than storing it.
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include <ATen/CPUGeneratorImpl.h>
-#include <torch/autograd.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <mutex>

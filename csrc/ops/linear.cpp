@@ -22,9 +22,13 @@
 // (the buffer the weight has then receives the gradient, as in Megatron-core) and says what the
 // weight's gradient is to be: none, or a placeholder (empty or zeros) so that the weight's
 // post-accumulate hook fires for a DistributedDataParallel. The backward touches no Python object.
-#include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
-#include <torch/autograd.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include "comm/functional.h"

@@ -24,8 +24,14 @@
 // or sum of the losses (the usual case, three GEMMs in all, as the unfused layer), the masked-out
 // rows for a loss mask, every row for an arbitrary g. A second backward through a retained graph
 // (whose unit-gradient buffers were consumed by the first) recomputes every chunk.
-#include <ATen/ATen.h>
-#include <torch/autograd.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <optional>

@@ -4,8 +4,12 @@
 // RMSNorm saves its input and the per-row rstd (float32 for 16-bit inputs); rotary embedding saves
 // only the cos and sin tables (it is linear in its input, so the gradient is the transposed
 // rotation of the output's gradient); SwiGLU saves its input and recomputes silu in backward.
-#include <ATen/ATen.h>
-#include <torch/autograd.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cos.h>
+#include <ATen/ops/sin.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <optional>

@@ -26,8 +26,10 @@
 // through PyTorch's functional collective ops (comm/functional.h), so the same code is traced by
 // torch.compile. The backward calls the conjugate region op with autograd when a graph of the
 // backward is being built (create_graph=True), so the regions are differentiable twice.
-#include <ATen/ATen.h>
-#include <torch/autograd.h>
+#include <ATen/WrapDimUtils.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <string>

@@ -10,8 +10,21 @@
 //
 // ``grouped_gemm`` multiplies each expert's rows of ``a`` by its matrix of ``b``: a loop of GEMMs,
 // forward and backward (``grouped_gemm_backward``), on any device ATen's matmul runs on.
-#include <ATen/ATen.h>
-#include <torch/autograd.h>
+//
+// ``moe_aux_loss_scaler`` returns ``output`` (a view carrying its node) and gives ``aux_loss`` the
+// gradient ``scale`` in the backward, so that an auxiliary loss joins the backward of the main loss
+// without being added to it. ``scale`` is read when the backward runs: the schedules set it in
+// place after the forward (Megatron-core's ``MoEAuxLossAutoScaler.set_loss_scale``).
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -309,9 +322,47 @@ at::Tensor grouped_gemm_autograd(const at::Tensor& a, const at::Tensor& b,
   return GroupedGemmFunction::apply(a, b, batch_sizes, trans_b);
 }
 
+struct AuxLossScalerFunction : public Function<AuxLossScalerFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& output,
+                            const at::Tensor& aux_loss, const at::Tensor& scale) {
+    ctx->save_for_backward({aux_loss});
+    // Not saved for backward: an in-place update of the scale before the backward is its purpose.
+    ctx->saved_data["scale"] = scale;
+    return output;  // the Function turns a returned input into a view of it carrying this node
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor aux_loss = ctx->get_saved_variables()[0];
+    const at::Tensor scale = ctx->saved_data["scale"].toTensor();
+    return {grads[0], at::ones_like(aux_loss) * scale.to(aux_loss.device(), aux_loss.scalar_type()), at::Tensor()};
+  }
+};
+
+void check_aux_loss_args(const at::Tensor& output, const at::Tensor& aux_loss,
+                         const at::Tensor& scale) {
+  TORCH_CHECK_VALUE(output.defined() && aux_loss.defined() && scale.defined(),
+                    "moe_aux_loss_scaler: expected three tensors, got an undefined one");
+  TORCH_CHECK_VALUE(scale.numel() == 1,
+                    "moe_aux_loss_scaler: the scale must hold one number, got shape ",
+                    scale.sizes());
+}
+
+at::Tensor aux_loss_scaler_autograd(const at::Tensor& output, const at::Tensor& aux_loss,
+                                    const at::Tensor& scale) {
+  check_aux_loss_args(output, aux_loss, scale);
+  return AuxLossScalerFunction::apply(output, aux_loss, scale);
+}
+
+at::Tensor aux_loss_scaler_forward(const at::Tensor& output, const at::Tensor& aux_loss,
+                                   const at::Tensor& scale) {
+  check_aux_loss_args(output, aux_loss, scale);
+  return output.alias();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(megatron_ext, CompositeExplicitAutograd, m) {
+  m.impl("moe_aux_loss_scaler", &aux_loss_scaler_forward);
   m.impl("moe_permute", &permute_no_autograd);
   m.impl("moe_unpermute", &unpermute_no_autograd);
   m.impl("moe_sort_by_expert", &sort_by_expert);
@@ -320,6 +371,7 @@ TORCH_LIBRARY_IMPL(megatron_ext, CompositeExplicitAutograd, m) {
 }
 
 TORCH_LIBRARY_IMPL(megatron_ext, Autograd, m) {
+  m.impl("moe_aux_loss_scaler", &aux_loss_scaler_autograd);
   m.impl("moe_permute", &permute_autograd);
   m.impl("moe_unpermute", &unpermute_autograd);
   m.impl("grouped_gemm", &grouped_gemm_autograd);

@@ -1,6 +1,8 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+
 #include "ops/weight_grad.h"
 
-#include <ATen/ATen.h>
+#include <ATen/ops/addmm.h>
 
 namespace megatron_ext {
 

@@ -8,27 +8,24 @@ from typing import Any
 
 import torch
 
+from megatron_ext import _C  # noqa: F401  (registers the ops)
 
-class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """Returns ``output`` unchanged; its backward also gives ``aux_loss`` the gradient
-    ``main_loss_backward_scale`` (1 unless set), so the auxiliary loss joins the backward of the
-    main loss without being added to it."""
+
+class MoEAuxLossAutoScaler:
+    """Megatron-core's class: ``apply(output, aux_loss)`` returns ``output`` unchanged, and its
+    backward also gives ``aux_loss`` the gradient ``main_loss_backward_scale`` (1 unless set), so the
+    auxiliary loss joins the backward of the main loss without being added to it. The node is C++
+    (the ``moe_aux_loss_scaler`` op); the scale is read when the backward runs."""
 
     main_loss_backward_scale: torch.Tensor | None = None
 
     @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(aux_loss)
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        (aux_loss,) = ctx.saved_tensors
+    def apply(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
         scale = MoEAuxLossAutoScaler.main_loss_backward_scale
         if scale is None:
             scale = torch.tensor(1.0, device=aux_loss.device)
             MoEAuxLossAutoScaler.main_loss_backward_scale = scale
-        return grad_output, torch.ones_like(aux_loss) * scale.to(aux_loss)
+        return torch.ops.megatron_ext.moe_aux_loss_scaler(output, aux_loss, scale)
 
     @staticmethod
     def set_loss_scale(scale: torch.Tensor) -> None:
