@@ -83,6 +83,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     gets None, or until a function fails, leaves the default group, patches the process or leaves
     process groups (threads) behind; the pool is then retired and the next call starts a fresh one."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # Gloo connects a group's ranks at its first collective instead of at creation: the layouts
+    # build dozens of groups that a test never uses (group creation took 1.7-2.7x longer eagerly).
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     torch.set_num_threads(1)
     environ = dict(os.environ)
     try:
