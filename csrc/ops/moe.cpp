@@ -334,7 +334,8 @@ struct AuxLossScalerFunction : public Function<AuxLossScalerFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const at::Tensor aux_loss = ctx->get_saved_variables()[0];
     const at::Tensor scale = ctx->saved_data["scale"].toTensor();
-    return {grads[0], at::ones_like(aux_loss) * scale.to(aux_loss.device(), aux_loss.scalar_type()), at::Tensor()};
+    return {grads[0], at::ones_like(aux_loss) * scale.to(aux_loss.device(), aux_loss.scalar_type()),
+            at::Tensor()};
   }
 };
 
