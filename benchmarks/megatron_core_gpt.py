@@ -16,8 +16,9 @@ the CPU, each patch named here:
   ``pin_memory=True`` (the rotary embedding's context-parallel index, pinned for its copy to the GPU);
 - Megatron-core's own DDP, optimizer and schedules (``full=True``, the Megatron-core-alone run):
   also ``torch.cuda.synchronize`` does nothing, the factory functions given ``device="cuda"``
-  allocate on the CPU, and ``Tensor.type()`` of a CPU tensor reports the CUDA name (``torch.cuda.FloatTensor``) that the distributed
-  optimizer and clip_grads test for; ``torch.distributed.all_to_all_single`` takes split sizes
+  allocate on the CPU, and ``Tensor.type()`` of a CPU tensor reports the CUDA name
+  (``torch.cuda.FloatTensor``) that the distributed optimizer and clip_grads test for;
+  ``torch.distributed.all_to_all_single`` takes split sizes
   given as tensors (the alltoall MoE dispatcher moves its split sizes to the host as numpy
   arrays, but leaves tensors that are already there as tensors, which c10d refuses).
 
