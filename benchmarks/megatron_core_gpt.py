@@ -15,10 +15,12 @@ the CPU, each patch named here:
   tensor (the tied embedding's first all-reduce across pipeline stages), ``torch.tensor`` ignores
   ``pin_memory=True`` (the rotary embedding's context-parallel index, pinned for its copy to the GPU);
 - Megatron-core's own DDP, optimizer and schedules (``full=True``, the Megatron-core-alone run):
-  also ``torch.cuda.synchronize`` does nothing, ``torch.cuda.Stream``/``torch.cuda.stream`` are
-  null, the factory functions given ``device="cuda"`` allocate on the CPU, and ``Tensor.type()``
-  of a CPU tensor reports the CUDA name (``torch.cuda.FloatTensor``) that the distributed
-  optimizer and clip_grads test for.
+  also ``torch.cuda.synchronize`` does nothing, the factory functions given ``device="cuda"``
+  allocate on the CPU, and ``Tensor.type()`` of a CPU tensor reports the CUDA name
+  (``torch.cuda.FloatTensor``) that the distributed optimizer and clip_grads test for;
+  ``torch.distributed.all_to_all_single`` takes split sizes
+  given as tensors (the alltoall MoE dispatcher moves its split sizes to the host as numpy
+  arrays, but leaves tensors that are already there as tensors, which c10d refuses).
 
 Without apex, Megatron-core's local spec builds its norms with ``WrappedTorchNorm``, which
 refuses sequence parallelism; ``build_model`` makes it build the same torch norm with the
@@ -109,17 +111,37 @@ def use_megatron_ext() -> None:
         setattr(megatron.core, name, aliases[f"megatron.core.{name}"])
 
 
+class _CpuStream:
+    """A CUDA stream's stand-in on the CPU: one stream, whose waits and syncs do nothing."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _CpuStream:
+        return _CPU_STREAM
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _CpuStream:  # the event: it synchronizes
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+_CPU_STREAM = object.__new__(_CpuStream)
+
+
 def cpu_patches(full: bool) -> None:
     """Points Megatron-core's CUDA device calls at the CPU (see the module docstring)."""
     torch.cuda.current_device = lambda: "cpu"
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     tensor = torch.tensor
     torch.tensor = lambda *args, pin_memory=False, **kwargs: tensor(*args, **kwargs)
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.current_stream = lambda *args, **kwargs: _CPU_STREAM
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
     if not full:
         return
     torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.cuda.Stream = lambda *args, **kwargs: None
-    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
 
     def on_cpu(factory):
         def make(*args, **kwargs):
@@ -141,6 +163,15 @@ def cpu_patches(full: bool) -> None:
         return name.replace("torch.", "torch.cuda.", 1) if self.device.type == "cpu" else name
 
     torch.Tensor.type = cuda_type_name
+    all_to_all_single = torch.distributed.all_to_all_single
+
+    def split_sizes_as_lists(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        as_list = lambda sizes: sizes.tolist() if torch.is_tensor(sizes) else sizes  # noqa: E731
+        return all_to_all_single(
+            output, input, as_list(output_split_sizes), as_list(input_split_sizes), *args, **kwargs
+        )
+
+    torch.distributed.all_to_all_single = split_sizes_as_lists
 
 
 @dataclass
@@ -170,6 +201,10 @@ class Run:
     optimizer: str = "adam"  # or "sgd" (momentum 0.9)
     seed: int = 1234
     fused: bool = False  # megatron_ext's fused CPU kernels (megatron_ext's model only)
+    num_experts: int | None = None  # an MoE layer (Megatron-core's, SequentialMLP) in every layer
+    topk: int = 2
+    ep: int = 1
+    dispatcher: str = "allgather"  # or "alltoall"
 
 
 def config_fields(run: Run) -> dict[str, Any]:
@@ -186,6 +221,12 @@ def config_fields(run: Run) -> dict[str, Any]:
     )
     if run.cp > 1:
         fields.update(context_parallel_size=run.cp, cp_comm_type=run.cp_comm_type)
+    if run.num_experts is not None:
+        fields.update(
+            num_moe_experts=run.num_experts, moe_router_topk=run.topk,
+            expert_model_parallel_size=run.ep, moe_token_dispatcher_type=run.dispatcher,
+            moe_grouped_gemm=False,
+        )
     if run.arch == "llama":
         fields.update(
             normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
@@ -230,7 +271,15 @@ def build_model(run: Run, config: Any, stack: str = "megatron.core") -> list[tor
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         _use_torch_norm_with_sequence_parallel()
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm" if run.arch == "llama" else None)
+        if run.num_experts is not None:
+            from megatron.core.transformer.moe import moe_utils
+
+            # Without TransformerEngine its router GEMM reads a name that was never bound.
+            moe_utils.__dict__.setdefault("te_general_gemm", None)
+        spec = get_gpt_layer_local_spec(
+            num_experts=run.num_experts, moe_grouped_gemm=False,
+            normalization="RMSNorm" if run.arch == "llama" else None,
+        )
         if run.cp > 1:  # Megatron-core's own DotProductAttention refuses context parallelism
             from megatron_ext.transformer.context_parallel import ContextParallelDotProductAttention
 
@@ -330,6 +379,7 @@ def setup(run: Run, stack: str = "megatron.core", weights_from: list[torch.nn.Mo
         ps.initialize_model_parallel(
             tensor_model_parallel_size=run.tp, pipeline_model_parallel_size=run.pp,
             virtual_pipeline_model_parallel_size=run.vp, context_parallel_size=run.cp,
+            expert_model_parallel_size=run.ep,
         )
     on_megatron_core = stack == "megatron.core" and not _ON_MEGATRON_EXT
     tensor_parallel.model_parallel_cuda_manual_seed(

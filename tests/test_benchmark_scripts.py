@@ -89,6 +89,22 @@ def test_attention_benchmark_script(tmp_path):
 
 
 @pytest.mark.slow  # runs the benchmark script end to end
+def test_moe_benchmark_script(tmp_path):
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "moe.json"
+    _run_script("moe.py", "--quick", "--json", str(out))
+    result = json.loads(out.read_text())
+    rows = result["summary"]["2"]
+    assert list(rows) == [
+        "megatron_ext SequentialMLP allgather", "megatron_ext SequentialMLP alltoall",
+        "megatron_ext GroupedMLP alltoall", "Megatron-core allgather", "Megatron-core alltoall",
+    ]
+    assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in rows.values())
+    # The variants start from the same weights and inputs: the same output.
+    assert max(result["max_output_difference"]["2"].values()) < 1e-5
+
+
+@pytest.mark.slow  # runs the benchmark script end to end
 def test_llama_kernels_benchmark_script(tmp_path):
     out = tmp_path / "llama_kernels.json"
     _run_script("llama_kernels.py", "--without-megatron-core", "--dtypes", "float32", "bfloat16",

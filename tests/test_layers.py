@@ -324,8 +324,64 @@ def _errors(n: int) -> None:
         op(x, w, None, torch.zeros(5, 6), 3, False, False, "unused", 1)
 
 
+def _expert_layers() -> None:
+    """Megatron-core's experts build their linears with ``is_expert=True``: at tp 1, ep 2 x etp 2
+    the layers split over the expert-tensor-parallel group, leave the communication to the token
+    dispatcher (no all-reduce of the input gradient, no reduction of the row's output) and mark
+    their parameters ``allreduce=False``."""
+    ps.initialize_model_parallel(expert_model_parallel_size=2, expert_tensor_parallel_size=2)
+    try:
+        group = ps.get_expert_tensor_parallel_group()
+        etp_rank = ps.get_expert_tensor_parallel_rank()
+        assert ps.get_tensor_model_parallel_world_size() == 1 and dist.get_world_size(group) == 2
+        config = _config(expert_model_parallel_size=2, expert_tensor_parallel_size=2)
+        torch.manual_seed(WEIGHT_SEED)
+        column = tp_.ColumnParallelLinear(
+            HIDDEN, OUT, config=config, init_method=torch.nn.init.xavier_normal_, bias=True, is_expert=True
+        )
+        row = tp_.RowParallelLinear(
+            HIDDEN, OUT, config=config, init_method=torch.nn.init.xavier_normal_, bias=True,
+            input_is_parallel=True, skip_bias_add=True, is_expert=True,
+        )
+        master = _master(OUT, HIDDEN)
+        torch.manual_seed(WEIGHT_SEED)
+        row_weight = tp_.RowParallelLinear(
+            HIDDEN, OUT, config=config, init_method=torch.nn.init.xavier_normal_, bias=True,
+            input_is_parallel=True, skip_bias_add=True, is_expert=True,
+        ).weight
+        assert column.tp_group is group and column.explicit_expert_comm and row.explicit_expert_comm
+        assert_close(column.weight, _shard(master, 0, 2, etp_rank), **TIGHT)
+        assert_close(row_weight, _shard(master, 1, 2, etp_rank), **TIGHT)
+        for param in (*column.parameters(), *row.parameters()):
+            assert param.allreduce is False
+        x = _rand(SEQ, BATCH, HIDDEN, seed=7 + dist.get_rank()).requires_grad_()
+        grad = _rand(SEQ, BATCH, OUT // 2, seed=11 + dist.get_rank())
+        out, _ = column(x)
+        assert_close(out, x @ column.weight.T + column.bias, **TIGHT)
+        out.backward(grad)
+        assert_close(x.grad, grad @ column.weight, **TIGHT)  # this rank's part only: not all-reduced
+        x_part = x.detach()[..., : HIDDEN // 2]
+        out, bias = row(x_part)
+        assert bias is row.bias
+        assert_close(out, x_part @ row.weight.T, **TIGHT)  # the partial product: not reduced
+        with pytest.raises(ValueError, match="needs skip_bias_add=True"):
+            tp_.RowParallelLinear(
+                HIDDEN, OUT, config=config, init_method=torch.nn.init.xavier_normal_, bias=True,
+                input_is_parallel=True, skip_bias_add=False, is_expert=True,
+            )(x_part)
+        # Without expert parallelism an expert layer's parameters are reduced with the others.
+        dense = tp_.ColumnParallelLinear(
+            HIDDEN, OUT, config=_config(), init_method=torch.nn.init.xavier_normal_, bias=True,
+            is_expert=True, tp_group=ps.get_tensor_model_parallel_group(),
+        )
+        assert dense.weight.allreduce is True and not dense.explicit_expert_comm
+    finally:
+        ps.destroy_model_parallel()
+
+
 def _layers_worker() -> None:
     rank = dist.get_rank()
+    _expert_layers()
     for n in (1, 2, 4):
         ps.initialize_model_parallel(tensor_model_parallel_size=n)
         try:

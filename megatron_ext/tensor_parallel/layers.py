@@ -37,7 +37,10 @@ from megatron_ext.tensor_parallel.linear import (  # noqa: F401  (Megatron-core'
     linear_with_frozen_weight,
     linear_with_grad_accumulation_and_async_allreduce,
 )
-from megatron_ext.tensor_parallel.random import get_cuda_rng_tracker
+from megatron_ext.tensor_parallel.random import (
+    get_cuda_rng_tracker,
+    get_expert_parallel_rng_tracker_name,
+)
 from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict, renamed_sharded_state_dict
 from megatron_ext.tensor_parallel.utils import (
     VocabUtility,
@@ -102,11 +105,14 @@ def copy_tensor_model_parallel_attributes(
 
 
 def _initialize_affine_weight_gpu(
-    weight: torch.Tensor, init_method: InitMethod, partition_dim: int, stride: int = 1
+    weight: torch.Tensor, init_method: InitMethod, partition_dim: int, stride: int = 1,
+    is_expert: bool = False,
 ) -> None:
-    """Initialises this rank's shard in place on the model-parallel random stream."""
+    """Initialises this rank's shard in place on the model-parallel random stream (an expert's on
+    the expert-parallel one)."""
     set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
-    with get_cuda_rng_tracker().fork():
+    tracker = get_cuda_rng_tracker()
+    with tracker.fork(get_expert_parallel_rng_tracker_name()) if is_expert else tracker.fork():
         init_method(weight)
 
 
@@ -194,6 +200,20 @@ def _split_size(size: int, world_size: int, what: str, layer: str) -> int:
 def _sequence_parallel(settings: _Settings, world_size: int) -> bool:
     # Sequence parallelism over one rank is the identity; the layer runs without it.
     return settings.sequence_parallel and world_size > 1
+
+
+def _expert_group_size_rank(
+    tp_group: dist.ProcessGroup | None, is_expert: bool, config: Any
+) -> tuple[dist.ProcessGroup, int, int, bool, bool]:
+    """The layer's group, its size and this rank in it (an expert layer's default group is the
+    expert-tensor-parallel group), whether the expert parallelism is on (``config``'s
+    ``expert_model_parallel_size > 1``), and Megatron's ``explicit_expert_comm``: the token
+    dispatcher, not the layer, does an expert layer's tensor-parallel communication."""
+    if is_expert and tp_group is None:
+        tp_group = parallel_state.get_expert_tensor_parallel_group()
+    group, world_size, rank = tp_group_size_rank(tp_group)
+    expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
+    return group, world_size, rank, expert_parallel, is_expert and (world_size > 1 or expert_parallel)
 
 
 def _reject(layer: str, **unsupported: Any) -> None:
@@ -343,7 +363,6 @@ class ColumnParallelLinear(torch.nn.Module):
             name,
             embedding_activation_buffer=embedding_activation_buffer,
             grad_output_buffer=grad_output_buffer,
-            is_expert=is_expert,
             disable_grad_reduce=disable_grad_reduce,
         )
         if not skip_weight_param_allocation:
@@ -354,7 +373,10 @@ class ColumnParallelLinear(torch.nn.Module):
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
         self.stride = stride
-        self.tp_group, world_size, rank = tp_group_size_rank(tp_group)
+        self.is_expert = is_expert
+        self.tp_group, world_size, rank, self.expert_parallel, self.explicit_expert_comm = (
+            _expert_group_size_rank(tp_group, is_expert, config)
+        )
         self.tensor_model_parallel_size = world_size
         self.output_size_per_partition = _split_size(output_size, world_size, "output_size", name)
         if self.output_size_per_partition % stride != 0:
@@ -388,15 +410,19 @@ class ColumnParallelLinear(torch.nn.Module):
                         params_dtype=settings.params_dtype, rank=rank, world_size=world_size,
                     )
                 else:
-                    _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=0, stride=stride)
+                    _initialize_affine_weight_gpu(
+                        self.weight, init_method, partition_dim=0, stride=stride, is_expert=is_expert
+                    )
             else:
                 set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=stride)
+            self.weight.allreduce = not (is_expert and self.expert_parallel)
 
         if bias:
             self.bias = Parameter(
                 torch.zeros(self.output_size_per_partition, dtype=settings.params_dtype, device=device)
             )
             set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=stride)
+            self.bias.allreduce = not (is_expert and self.expert_parallel)
         else:
             self.register_parameter("bias", None)
 
@@ -429,7 +455,10 @@ class ColumnParallelLinear(torch.nn.Module):
                     f"expected {expected}"
                 )
         bias = self.bias if not self.skip_bias_add else None
-        if self.allreduce_dgrad or self.sequence_parallel or self.tensor_model_parallel_size == 1:
+        if (
+            self.allreduce_dgrad or self.sequence_parallel or self.explicit_expert_comm
+            or self.tensor_model_parallel_size == 1
+        ):
             input_parallel = input_
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
@@ -438,8 +467,8 @@ class ColumnParallelLinear(torch.nn.Module):
             weight,
             bias,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            allreduce_dgrad=self.allreduce_dgrad,
-            sequence_parallel=self.sequence_parallel,
+            allreduce_dgrad=self.allreduce_dgrad and not self.explicit_expert_comm,
+            sequence_parallel=self.sequence_parallel and not self.explicit_expert_comm,
             tp_group=self.tp_group,
         )
         gather_output = self.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -494,7 +523,6 @@ class RowParallelLinear(torch.nn.Module):
         self.register_load_state_dict_pre_hook(drop_extra_state)
         name = "RowParallelLinear"
         settings = _check_config(config, name)
-        _reject(name, is_expert=is_expert)
         _check_init_method(init_method, settings, name)
         self.config = config
         self.input_size = input_size
@@ -502,7 +530,10 @@ class RowParallelLinear(torch.nn.Module):
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
         self.stride = stride
-        self.tp_group, world_size, rank = tp_group_size_rank(tp_group)
+        self.is_expert = is_expert
+        self.tp_group, world_size, rank, self.expert_parallel, self.explicit_expert_comm = (
+            _expert_group_size_rank(tp_group, is_expert, config)
+        )
         self.tensor_model_parallel_size = world_size
         self.input_size_per_partition = _split_size(input_size, world_size, "input_size", name)
         if self.input_size_per_partition % stride != 0:
@@ -529,13 +560,17 @@ class RowParallelLinear(torch.nn.Module):
                     params_dtype=settings.params_dtype, rank=rank, world_size=world_size,
                 )
             else:
-                _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=1, stride=stride)
+                _initialize_affine_weight_gpu(
+                    self.weight, init_method, partition_dim=1, stride=stride, is_expert=is_expert
+                )
         else:
             set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=1, stride=stride)
+        self.weight.allreduce = not (is_expert and self.expert_parallel)
 
         if bias:
             self.bias = Parameter(torch.zeros(output_size, dtype=settings.params_dtype, device=device))
             setattr(self.bias, "sequence_parallel", self.sequence_parallel)
+            self.bias.allreduce = not (is_expert and self.expert_parallel)
         else:
             self.register_parameter("bias", None)
 
@@ -560,7 +595,14 @@ class RowParallelLinear(torch.nn.Module):
             sequence_parallel=False,
             tp_group=self.tp_group,
         )
-        if self.sequence_parallel:
+        if self.explicit_expert_comm:  # the token dispatcher sums the partial products
+            if not self.skip_bias_add:
+                raise ValueError(
+                    "RowParallelLinear: an expert layer under expert or expert-tensor parallelism needs "
+                    "skip_bias_add=True (its bias is added after the dispatcher's reduction)"
+                )
+            output_ = output_parallel
+        elif self.sequence_parallel:
             output_ = reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
         else:
             output_ = reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
