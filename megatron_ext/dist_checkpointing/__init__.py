@@ -50,6 +50,7 @@ _TRAINING_CHECKPOINT_NAMES = (
 
 def __getattr__(name: str) -> Any:
     if name == "checkpoint" or name in _TRAINING_CHECKPOINT_NAMES:
+        # Lazily: the old home of the training checkpoint manager, which lives above this package.
         from megatron_ext.training import checkpointing
 
         return checkpointing if name == "checkpoint" else getattr(checkpointing, name)

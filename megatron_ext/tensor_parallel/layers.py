@@ -377,6 +377,8 @@ class ColumnParallelLinear(torch.nn.Module):
         self.tp_group, world_size, rank, self.expert_parallel, self.explicit_expert_comm = (
             _expert_group_size_rank(tp_group, is_expert, config)
         )
+        # Under expert parallelism an expert's parameters are reduced over expert-dp, not dp.
+        allreduce = not (is_expert and self.expert_parallel)
         self.tensor_model_parallel_size = world_size
         self.output_size_per_partition = _split_size(output_size, world_size, "output_size", name)
         if self.output_size_per_partition % stride != 0:
@@ -415,14 +417,14 @@ class ColumnParallelLinear(torch.nn.Module):
                     )
             else:
                 set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=stride)
-            self.weight.allreduce = not (is_expert and self.expert_parallel)
+            self.weight.allreduce = allreduce
 
         if bias:
             self.bias = Parameter(
                 torch.zeros(self.output_size_per_partition, dtype=settings.params_dtype, device=device)
             )
             set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=stride)
-            self.bias.allreduce = not (is_expert and self.expert_parallel)
+            self.bias.allreduce = allreduce
         else:
             self.register_parameter("bias", None)
 
@@ -534,6 +536,8 @@ class RowParallelLinear(torch.nn.Module):
         self.tp_group, world_size, rank, self.expert_parallel, self.explicit_expert_comm = (
             _expert_group_size_rank(tp_group, is_expert, config)
         )
+        # Under expert parallelism an expert's parameters are reduced over expert-dp, not dp.
+        allreduce = not (is_expert and self.expert_parallel)
         self.tensor_model_parallel_size = world_size
         self.input_size_per_partition = _split_size(input_size, world_size, "input_size", name)
         if self.input_size_per_partition % stride != 0:
@@ -565,12 +569,12 @@ class RowParallelLinear(torch.nn.Module):
                 )
         else:
             set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=1, stride=stride)
-        self.weight.allreduce = not (is_expert and self.expert_parallel)
+        self.weight.allreduce = allreduce
 
         if bias:
             self.bias = Parameter(torch.zeros(output_size, dtype=settings.params_dtype, device=device))
             setattr(self.bias, "sequence_parallel", self.sequence_parallel)
-            self.bias.allreduce = not (is_expert and self.expert_parallel)
+            self.bias.allreduce = allreduce
         else:
             self.register_parameter("bias", None)
 
