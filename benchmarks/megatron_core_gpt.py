@@ -174,6 +174,14 @@ def cpu_patches(full: bool) -> None:
     torch.distributed.all_to_all_single = split_sizes_as_lists
 
 
+def bind_te_general_gemm() -> None:
+    """Without TransformerEngine, Megatron-core's MoE router reads ``moe_utils.te_general_gemm``,
+    a name that is then never bound: None, as TransformerEngine's absence means there."""
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.__dict__.setdefault("te_general_gemm", None)
+
+
 @dataclass
 class Run:
     """One training run: the model's shape and the parallel layout."""
@@ -272,10 +280,7 @@ def build_model(run: Run, config: Any, stack: str = "megatron.core") -> list[tor
 
         _use_torch_norm_with_sequence_parallel()
         if run.num_experts is not None:
-            from megatron.core.transformer.moe import moe_utils
-
-            # Without TransformerEngine its router GEMM reads a name that was never bound.
-            moe_utils.__dict__.setdefault("te_general_gemm", None)
+            bind_te_general_gemm()
         spec = get_gpt_layer_local_spec(
             num_experts=run.num_experts, moe_grouped_gemm=False,
             normalization="RMSNorm" if run.arch == "llama" else None,

@@ -51,10 +51,11 @@ def _megatron_core_layers(args) -> dict[str, torch.nn.Module]:
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.spec_utils import build_module
 
-    moe_utils.__dict__.setdefault("te_general_gemm", None)  # unbound without TransformerEngine
+    from benchmarks.megatron_core_gpt import bind_te_general_gemm
+
+    bind_te_general_gemm()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
     tensor_parallel.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
     layers = {}
