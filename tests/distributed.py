@@ -58,10 +58,34 @@ def _reset_process_state(environ: dict[str, str]) -> None:
     gc.collect()
 
 
+def _own_functions() -> dict[str, Any]:
+    """Every function and class of megatron_ext's loaded modules, and every function of those
+    classes, by qualified name: what a test that patches the library would change."""
+    out: dict[str, Any] = {}
+    for name, module in list(sys.modules.items()):
+        if name != "megatron_ext" and not name.startswith("megatron_ext."):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, type) and value.__module__ == name:
+                out[f"{name}.{attr}"] = value
+                out.update((f"{name}.{attr}.{a}", v) for a, v in vars(value).items() if callable(v))
+            elif callable(value):
+                out[f"{name}.{attr}"] = value
+    return out
+
+
 def _patches() -> tuple:
-    """What tells a process a function patched it: the import hooks, torch's and torch.cuda's
-    attributes, and whether megatron-core (whose packages a compatibility test aliases) is loaded."""
-    return (tuple(sys.meta_path), dict(vars(torch)), dict(vars(torch.cuda)), dict(vars(torch.Tensor)))
+    """What tells a process a function patched it: the import hooks, the attributes of torch,
+    torch.cuda, torch.distributed and torch.Tensor, megatron_ext's functions and classes, and
+    whether megatron-core (whose packages a compatibility test aliases) is loaded."""
+    return (
+        tuple(sys.meta_path),
+        dict(vars(torch)),
+        dict(vars(torch.cuda)),
+        dict(vars(torch.Tensor)),
+        dict(vars(dist)),
+        _own_functions(),
+    )
 
 
 def _unpatched(before: tuple) -> bool:
@@ -72,7 +96,7 @@ def _unpatched(before: tuple) -> bool:
         return False
     return all(
         new is old or getattr(new, "__wrapped__", None) is old
-        for i in (1, 2, 3)
+        for i in range(1, len(before))
         for name, old in before[i].items()
         if (new := after[i].get(name, old)) is not None
     )

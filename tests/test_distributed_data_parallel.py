@@ -6,6 +6,8 @@ buckets still matches the serial losses."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -246,6 +248,24 @@ def _check_misuse(rank: int) -> None:
     assert all(p.grad is not None for p in model.parameters())
 
 
+def _check_dropped_wrapper(rank: int) -> None:
+    """A wrapper nobody holds is freed (its hooks on the parameters do not keep it, its module and
+    its process groups alive); the module then trains locally, its gradients its own."""
+    torch.manual_seed(5)
+    model = Toy()
+    ddp = DistributedDataParallel(model, bucket_size_bytes=1)
+    (x,) = _data(model, 1, seed=800 + rank)
+    _first_step(ddp, model, x)
+    wrapper = weakref.ref(ddp)
+    del ddp
+    gc.collect()
+    assert wrapper() is None
+    expected = _local_grads(copy.deepcopy(model), [x])
+    model.zero_grad(set_to_none=True)
+    model(x).square().mean().backward()
+    _assert_grads(model, expected, "after the wrapper was dropped")
+
+
 def _ddp_worker() -> dict:
     rank = dist.get_rank()
     out = {}
@@ -257,6 +277,7 @@ def _ddp_worker() -> dict:
     out["missing"] = _check_missing_grads(rank)
     _check_mixed_dtypes(rank)
     _check_misuse(rank)
+    _check_dropped_wrapper(rank)
     return out
 
 
@@ -357,10 +378,13 @@ def _train_worker(runs):
 
     DistributedDataParallel.finish_grad_sync = recording_finish
     out = {}
-    for run in runs:
-        started_in_backward.clear()
-        losses = train_gpt.train(train_gpt.parse_args(BUCKETED + list(run)))["losses"]
-        out[run] = (losses, list(started_in_backward))
+    try:
+        for run in runs:
+            started_in_backward.clear()
+            losses = train_gpt.train(train_gpt.parse_args(BUCKETED + list(run)))["losses"]
+            out[run] = (losses, list(started_in_backward))
+    finally:
+        DistributedDataParallel.finish_grad_sync = finish
     return out
 
 

@@ -29,6 +29,7 @@ the gathers overlap the next forward pass (Megatron-core's design).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -237,8 +238,18 @@ class DistributedDataParallel(torch.nn.Module):
         self._hook_handles: list[Any] = []
         self._active = megatron_mode or dist.get_world_size(self.dp_cp_group) > 1
         if self._active:
+            # The hook holds the wrapper weakly: a parameter keeps its hooks on the C++ side, out of
+            # the garbage collector's reach, so a bound method would keep every wrapper ever built
+            # (its module, buffers and process groups) alive as long as the parameters live.
+            on_grad_ready = weakref.WeakMethod(self._on_grad_ready)
+
+            def hook(param: torch.nn.Parameter) -> None:
+                method = on_grad_ready()
+                if method is not None:
+                    method(param)
+
             for p in self.params_with_grad:
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
 
         # Parameter all-gathers (distributed optimizer): each module's forward pre-hook waits for
         # the buckets of the parameters that module reads.
