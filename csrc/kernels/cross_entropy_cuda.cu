@@ -20,19 +20,12 @@
 
 #include "kernels/cross_entropy.h"
 #include "kernels/cross_entropy_checks.h"
+#include "kernels/cuda_launch.cuh"
 
 namespace megatron_ext {
 namespace {
 
 using namespace kernels;
-
-constexpr int kThreads = 256;
-
-template <typename scalar_t>
-struct alignas(16) Pack {
-  static constexpr int kSize = 16 / sizeof(scalar_t);
-  scalar_t v[kSize];
-};
 
 // Elements before the first 16-byte boundary of ``p`` (at most n).
 template <typename scalar_t>

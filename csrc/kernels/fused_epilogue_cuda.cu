@@ -17,28 +17,13 @@
 #include <initializer_list>
 
 #include "kernels/fused_epilogue.h"
+#include "kernels/cuda_launch.cuh"
 #include "kernels/fused_epilogue_checks.h"
 
 namespace megatron_ext {
 namespace {
 
 using namespace kernels;
-
-constexpr int kThreads = 256;
-
-int64_t blocks_for(int64_t work) {
-  const int64_t max_blocks =
-      static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 8;
-  return std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, max_blocks));
-}
-
-__device__ __forceinline__ int64_t global_thread() {
-  return blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-}
-
-__device__ __forceinline__ int64_t grid_threads() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
 
 // The bias column of element i (i % h) along a grid-stride loop whose index advances by `step`:
 // one 64-bit division per thread instead of one per element (the division, emulated in software,
@@ -75,13 +60,6 @@ __global__ void bias_gelu_backward_kernel(const scalar_t* __restrict__ grad,
     out[i] = static_cast<scalar_t>(static_cast<acc_t>(grad[i]) * gelu_grad<acc_t>(v, tanh_form));
   }
 }
-
-// 16 bytes of elements, loaded and stored as one access.
-template <typename scalar_t>
-struct alignas(16) Pack {
-  static constexpr int kSize = 16 / sizeof(scalar_t);
-  scalar_t v[kSize];
-};
 
 // The same arithmetic over 16-byte packs, for rows whose width is a multiple of a pack and
 // 16-byte aligned tensors (n and h counted in packs).

@@ -22,34 +22,12 @@
 
 #include "kernels/llama_fusions.h"
 #include "kernels/llama_fusions_checks.h"
+#include "kernels/cuda_launch.cuh"
 
 namespace megatron_ext {
 namespace {
 
 using namespace kernels;
-
-constexpr int kThreads = 256;
-
-int64_t multiprocessors() {
-  return static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-}
-
-int64_t blocks_for(int64_t work) {
-  return std::max<int64_t>(
-      1, std::min<int64_t>((work + kThreads - 1) / kThreads, multiprocessors() * 8));
-}
-
-int64_t row_blocks(int64_t rows) {
-  return std::max<int64_t>(1, std::min<int64_t>(rows, multiprocessors() * 32));
-}
-
-__device__ __forceinline__ int64_t global_thread() {
-  return blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-}
-
-__device__ __forceinline__ int64_t grid_threads() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
 
 // ---- RMSNorm ---------------------------------------------------------------------------------
 

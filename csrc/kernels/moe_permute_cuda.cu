@@ -25,16 +25,12 @@
 
 #include "kernels/moe_permute.h"
 #include "kernels/moe_permute_checks.h"
+#include "kernels/cuda_launch.cuh"
 
 namespace megatron_ext {
 namespace {
 
-constexpr int kThreads = 256;
-
-unsigned int row_blocks(int64_t rows) {
-  const int64_t limit = at::cuda::getCurrentDeviceProperties()->maxGridSize[0];
-  return static_cast<unsigned int>(std::min<int64_t>(rows, limit));
-}
+using namespace kernels;
 
 template <typename scalar_t, typename acc_t>
 __global__ void gather_rows_kernel(const scalar_t* src, const int64_t* index, const scalar_t* scale,

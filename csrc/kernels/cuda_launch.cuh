@@ -1,0 +1,49 @@
+// Launch shapes and indexing shared by the CUDA kernels: the block size, grid-stride loop
+// indices, grid sizes bounded by the device's multiprocessors, and 16-byte packs of elements.
+#pragma once
+
+#include <ATen/cuda/CUDAContext.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace megatron_ext {
+namespace kernels {
+
+constexpr int kThreads = 256;
+
+inline int64_t multiprocessors() {
+  return static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+}
+
+// Blocks of kThreads for a grid-stride loop over `work` items: one item per thread, at most
+// 8 blocks per multiprocessor.
+inline int64_t blocks_for(int64_t work) {
+  return std::max<int64_t>(
+      1, std::min<int64_t>((work + kThreads - 1) / kThreads, multiprocessors() * 8));
+}
+
+// Blocks for kernels whose blocks stride over rows: one row per block, at most 32 blocks per
+// multiprocessor.
+inline unsigned int row_blocks(int64_t rows) {
+  return static_cast<unsigned int>(
+      std::max<int64_t>(1, std::min<int64_t>(rows, multiprocessors() * 32)));
+}
+
+__device__ __forceinline__ int64_t global_thread() {
+  return blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+}
+
+__device__ __forceinline__ int64_t grid_threads() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x;
+}
+
+// 16 bytes of elements, loaded and stored as one access.
+template <typename scalar_t>
+struct alignas(16) Pack {
+  static constexpr int kSize = 16 / sizeof(scalar_t);
+  scalar_t v[kSize];
+};
+
+}  // namespace kernels
+}  // namespace megatron_ext
