@@ -210,7 +210,7 @@ class _Pool:
 _POOLS: dict[int, _Pool] = {}  # by world size, the most recently used last
 # Each rank holds 0.5-0.8 GiB once a test has run on it: 15 keeps the pools of 1, 2, 4 and 8 ranks the
 # suite uses all alive (about 10 GiB); a 3-rank call evicts the least recently used.
-_MAX_POOLED_RANKS = 15
+_MAX_POOLED_RANKS = 18
 
 
 def _close_pools() -> None:

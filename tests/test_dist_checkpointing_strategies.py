@@ -131,6 +131,7 @@ def _error_worker(path: str, async_save: bool) -> tuple[str, bool, bool]:
     from megatron_ext.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     rank = dist.get_rank()
+    write = FileSystemWriterAsync.__dict__["write_preloaded_data"]
     FileSystemWriterAsync.write_preloaded_data = staticmethod(_failing_write)
     sd = {f"k{i}": ShardedTensor.from_rank_offsets(f"k{i}_rank{rank}", torch.ones(2, 4)) for i in range(4)}
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=4)
@@ -147,6 +148,8 @@ def _error_worker(path: str, async_save: bool) -> tuple[str, bool, bool]:
             isinstance(e, CheckpointWriteError),
             os.path.exists(os.path.join(path, "metadata.json")),
         )
+    finally:
+        FileSystemWriterAsync.write_preloaded_data = write
     return "", False, False
 
 

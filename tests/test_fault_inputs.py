@@ -267,7 +267,7 @@ def test_command_lines_end_in_one_error_line(tmp_path):
     (tmp_path / "out").mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2"}
     convert = [sys.executable, "-m", "megatron_ext.dist_checkpointing.convert"]
-    for argv, message in (
+    cases = (
         ([sys.executable, str(ROOT / "examples" / "train_gpt.py"), *LLAMA, "--load-hf", truncated],
          f"error: --load-hf {truncated!r}: "),
         ([sys.executable, str(ROOT / "examples" / "train_gpt.py"), *TINY, "--lr", "inf"],
@@ -278,10 +278,14 @@ def test_command_lines_end_in_one_error_line(tmp_path):
          f"error: {str(not_torch)!r} is not a torch.save file written by to-torch (UnpicklingError: "),
         ([*convert, "to-torch", str(tmp_path / "ckpt"), str(tmp_path / "out")],
          f"error: {str(tmp_path / 'out')!r} is a directory; expected the path of the file to write"),
-    ):
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
-        assert done.returncode == 2 and done.stderr.startswith(message), (argv, done.stderr)
-        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    )
+    # Side by side: each process spends most of its time importing torch.
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for argv, _ in cases]
+    for proc, (argv, message) in zip(procs, cases):
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 2 and stderr.startswith(message), (argv, stderr)
+        assert len(stderr.strip().splitlines()) == 1, stderr
     assert not (tmp_path / "ckpt").exists()
 
 

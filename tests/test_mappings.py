@@ -279,7 +279,8 @@ def _regions_worker(tp_sizes) -> dict:
             _check_dtypes(tp, compared)
             _check_fake_shapes(tp)
             _check_unsupported_dtype(tp)
-            reports += _check_opcheck(tp)
+            if not reports:  # the registration is the same at every size (shapes: _check_fake_shapes)
+                reports += _check_opcheck(tp)
             _check_copies(tp, compared)
         ps.destroy_model_parallel()
     return {"compared": compared.made, "opcheck": reports}
@@ -288,7 +289,7 @@ def _regions_worker(tp_sizes) -> dict:
 def _assert_regions(results: list[dict], tp_sizes: list[int]) -> None:
     for got in results:
         assert_comparisons(got["compared"])
-        assert len(got["opcheck"]) == 10 * sum(tp > 1 for tp in tp_sizes)
+        assert len(got["opcheck"]) == 10 * any(tp > 1 for tp in tp_sizes)
         assert_opchecks_passed(got["opcheck"])
     assert len({len(got["compared"]) for got in results}) == 1
 

@@ -89,16 +89,28 @@ EXPECTED_FALLBACKS = [
 ]
 
 
-def _train_all(on_megatron_ext: bool) -> dict:
-    if on_megatron_ext:
-        use_megatron_ext()
-    cpu_patches(full=not on_megatron_ext)
-    out = {
-        name: train(run if on_megatron_ext else MEGATRON_CORE_REFERENCE.get(name, run))
-        for name, (run, _, _) in RUNS.items()
-    }
+def _train_on_megatron_core() -> dict:
+    cpu_patches(full=True)
+    return {name: train(MEGATRON_CORE_REFERENCE.get(name, run)) for name, (run, _, _) in RUNS.items()}
+
+
+def _train_on_megatron_ext() -> dict:
+    """RUNS, then the context-parallel runs and their cp 1 twins, in one process per rank (a
+    process that resolved megatron.core to megatron_ext is not used for another test)."""
+    use_megatron_ext()
+    cpu_patches(full=False)
+    out = {name: train(run) for name, (run, _, _) in RUNS.items()}
     out["fallbacks"] = list(MEGATRON_CORE_FALLBACKS)
+    out["context parallel"] = {name: train(run) for name, run in CP_RUNS.items()}
+    out["context parallel"].update(
+        {name + " at cp 1": train(dataclasses.replace(run, cp=1)) for name, run in CP_RUNS.items()}
+    )
     return out
+
+
+@pytest.fixture(scope="module")
+def on_megatron_ext() -> list[dict]:
+    return run_distributed(4, _train_on_megatron_ext, timeout=900)
 
 
 def _max_difference(a: list[float], b: list[float]) -> float:
@@ -106,9 +118,9 @@ def _max_difference(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
-def test_megatron_core_gpt_model_trains_on_megatron_ext_as_on_megatron_core():
-    reference = run_distributed(4, _train_all, False, timeout=900)
-    ours = run_distributed(4, _train_all, True, timeout=900)
+def test_megatron_core_gpt_model_trains_on_megatron_ext_as_on_megatron_core(on_megatron_ext):
+    reference = run_distributed(4, _train_on_megatron_core, timeout=900)
+    ours = on_megatron_ext
     assert [r["fallbacks"] for r in ours] == [EXPECTED_FALLBACKS] * 4
     for name, (run, loss_tolerance, param_tolerance) in RUNS.items():
         last_stages = 0
@@ -142,17 +154,10 @@ CP_RUNS = {
 }
 
 
-def _train_context_parallel() -> dict:
-    use_megatron_ext()
-    cpu_patches(full=False)
-    runs = {**CP_RUNS, **{name + " at cp 1": dataclasses.replace(run, cp=1) for name, run in CP_RUNS.items()}}
-    return {name: train(run) for name, run in runs.items()}
-
-
-def test_megatron_core_gpt_model_trains_with_context_parallelism_on_megatron_ext():
+def test_megatron_core_gpt_model_trains_with_context_parallelism_on_megatron_ext(on_megatron_ext):
     # Rank r has the same tensor- and pipeline-parallel ranks at cp 1 (dp x cp ranks there), so
     # its parameters compare with the cp 1 run's rank r.
-    results = run_distributed(4, _train_context_parallel, timeout=900)
+    results = [r["context parallel"] for r in on_megatron_ext]
     for name, run in CP_RUNS.items():
         last_stages = 0
         for rank, result in enumerate(results):
