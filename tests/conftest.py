@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import subprocess
 import types
 
 import torch
@@ -33,6 +34,18 @@ def load_train_gpt() -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def command_lines_end_in_one_error_line(cases) -> None:
+    """Runs each ``(argv, env, message)`` of ``cases`` side by side (each process spends most of
+    its time importing torch): each exits with status 2 and a stderr of one line starting with
+    ``message``."""
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for argv, env, _ in cases]
+    for proc, (argv, _, message) in zip(procs, cases):
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 2 and stderr.startswith(message), (argv, stderr)
+        assert len(stderr.strip().splitlines()) == 1, stderr
 
 
 def gpt_step(train_gpt, args, corpus, step: int, ddp, optimizer) -> tuple[list[dict], tuple]:

@@ -201,3 +201,26 @@ def test_single_rank_equals_sdpa():
                 torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)
             ):
                 torch.testing.assert_close(got, want, **TIGHT)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_single_rank_on_cuda(dtype):
+    """cp 1 on a GPU: the op's CUDA block (the block's scores in float64, SDPA's memory-efficient
+    kernel for float32, its flash kernel for bfloat16, each with the log-sum-exp) and its backward,
+    against unfused float64 attention; MHA and GQA, causal and not. The error bound is relative to
+    the largest value of each reference tensor: the kernels' roundings (TF32, bfloat16)."""
+    bound = {torch.float64: 1e-12, torch.float32: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    g = torch.Generator().manual_seed(9)
+    for heads, groups in HEADS:
+        q, grad = (torch.randn(2, heads, 128, 64, generator=g, dtype=torch.float64) for _ in range(2))
+        k, v = (torch.randn(2, groups, 128, 64, generator=g, dtype=torch.float64) for _ in range(2))
+        for causal in (True, False):
+            expected = _reference(q, k, v, causal, grad)
+            lq, lk, lv = (t.to("cuda", dtype).requires_grad_(True) for t in (q, k, v))
+            out = torch.ops.megatron_ext.context_parallel_attention(lq, lk, lv, "", 1, 0, causal, "p2p", None)
+            out.backward(grad.to("cuda", dtype))
+            for name, got, want in zip("out dq dk dv".split(), (out, lq.grad, lk.grad, lv.grad), expected):
+                error = (got.double().cpu() - want).abs().max().item()
+                assert error <= bound * want.abs().max().item(), (dtype, heads, groups, causal, name, error)

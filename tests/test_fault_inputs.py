@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import ROOT, SMALL, load_train_gpt
+from tests.conftest import ROOT, SMALL, command_lines_end_in_one_error_line, load_train_gpt
 from tests.distributed import run_distributed
 
 TINY = SMALL + ["--layers", "2", "--dtype", "float64", "--tp", "1", "--pp", "1"]
@@ -279,13 +278,7 @@ def test_command_lines_end_in_one_error_line(tmp_path):
         ([*convert, "to-torch", str(tmp_path / "ckpt"), str(tmp_path / "out")],
          f"error: {str(tmp_path / 'out')!r} is a directory; expected the path of the file to write"),
     )
-    # Side by side: each process spends most of its time importing torch.
-    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for argv, _ in cases]
-    for proc, (argv, message) in zip(procs, cases):
-        _, stderr = proc.communicate(timeout=120)
-        assert proc.returncode == 2 and stderr.startswith(message), (argv, stderr)
-        assert len(stderr.strip().splitlines()) == 1, stderr
+    command_lines_end_in_one_error_line([(argv, env, message) for argv, message in cases])
     assert not (tmp_path / "ckpt").exists()
 
 

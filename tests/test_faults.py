@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import ROOT, SMALL, load_train_gpt
+from tests.conftest import ROOT, SMALL, command_lines_end_in_one_error_line, load_train_gpt
 from tests.distributed import free_port, run_distributed
 
 pytestmark = pytest.mark.slow  # kills, stops and restarts training runs
@@ -94,19 +94,14 @@ def test_checkpoint_paths_and_arguments_are_checked_before_the_process_group(tmp
     # From the command line: one error: line, exit 2, and no process group (no torchrun here). With
     # WORLD_SIZE 4 and no rendezvous variables, a process group started first would fail otherwise.
     bad = str(tmp_path / "bad")
-    for argv, world, message in ((["--load", missing], 1, f"error: --load {missing!r} does not exist"),
-                                 (["--load", bad], 1, "error: " + os.path.join(bad, TRACKER)),
-                                 (["--tp", "2", "--pp", "2", "--heads", "3"], 4,
-                                  "error: --heads 3 is not divisible by --tp 2")):
-        done = subprocess.run(
-            [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--tp", "1", "--pp", "1", *argv],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": str(world)},
-        )
-        assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
-        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    train = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--tp", "1", "--pp", "1"]
+    command_lines_end_in_one_error_line([
+        ([*train, *argv], {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": str(world)}, message)
+        for argv, world, message in ((["--load", missing], 1, f"error: --load {missing!r} does not exist"),
+                                     (["--load", bad], 1, "error: " + os.path.join(bad, TRACKER)),
+                                     (["--tp", "2", "--pp", "2", "--heads", "3"], 4,
+                                      "error: --heads 3 is not divisible by --tp 2"))
+    ])
 
     # the smaller messages
     corpus = tmp_path / "short.txt"
