@@ -208,8 +208,9 @@ class _Pool:
 
 
 _POOLS: dict[int, _Pool] = {}  # by world size, the most recently used last
-# Each rank holds 0.5-0.8 GiB once a test has run on it: 15 keeps the pools of 1, 2, 4 and 8 ranks the
-# suite uses all alive (about 10 GiB); a 3-rank call evicts the least recently used.
+# 18 keeps the pools of 1, 2, 3, 4 and 8 ranks the suite uses all alive; with them the whole suite
+# peaked at 5.8 GiB of memory in use on the machine (a rank's resident set is 0.5-0.8 GiB, much of it
+# torch's shared libraries).
 _MAX_POOLED_RANKS = 18
 
 
