@@ -150,11 +150,13 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
 
 class _Pool:
-    """``world_size`` spawned ranks in one gloo group, kept between calls: spawning and importing
-    torch costs seconds per process on a small machine, and a test suite makes hundreds of calls."""
+    """``world_size`` ranks in one gloo group, kept between calls: importing torch costs seconds per
+    process on a small machine, and a test suite makes hundreds of calls. The ranks are forked from
+    a server process that imported torch and megatron_ext once (and holds no thread to fork)."""
 
     def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron_ext", "tests.distributed"])
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
