@@ -211,7 +211,7 @@ class _Pool:
 
 _POOLS: dict[int, _Pool] = {}  # by world size, the most recently used last
 # 18 keeps the pools of 1, 2, 3, 4 and 8 ranks the suite uses all alive; with them the whole suite
-# peaked at 5.8 GiB of memory in use on the machine (a rank's resident set is 0.5-0.8 GiB, much of it
+# peaked at 6.4 GiB of memory in use on the machine (a rank's resident set is 0.5-0.8 GiB, much of it
 # torch's shared libraries).
 _MAX_POOLED_RANKS = 18
 
@@ -237,7 +237,7 @@ def _log(event: str, world_size: int, fn: Callable) -> None:
 
 def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 300) -> list[Any]:
     """Runs ``fn(*args)`` on ``world_size`` ranks; returns each rank's return value in rank order.
-    The ranks are kept for the next call with the same world size (up to 8 ranks in all) while
+    The ranks are kept for the next call with the same world size (up to 18 ranks in all) while
     every function succeeds and leaves the default group in place. A port taken by another process
     between choosing and binding it (tests running side by side) starts the ranks again on another
     port, up to twice."""
