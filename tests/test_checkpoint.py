@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -194,12 +195,8 @@ def _killed_mid_save_worker(save_dir: str):
         if len(saves) == 2 and dist.get_rank() == 1:
             os._exit(17)  # this rank's files are written; the checkpoint is not complete yet
 
-    after_rank_wrote = checkpoint._after_rank_wrote
-    checkpoint._after_rank_wrote = die_in_second_save
-    try:
+    with mock.patch.object(checkpoint, "_after_rank_wrote", die_in_second_save):
         checkpoint_run((1, 2, 1), "--save", save_dir, "--save-interval", "2", "--timeout", "20")
-    finally:
-        checkpoint._after_rank_wrote = after_rank_wrote
 
 
 def _load_worker(path: str, layout, *extra):

@@ -7,6 +7,7 @@ values a synchronous save does, a failed writer raised on every rank as DCP's
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -131,25 +132,22 @@ def _error_worker(path: str, async_save: bool) -> tuple[str, bool, bool]:
     from megatron_ext.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     rank = dist.get_rank()
-    write = FileSystemWriterAsync.__dict__["write_preloaded_data"]
-    FileSystemWriterAsync.write_preloaded_data = staticmethod(_failing_write)
     sd = {f"k{i}": ShardedTensor.from_rank_offsets(f"k{i}_rank{rank}", torch.ones(2, 4)) for i in range(4)}
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=4)
     try:
-        if async_save:
-            queue = AsyncCallsQueue()
-            queue.schedule_async_request(save(sd, path, strategy, async_sharded_save=True))
-            queue.maybe_finalize_async_calls(blocking=True)
-        else:
-            save(sd, path, strategy)
+        with mock.patch.object(FileSystemWriterAsync, "write_preloaded_data", staticmethod(_failing_write)):
+            if async_save:
+                queue = AsyncCallsQueue()
+                queue.schedule_async_request(save(sd, path, strategy, async_sharded_save=True))
+                queue.maybe_finalize_async_calls(blocking=True)
+            else:
+                save(sd, path, strategy)
     except CheckpointException as e:
         return (
             str(e),
             isinstance(e, CheckpointWriteError),
             os.path.exists(os.path.join(path, "metadata.json")),
         )
-    finally:
-        FileSystemWriterAsync.write_preloaded_data = write
     return "", False, False
 
 

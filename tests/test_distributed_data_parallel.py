@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -376,15 +377,12 @@ def _train_worker(runs):
         started_in_backward.append((self.launched_buckets, len(self.buckets)))
         finish(self)
 
-    DistributedDataParallel.finish_grad_sync = recording_finish
     out = {}
-    try:
+    with mock.patch.object(DistributedDataParallel, "finish_grad_sync", recording_finish):
         for run in runs:
             started_in_backward.clear()
             losses = train_gpt.train(train_gpt.parse_args(BUCKETED + list(run)))["losses"]
             out[run] = (losses, list(started_in_backward))
-    finally:
-        DistributedDataParallel.finish_grad_sync = finish
     return out
 
 

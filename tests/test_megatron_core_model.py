@@ -101,10 +101,9 @@ def _train_on_megatron_ext() -> dict:
     cpu_patches(full=False)
     out = {name: train(run) for name, (run, _, _) in RUNS.items()}
     out["fallbacks"] = list(MEGATRON_CORE_FALLBACKS)
-    out["context parallel"] = {name: train(run) for name, run in CP_RUNS.items()}
-    out["context parallel"].update(
-        {name + " at cp 1": train(dataclasses.replace(run, cp=1)) for name, run in CP_RUNS.items()}
-    )
+    at_cp1 = {name + " at cp 1": dataclasses.replace(run, cp=1) for name, run in CP_RUNS.items()}
+    cp_runs = {**CP_RUNS, **at_cp1}
+    out["context parallel"] = {name: train(run) for name, run in cp_runs.items()}
     return out
 
 
