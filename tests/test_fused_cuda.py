@@ -163,13 +163,16 @@ def test_rms_norm_kernels_equal_cpu_twin(dtype):
         _close_to_scale(got, want, dtype)
 
 
+@pytest.mark.parametrize("first_lane", [64, 65])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, *DTYPES])
-def test_rotary_kernels_equal_cpu_twin_bit_for_bit(dtype, interleaved):
+def test_rotary_kernels_equal_cpu_twin_bit_for_bit(dtype, interleaved, first_lane):
     # Heads read in place from a wider tensor (a fused QKV view); 48 of the 64 lanes rotate. No
-    # transcendental runs in the kernels and each product is rounded on both devices.
+    # transcendental runs in the kernels and each product is rounded on both devices. Heads that
+    # start at lane 64 are 16-byte aligned (the kernel over packs), at lane 65 they are not (the
+    # kernel over elements).
     base = _randn(9, 2, 3, 3 * 64, dtype=dtype, seed=33)
-    t = base[..., 64:128]
+    t = base[..., first_lane:first_lane + 64]
     angles = _randn(9, 48, dtype=torch.float32, seed=34, scale=3.0)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     for fn in (ops.rotary_pos_emb_forward, ops.rotary_pos_emb_backward):
@@ -177,12 +180,13 @@ def test_rotary_kernels_equal_cpu_twin_bit_for_bit(dtype, interleaved):
         assert torch.equal(got.cpu(), fn(t, cos, sin, interleaved)), fn
 
 
+@pytest.mark.parametrize("width", [128, 129])  # whole 16-byte packs (the kernel over packs), or not
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_swiglu_kernels_equal_cpu_twin(dtype, with_bias):
-    y = _randn(17, 3, 2 * 129, dtype=dtype, seed=35, scale=3.0)
-    b = _randn(2 * 129, dtype=dtype, seed=36) if with_bias else None
-    g = _randn(17, 3, 129, dtype=dtype, seed=37)
+def test_swiglu_kernels_equal_cpu_twin(dtype, with_bias, width):
+    y = _randn(17, 3, 2 * width, dtype=dtype, seed=35, scale=3.0)
+    b = _randn(2 * width, dtype=dtype, seed=36) if with_bias else None
+    g = _randn(17, 3, width, dtype=dtype, seed=37)
     cuda_b = b.cuda() if with_bias else None
     assert_close(ops.swiglu_forward(y.cuda(), cuda_b).cpu(), ops.swiglu_forward(y, b), **TOL[dtype])
     assert_close(ops.swiglu_backward(g.cuda(), y.cuda(), cuda_b).cpu(), ops.swiglu_backward(g, y, b),

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 
 namespace megatron_ext {
 namespace kernels {
@@ -44,6 +45,27 @@ struct alignas(16) Pack {
   static constexpr int kSize = 16 / sizeof(scalar_t);
   scalar_t v[kSize];
 };
+
+// Whether the pack kernels apply: rows a whole number of packs, every tensor 16-byte aligned.
+template <typename scalar_t>
+bool packs_fit(int64_t h, std::initializer_list<const void*> pointers) {
+  if (h % Pack<scalar_t>::kSize != 0) return false;
+  for (const void* p : pointers) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// The packs starting at p (16-byte aligned), on the host (a kernel's arguments) or in a kernel.
+template <typename scalar_t>
+__host__ __device__ __forceinline__ const Pack<scalar_t>* as_packs(const scalar_t* p) {
+  return reinterpret_cast<const Pack<scalar_t>*>(p);
+}
+
+template <typename scalar_t>
+__host__ __device__ __forceinline__ Pack<scalar_t>* as_packs(scalar_t* p) {
+  return reinterpret_cast<Pack<scalar_t>*>(p);
+}
 
 }  // namespace kernels
 }  // namespace megatron_ext

@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <initializer_list>
 
 #include "kernels/fused_epilogue.h"
 #include "kernels/cuda_launch.cuh"
@@ -101,26 +100,6 @@ __global__ void bias_gelu_backward_pack_kernel(const Pack<scalar_t>* __restrict_
     }
     out[i] = o;
   }
-}
-
-// Whether the pack kernels apply: rows a whole number of packs, every tensor 16-byte aligned.
-template <typename scalar_t>
-bool packs_fit(int64_t h, std::initializer_list<const void*> pointers) {
-  if (h % Pack<scalar_t>::kSize != 0) return false;
-  for (const void* p : pointers) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  }
-  return true;
-}
-
-template <typename scalar_t>
-const Pack<scalar_t>* as_packs(const scalar_t* p) {
-  return reinterpret_cast<const Pack<scalar_t>*>(p);
-}
-
-template <typename scalar_t>
-Pack<scalar_t>* as_packs(scalar_t* p) {
-  return reinterpret_cast<Pack<scalar_t>*>(p);
 }
 
 template <typename scalar_t, typename acc_t>

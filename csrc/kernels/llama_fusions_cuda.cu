@@ -2,7 +2,8 @@
 // (the CPU twins run the same). RMSNorm takes one block per row (a CUB block reduction for the
 // row's sum) and sums its weight gradient over blocks of rows into a buffer, one column per
 // thread, then over the blocks; rotary embedding and SwiGLU are one grid-stride pass over the
-// output elements.
+// output, 16 bytes of elements per step where the widths and alignments allow (an element per step
+// otherwise).
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 
 #include <ATen/Dispatch.h>
@@ -203,6 +204,80 @@ __global__ void rotary_kernel(const scalar_t* __restrict__ input, const scalar_t
   }
 }
 
+// The packed kernel's work items per head: with pack size k, a pair of packs (lanes i and
+// i + rot/2) or one pack of interleaved pairs per rotation item, then one pack per copied item.
+__host__ __device__ __forceinline__ int64_t rotary_rotation_items(const RotaryLayout& l,
+                                                                  int64_t k) {
+  return l.interleaved ? l.rot_dim / k : l.rot_dim / (2 * k);
+}
+
+__host__ __device__ __forceinline__ int64_t rotary_pack_items(const RotaryLayout& l, int64_t k) {
+  return rotary_rotation_items(l, k) + (l.dim - l.rot_dim) / k;
+}
+
+// The same arithmetic as rotary_kernel over 16-byte packs: each item reads its lanes and their
+// partners once and writes both, and splits its index into head and lane once per pack.
+template <typename scalar_t, typename acc_t>
+__global__ void rotary_pack_kernel(const scalar_t* __restrict__ input,
+                                   const scalar_t* __restrict__ cos,
+                                   const scalar_t* __restrict__ sin, RotaryLayout layout,
+                                   int64_t items, bool backward, scalar_t* __restrict__ out) {
+  constexpr int k = Pack<scalar_t>::kSize;
+  const int64_t per_head = rotary_pack_items(layout, k);
+  const int64_t rotations = rotary_rotation_items(layout, k);
+  const int64_t dim = layout.dim, rot = layout.rot_dim;
+  for (int64_t e = global_thread(); e < items; e += grid_threads()) {
+    const int64_t head = e / per_head, item = e - head * per_head;
+    const scalar_t* t = input + rotary_head_offset(layout, head);
+    scalar_t* o = out + head * dim;
+    if (item >= rotations) {
+      const int64_t lane = rot + (item - rotations) * k;
+      *as_packs(o + lane) = *as_packs(t + lane);
+      continue;
+    }
+    const scalar_t* c = cos + rotary_position(layout, head) * rot;
+    const scalar_t* s = sin + rotary_position(layout, head) * rot;
+    if (layout.interleaved) {
+      // Lanes 2j and 2j + 1 of the pack are partners; the even lane takes its partner negated.
+      const int64_t lane = item * k;
+      const Pack<scalar_t> tv = *as_packs(t + lane), cv = *as_packs(c + lane),
+                           sv = *as_packs(s + lane);
+      Pack<scalar_t> ov;
+#pragma unroll
+      for (int j = 0; j < k; ++j) {
+        const int p = j ^ 1;
+        const bool negated = (j & 1) == 0;
+        const acc_t a = static_cast<acc_t>(tv.v[j]), b = static_cast<acc_t>(tv.v[p]);
+        ov.v[j] =
+            static_cast<scalar_t>(backward ? rotary_backward(a, b, static_cast<acc_t>(cv.v[j]),
+                                                             static_cast<acc_t>(sv.v[p]), negated)
+                                           : rotary_forward(a, b, static_cast<acc_t>(cv.v[j]),
+                                                            static_cast<acc_t>(sv.v[j]), negated));
+      }
+      *as_packs(o + lane) = ov;
+      continue;
+    }
+    // Lane i of the first half (negated partner) and lane i + rot/2 of the second.
+    const int64_t lo = item * k, hi = lo + rot / 2;
+    const Pack<scalar_t> t_lo = *as_packs(t + lo), t_hi = *as_packs(t + hi);
+    const Pack<scalar_t> c_lo = *as_packs(c + lo), c_hi = *as_packs(c + hi);
+    const Pack<scalar_t> s_lo = *as_packs(s + lo), s_hi = *as_packs(s + hi);
+    Pack<scalar_t> o_lo, o_hi;
+#pragma unroll
+    for (int j = 0; j < k; ++j) {
+      const acc_t a = static_cast<acc_t>(t_lo.v[j]), b = static_cast<acc_t>(t_hi.v[j]);
+      const acc_t ca = static_cast<acc_t>(c_lo.v[j]), cb = static_cast<acc_t>(c_hi.v[j]);
+      const acc_t sa = static_cast<acc_t>(s_lo.v[j]), sb = static_cast<acc_t>(s_hi.v[j]);
+      o_lo.v[j] = static_cast<scalar_t>(backward ? rotary_backward(a, b, ca, sb, true)
+                                                 : rotary_forward(a, b, ca, sa, true));
+      o_hi.v[j] = static_cast<scalar_t>(backward ? rotary_backward(b, a, cb, sa, false)
+                                                 : rotary_forward(b, a, cb, sb, false));
+    }
+    *as_packs(o + lo) = o_lo;
+    *as_packs(o + hi) = o_hi;
+  }
+}
+
 at::Tensor rotary_cuda(const char* op, const at::Tensor& input, const at::Tensor& cos,
                        const at::Tensor& sin, bool interleaved, bool backward) {
   check_rotary_kernel_args(op, input, cos, sin);
@@ -217,10 +292,24 @@ at::Tensor rotary_cuda(const char* op, const at::Tensor& input, const at::Tensor
                             t.stride(0), t.stride(1), t.stride(2), interleaved};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "rotary_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    rotary_kernel<scalar_t, acc_t>
-        <<<blocks_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-            t.const_data_ptr<scalar_t>(), c.const_data_ptr<scalar_t>(),
-            s.const_data_ptr<scalar_t>(), layout, n, backward, out.mutable_data_ptr<scalar_t>());
+    const scalar_t* tp = t.const_data_ptr<scalar_t>();
+    const scalar_t* cp = c.const_data_ptr<scalar_t>();
+    const scalar_t* sp = s.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    const auto stream = at::cuda::getCurrentCUDAStream();
+    constexpr int64_t k = Pack<scalar_t>::kSize;
+    // Packs fit when every head, every row of cos and sin and each rotated group (a half, or
+    // the whole rotated part when interleaved) starts on a 16-byte boundary.
+    const int64_t group = interleaved ? layout.rot_dim : layout.rot_dim / 2;
+    if (packs_fit<scalar_t>(layout.dim, {tp, cp, sp, op}) && group % k == 0 &&
+        layout.stride_s % k == 0 && layout.stride_b % k == 0 && layout.stride_n % k == 0) {
+      const int64_t items = n / layout.dim * rotary_pack_items(layout, k);
+      rotary_pack_kernel<scalar_t, acc_t>
+          <<<blocks_for(items), kThreads, 0, stream>>>(tp, cp, sp, layout, items, backward, op);
+    } else {
+      rotary_kernel<scalar_t, acc_t>
+          <<<blocks_for(n), kThreads, 0, stream>>>(tp, cp, sp, layout, n, backward, op);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
@@ -272,6 +361,70 @@ __global__ void swiglu_backward_kernel(const scalar_t* __restrict__ grad,
   }
 }
 
+// The same arithmetic over 16-byte packs, for halves a whole number of packs wide and 16-byte
+// aligned tensors: item e is a pack of the output, at column `col` of row `row`. biased_packs
+// brings a pack of gate and one of up values, with their biases added, into the accumulation type.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void biased_packs(const scalar_t* y, const scalar_t* bias, int64_t row,
+                                             int64_t col, int64_t f, acc_t* gate, acc_t* up) {
+  constexpr int k = Pack<scalar_t>::kSize;
+  const Pack<scalar_t> g = *as_packs(y + row * 2 * f + col);
+  const Pack<scalar_t> u = *as_packs(y + row * 2 * f + f + col);
+#pragma unroll
+  for (int j = 0; j < k; ++j) {
+    gate[j] = static_cast<acc_t>(g.v[j]);
+    up[j] = static_cast<acc_t>(u.v[j]);
+  }
+  if (!bias) return;
+  const Pack<scalar_t> bg = *as_packs(bias + col), bu = *as_packs(bias + f + col);
+#pragma unroll
+  for (int j = 0; j < k; ++j) {
+    gate[j] += static_cast<acc_t>(bg.v[j]);
+    up[j] += static_cast<acc_t>(bu.v[j]);
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void swiglu_forward_pack_kernel(const scalar_t* __restrict__ y,
+                                           const scalar_t* __restrict__ bias, int64_t items,
+                                           int64_t f, scalar_t* __restrict__ out) {
+  constexpr int k = Pack<scalar_t>::kSize;
+  const int64_t fp = f / k;
+  for (int64_t e = global_thread(); e < items; e += grid_threads()) {
+    const int64_t row = e / fp, col = (e - row * fp) * k;
+    acc_t gate[k], up[k];
+    biased_packs(y, bias, row, col, f, gate, up);
+    Pack<scalar_t> o;
+#pragma unroll
+    for (int j = 0; j < k; ++j) o.v[j] = static_cast<scalar_t>(swiglu_out(gate[j], up[j]));
+    as_packs(out)[e] = o;
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void swiglu_backward_pack_kernel(const scalar_t* __restrict__ grad,
+                                            const scalar_t* __restrict__ y,
+                                            const scalar_t* __restrict__ bias, int64_t items,
+                                            int64_t f, scalar_t* __restrict__ grad_y) {
+  constexpr int k = Pack<scalar_t>::kSize;
+  const int64_t fp = f / k;
+  for (int64_t e = global_thread(); e < items; e += grid_threads()) {
+    const int64_t row = e / fp, col = (e - row * fp) * k;
+    acc_t gate[k], up[k];
+    biased_packs(y, bias, row, col, f, gate, up);
+    const Pack<scalar_t> g = as_packs(grad)[e];
+    Pack<scalar_t> d_gate, d_up;
+#pragma unroll
+    for (int j = 0; j < k; ++j) {
+      const SwigluGrads<acc_t> grads = swiglu_grads(static_cast<acc_t>(g.v[j]), gate[j], up[j]);
+      d_gate.v[j] = static_cast<scalar_t>(grads.gate);
+      d_up.v[j] = static_cast<scalar_t>(grads.up);
+    }
+    *as_packs(grad_y + row * 2 * f + col) = d_gate;
+    *as_packs(grad_y + row * 2 * f + f + col) = d_up;
+  }
+}
+
 at::Tensor swiglu_forward_cuda(const at::Tensor& input, const std::optional<at::Tensor>& bias) {
   check_swiglu_args("swiglu_forward", input, bias);
   const c10::cuda::CUDAGuard guard(input.device());
@@ -286,10 +439,18 @@ at::Tensor swiglu_forward_cuda(const at::Tensor& input, const std::optional<at::
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, y.scalar_type(), "swiglu_forward_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        swiglu_forward_kernel<scalar_t, acc_t>
-            <<<blocks_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-                y.const_data_ptr<scalar_t>(), b.defined() ? b.const_data_ptr<scalar_t>() : nullptr,
-                n, f, out.mutable_data_ptr<scalar_t>());
+        const scalar_t* yp = y.const_data_ptr<scalar_t>();
+        const scalar_t* bp = b.defined() ? b.const_data_ptr<scalar_t>() : nullptr;
+        scalar_t* op = out.mutable_data_ptr<scalar_t>();
+        const auto stream = at::cuda::getCurrentCUDAStream();
+        if (packs_fit<scalar_t>(f, {yp, bp, op})) {
+          const int64_t items = n / Pack<scalar_t>::kSize;
+          swiglu_forward_pack_kernel<scalar_t, acc_t>
+              <<<blocks_for(items), kThreads, 0, stream>>>(yp, bp, items, f, op);
+        } else {
+          swiglu_forward_kernel<scalar_t, acc_t>
+              <<<blocks_for(n), kThreads, 0, stream>>>(yp, bp, n, f, op);
+        }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
   return out;
@@ -309,11 +470,19 @@ at::Tensor swiglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor&
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, y.scalar_type(), "swiglu_backward_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        swiglu_backward_kernel<scalar_t, acc_t>
-            <<<blocks_for(n), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-                g.const_data_ptr<scalar_t>(), y.const_data_ptr<scalar_t>(),
-                b.defined() ? b.const_data_ptr<scalar_t>() : nullptr, n, f,
-                grad_y.mutable_data_ptr<scalar_t>());
+        const scalar_t* gp = g.const_data_ptr<scalar_t>();
+        const scalar_t* yp = y.const_data_ptr<scalar_t>();
+        const scalar_t* bp = b.defined() ? b.const_data_ptr<scalar_t>() : nullptr;
+        scalar_t* op = grad_y.mutable_data_ptr<scalar_t>();
+        const auto stream = at::cuda::getCurrentCUDAStream();
+        if (packs_fit<scalar_t>(f, {gp, yp, bp, op})) {
+          const int64_t items = n / Pack<scalar_t>::kSize;
+          swiglu_backward_pack_kernel<scalar_t, acc_t>
+              <<<blocks_for(items), kThreads, 0, stream>>>(gp, yp, bp, items, f, op);
+        } else {
+          swiglu_backward_kernel<scalar_t, acc_t>
+              <<<blocks_for(n), kThreads, 0, stream>>>(gp, yp, bp, n, f, op);
+        }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
   return grad_y;
