@@ -10,7 +10,8 @@
 #   ./dev.sh gpu               on a GPU machine, with the python and torch already there (no venv,
 #                              no downloads): build in place, run the `cuda` tests, then the GPU
 #                              benchmarks against megatron-core (benchmarks/gpu.py ->
-#                              runs/gpu_bench.json, benchmarks/gpu_step.py -> runs/gpu_step.json;
+#                              runs/gpu_bench.json, benchmarks/moe.py --device cuda ->
+#                              runs/gpu_moe.json, benchmarks/gpu_step.py -> runs/gpu_step.json;
 #                              megatron-core from .whl/ if not installed)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -93,6 +94,8 @@ PY
       export PYTHONPATH="$PWD/build/gpu_site${PYTHONPATH:+:$PYTHONPATH}"
     fi
     "$GPU_PY" benchmarks/gpu.py --json runs/gpu_bench.json
+    echo "[gpu] MoE layer benchmark"
+    "$GPU_PY" benchmarks/moe.py --device cuda --json runs/gpu_moe.json
     echo "[gpu] training-step benchmark"
     "$GPU_PY" benchmarks/gpu_step.py --json runs/gpu_step.json
     exit "$tests_rc"

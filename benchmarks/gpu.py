@@ -1,4 +1,5 @@
-"""GPU benchmark of the fused epilogue kernels and the cross-entropy against megatron-core 0.16.1.
+"""GPU benchmark of the fused kernels (the epilogues, RMSNorm, rotary embedding, SwiGLU) and the
+cross-entropy against megatron-core 0.16.1.
 
 Each row is one operation; its variants run in the same process, interleaved rep by rep in a
 rotating order (the first rep a warm-up, which also compiles megatron-core's ``torch.compile``d
@@ -42,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import megatron_ext  # noqa: E402
 from common import MEGATRON_CORE_VERSION, import_megatron_core, megatron_core_version  # noqa: E402
+from llama_kernels import _freqs  # noqa: E402
 from megatron_ext import fusions  # noqa: E402
 from megatron_ext import parallel_state as ps  # noqa: E402
 from megatron_ext import tensor_parallel  # noqa: E402
@@ -120,6 +122,8 @@ def _megatron_core(device: torch.device):
     from megatron.core import parallel_state as mps
     from megatron.core.fusions.fused_bias_dropout import bias_dropout_add_fused_train
     from megatron.core.fusions.fused_bias_gelu import bias_gelu, bias_gelu_back
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     mps.initialize_model_parallel(1, 1)
@@ -128,6 +132,8 @@ def _megatron_core(device: torch.device):
         "bias_gelu_back": bias_gelu_back,
         "bias_dropout_add_fused_train": bias_dropout_add_fused_train,
         "vocab_parallel_cross_entropy": vocab_parallel_cross_entropy,
+        "bias_swiglu_impl": bias_swiglu_impl,
+        "_apply_rotary_pos_emb_bshd": _apply_rotary_pos_emb_bshd,
     }
 
 
@@ -253,6 +259,77 @@ def run(args: argparse.Namespace) -> dict:
         "DTensor loss_parallel": (cross_entropy(None)[0], dtensor_step),
     }, compare="grad")
     logits = None
+
+    # RMSNorm, rotary embedding and SwiGLU at Llama's sizes (q of 128-lane heads, SwiGLU width
+    # 8h/3 rounded up to 256 as Llama 7B's 11008): each kernel alone, for its share of the copy
+    # bandwidth, then forward + backward through autograd against megatron-core's path without
+    # TransformerEngine (torch.nn.RMSNorm, which its WrappedTorchNorm builds; its unfused rotary
+    # chain; its torch.compile'd SwiGLU). The fwd+bwd runs hand the output's gradient to a fresh
+    # input with torch.autograd.grad (no AccumulateGrad copy) and return the input's gradient.
+    def fwd_bwd(fn: Callable, source: torch.Tensor, grad: torch.Tensor,
+                params: tuple[torch.Tensor, ...] = ()) -> Variant:
+        return (lambda: source.detach().clone().requires_grad_(),
+                lambda leaf: torch.autograd.grad(fn(leaf), (leaf, *params), grad)[0])
+
+    eps = 1e-5
+    x, gx = randn(n, h), randn(n, h)
+    w = (1 + 0.1 * randn(h)).detach().requires_grad_()
+    with torch.no_grad():
+        _, rstd = ops.rms_norm_forward(x, w, eps)
+        row("rms_norm fwd", (2 * n * h + h) * es + 4 * n, {
+            "megatron_ext": plain(lambda: ops.rms_norm_forward(x, w, eps)[0]),
+            "torch.nn.RMSNorm": plain(lambda: F.rms_norm(x, (h,), w, eps)),
+        })
+        row("rms_norm bwd", (3 * n * h + 2 * h) * es + 4 * n, {
+            "megatron_ext": plain(lambda: ops.rms_norm_backward(gx, x, w, rstd)[0]),
+        })
+    row("rms_norm fwd+bwd", 5 * n * h * es, {
+        "megatron_ext": fwd_bwd(lambda t: fusions.fused_rms_norm(t, w, eps), x, gx, (w,)),
+        "torch.nn.RMSNorm": fwd_bwd(lambda t: F.rms_norm(t, (h,), w, eps), x, gx, (w,)),
+    })
+    x = gx = rstd = None
+
+    d = min(128, h)
+    q, gq = randn(n, 1, h // d, d), randn(n, 1, h // d, d)
+    freqs = _freqs(n, d, False).to(device)
+    cos, sin = torch.cos(freqs).view(n, d).to(dtype), torch.sin(freqs).view(n, d).to(dtype)
+    table = 2 * n * d * es  # cos and sin
+    with torch.no_grad():
+        row("rotary fwd", 2 * q.numel() * es + table, {
+            "megatron_ext": plain(lambda: ops.rotary_pos_emb_forward(q, cos, sin, False)),
+            "megatron-core": mc("_apply_rotary_pos_emb_bshd", lambda f: plain(lambda: f(q, freqs))),
+        })
+        row("rotary bwd", 2 * q.numel() * es + table, {
+            "megatron_ext": plain(lambda: ops.rotary_pos_emb_backward(gq, cos, sin, False)),
+        })
+    row("rotary fwd+bwd", 4 * q.numel() * es, {
+        "megatron_ext": fwd_bwd(lambda t: fusions.fused_apply_rotary_pos_emb(t, freqs), q, gq),
+        "megatron-core": mc("_apply_rotary_pos_emb_bshd", lambda f: fwd_bwd(lambda t: f(t, freqs), q, gq)),
+    })
+    q = gq = cos = sin = freqs = None
+
+    f = 256 * -(-8 * h // (3 * 256))
+    y, gy = randn(n, 2 * f), randn(n, f)
+
+    def unfused_swiglu(t: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.chunk(t, 2, dim=-1)
+        return F.silu(gate) * up
+
+    with torch.no_grad():
+        row("swiglu fwd", 3 * n * f * es, {
+            "megatron_ext": plain(lambda: ops.swiglu_forward(y, None)),
+            "megatron-core": mc("bias_swiglu_impl", lambda fn: plain(lambda: fn(y, None))),
+            "torch F.silu(gate) * up": plain(lambda: unfused_swiglu(y)),
+        })
+        row("swiglu bwd", 5 * n * f * es, {
+            "megatron_ext": plain(lambda: ops.swiglu_backward(gy, y, None)),
+        })
+    row("swiglu fwd+bwd", 8 * n * f * es, {
+        "megatron_ext": fwd_bwd(fusions.swiglu, y, gy),
+        "megatron-core": mc("bias_swiglu_impl", lambda fn: fwd_bwd(lambda t: fn(t, None), y, gy)),
+        "torch F.silu(gate) * up": fwd_bwd(unfused_swiglu, y, gy),
+    })
+    y = gy = None
 
     # The weight-gradient GEMM of gradient_accumulation_fusion ([h, 4h] += go^T inp) as the linear
     # layers run it: 16-bit operands into the fp32 main_grad in one cuBLAS call, against a 16-bit

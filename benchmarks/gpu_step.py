@@ -26,7 +26,10 @@ on a GPU, the bytes of the distinct tensor storages alive on the CPU) and peak e
 step (``max_memory_allocated`` minus what was allocated before the step; on the CPU the resident
 high-water mark, benchmarks/common.py). Then megatron_ext's model alone under each recomputation
 mode of ``--recompute`` (the same model, its config switched): median step time and peak extra
-memory.
+memory. Before those, ``--profile`` steps of each stack under torch.profiler: GPU kernel time per
+step by category (``TIME_CATEGORIES``: GEMMs, attention, the optimizer, each fused kernel, copies
+and fills, ...; on the CPU the operators' self time) and how often the host waits for the device
+per step.
 
 ``--device cpu`` runs the same code on one CPU process at a tiny size (``--shapes tiny``), to check
 the script; its figures are not GPU figures. Without megatron-core importable the script stops,
@@ -91,6 +94,55 @@ RECOMPUTE_MODES = {
 }
 
 STACKS = ("megatron-core", "megatron_ext")
+
+# Kernel (CUDA) or operator (CPU) names by category, the first match deciding; names are matched
+# lower-cased. What matches none is "other".
+TIME_CATEGORIES = (
+    ("cross-entropy", ("cross_entropy", "log_softmax", "nll", "row_stats_kernel", "::grad_kernel")),
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa", "softmax")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
+              "aten::baddbmm")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("rotary", ("rotary",)),
+    ("swiglu", ("swiglu", "silu")),
+    ("norm", ("rms_norm", "layer_norm", "layernorm")),
+    ("gelu, bias, dropout", ("gelu", "dropout", "bias")),
+    ("reductions", ("reduce", "norm")),
+    ("copies and fills", ("copy", "memcpy", "memset", "fill", "cast", "cat", "zero")),
+)
+# The CUDA runtime calls with which the host waits for the device.
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def time_category(name: str) -> str:
+    lowered = name.lower()
+    return next((cat for cat, keys in TIME_CATEGORIES if any(k in lowered for k in keys)), "other")
+
+
+def profile_steps(stack: "Stack", steps: int) -> dict[str, Any]:
+    """``steps`` steps under torch.profiler: GPU kernel time (on the CPU, operators' self time) per
+    step by category, and the host's waits for the device per step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = stack.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(stack.device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            stack.step()
+        _sync(stack.device)
+    categories: dict[str, float] = {cat: 0.0 for cat, _ in TIME_CATEGORIES}
+    categories["other"] = 0.0
+    waits = 0
+    for e in prof.events():
+        if cuda and e.device_type == DeviceType.CUDA:
+            categories[time_category(e.name)] += e.device_time_total / 1e3 / steps
+        elif not cuda and e.device_type == DeviceType.CPU:
+            categories[time_category(e.name)] += e.self_cpu_time_total / 1e3 / steps
+        waits += e.name in HOST_WAITS
+    return {"ms_per_step": categories, "total_ms": sum(categories.values()),
+            "host_waits_per_step": waits / steps}
 
 
 def peak_tflops(device: torch.device, override: float | None) -> float | None:
@@ -280,6 +332,8 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, peak: 
     if "megatron-core" in stacks:
         core = result["stacks"]["megatron-core"]["step_s"]["median"]
         result["speedup"] = core / result["stacks"]["megatron_ext"]["step_s"]["median"]
+    if args.profile:
+        result["profile"] = {name: profile_steps(stacks[name], args.profile) for name in names}
     # Recomputation modes: megatron_ext's model alone, its config switched between steps.
     ext = stacks["megatron_ext"]
     del stacks
@@ -320,6 +374,11 @@ def print_table(result: dict) -> None:
                   f"{s['peak_extra_gib']:15.3f} {s['state_gib']:10.3f} {diff}")
         if "speedup" in r:
             print(f"{shape:10s} megatron_ext step {r['speedup']:.2f}x faster than megatron-core")
+        for name, prof in r.get("profile", {}).items():
+            parts = ", ".join(f"{cat} {ms:.1f}" for cat, ms in prof["ms_per_step"].items() if ms > 0)
+            unit = "kernel" if result["device"] != "cpu" else "operator"
+            print(f"{shape:10s} {name:14s} {unit} ms per step {prof['total_ms']:.1f}: {parts}; "
+                  f"host waits per step {prof['host_waits_per_step']:g}")
         for mode, m in r["recompute"].items():
             print(f"{shape:10s} megatron_ext recompute {mode:20s} {1e3 * m['step_s']:10.1f} ms "
                   f"peak extra {m['peak_extra_gib']:.3f} GiB")
@@ -336,6 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--recompute", nargs="*", default=["none", "selective", "selective-all", "full"],
                    choices=list(RECOMPUTE_MODES), help="megatron_ext's recomputation modes to measure after")
     p.add_argument("--recompute-reps", type=int, default=3)
+    p.add_argument("--profile", type=int, default=2, metavar="STEPS",
+                   help="profile this many steps of each stack (0: none)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's bf16 dense peak")
     p.add_argument("--unfused", action="store_true", help="both stacks without their fusions")
     p.add_argument("--without-megatron-core", action="store_true", help="megatron_ext only")

@@ -10,13 +10,20 @@ over: a fresh non-leaf tensor each repetition) and the ``E / ep`` experts of its
 rank; the output gets a fresh gradient each repetition (``output.backward(grad)``), as the next
 layer would give it. Timing and memory method: benchmarks/common.py.
 
+``--device cuda`` runs the same variants in one process on one GPU (ep 1), in bfloat16, Megatron-core
+as it is (no CPU patches), each run timed with CUDA events (benchmarks/gpu.py's method: min /
+median / max milliseconds and the peak extra device memory), at a Mixtral 8x7B layer's sizes
+(hidden 4096, ffn 14336, 8192 tokens); ``./dev.sh gpu`` runs it.
+
     python benchmarks/moe.py [--ep 1 2 4] [--experts 8] [--topk 2] [--hidden 1024] [--ffn 2816]
                              [--tokens 2048] [--reps 3] [--quick]
+    python benchmarks/moe.py --device cuda [--json runs/gpu_moe.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import warnings
 from typing import Any
@@ -25,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import print_table, run_interleaved, summarize, write_json
+from common import megatron_core_version, print_table, run_interleaved, summarize, write_json
 
 from megatron_ext import parallel_state as ext_ps
 from megatron_ext.transformer import TransformerConfig as ExtConfig
@@ -46,7 +53,7 @@ def _fields(args, dispatcher: str, grouped: bool) -> dict[str, Any]:
     )
 
 
-def _megatron_core_layers(args) -> dict[str, torch.nn.Module]:
+def _megatron_core_layers(args, on_cpu: bool) -> dict[str, torch.nn.Module]:
     """Megatron-core's MoELayer with SequentialMLP experts, per dispatcher."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -57,7 +64,8 @@ def _megatron_core_layers(args) -> dict[str, torch.nn.Module]:
 
     bind_te_general_gemm()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
-    tensor_parallel.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        1234, **({"inference_rng_tracker": True} if on_cpu else {}))
     layers = {}
     for dispatcher in ("allgather", "alltoall"):
         config = TransformerConfig(**_fields(args, dispatcher, False))
@@ -67,14 +75,15 @@ def _megatron_core_layers(args) -> dict[str, torch.nn.Module]:
     return layers
 
 
-def _worker(args) -> dict:
-    torch.set_num_threads(1)
-    from benchmarks.megatron_core_gpt import cpu_patches
-
-    cpu_patches(full=True)
+def _variants(args, device: torch.device, dtype: torch.dtype):
+    """The layers on ``device`` in ``dtype`` (every one starting from Megatron-core's weights) and,
+    per variant, its prepare (a fresh input made by an op, and the output's gradient) and its run
+    (forward, then the gradient handed to the input's producer). Also returns a function giving
+    each layer's largest output difference from megatron_ext's SequentialMLP allgather layer."""
+    on_cpu = device.type == "cpu"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        reference = {} if args.without_megatron_core else _megatron_core_layers(args)
+        reference = {} if args.without_megatron_core else _megatron_core_layers(args, on_cpu)
     ext_ps.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
     ours = {}
     for name, dispatcher, grouped in (
@@ -89,12 +98,18 @@ def _worker(args) -> dict:
         for layer in (reference["alltoall"], ours["megatron_ext SequentialMLP allgather"],
                       ours["megatron_ext SequentialMLP alltoall"]):
             layer.load_state_dict(source.state_dict(), strict=False)
+    layers = {**ours, **{f"Megatron-core {d}": layer for d, layer in reference.items()}}
+    for layer in layers.values():  # as Megatron-LM's Float16Module: the whole layer in one dtype
+        layer.to(device=device, dtype=dtype)
 
-    generator = torch.Generator().manual_seed(dist.get_rank())
+    generator = torch.Generator(device=device).manual_seed(dist.get_rank())
 
-    def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        leaf = torch.randn(args.tokens, 1, args.hidden, generator=generator, dtype=DTYPE).requires_grad_()
-        return leaf, leaf * 1.0, torch.randn(args.tokens, 1, args.hidden, generator=generator, dtype=DTYPE)
+    def randn() -> torch.Tensor:
+        return torch.randn(args.tokens, 1, args.hidden, generator=generator, device=device, dtype=dtype)
+
+    def prepare() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        leaf = randn().requires_grad_()
+        return leaf, leaf * 1.0, randn()
 
     def step(layer: torch.nn.Module):
         def run(prepared) -> None:
@@ -104,33 +119,99 @@ def _worker(args) -> dict:
 
         return run
 
-    variants = {name: step(layer) for name, layer in ours.items()}
-    variants.update({f"Megatron-core {d}": step(layer) for d, layer in reference.items()})
-    results = run_interleaved(variants, args.reps, prepare=inputs)
+    def differences() -> dict[str, float]:
+        _, x, _ = prepare()
+        outputs = {name: layer(x)[0].detach().float() for name, layer in layers.items()}
+        first = outputs["megatron_ext SequentialMLP allgather"]
+        return {name: float((out - first).abs().max()) for name, out in outputs.items()
+                if "GroupedMLP" not in name}
+
+    return {name: step(layer) for name, layer in layers.items()}, prepare, differences
+
+
+def _worker(args) -> dict:
+    """One CPU rank (gloo, one thread), float32, Megatron-core with the CPU patches."""
+    torch.set_num_threads(1)
+    from benchmarks.megatron_core_gpt import cpu_patches
+
+    cpu_patches(full=True)
+    variants, prepare, differences = _variants(args, torch.device("cpu"), DTYPE)
+    results = run_interleaved(variants, args.reps, prepare=prepare)
     # The same weights and inputs give the same output (a check that the variants compare alike).
-    _, x, _ = inputs()
-    layers = {**ours, **{f"Megatron-core {d}": layer for d, layer in reference.items()}}
-    outputs = {name: layer(x)[0].detach() for name, layer in layers.items()}
-    first = outputs["megatron_ext SequentialMLP allgather"]
-    differences = {name: float((out - first).abs().max()) for name, out in outputs.items()
-                   if "GroupedMLP" not in name}
+    difference = differences()
     ext_ps.destroy_model_parallel()
-    return {"results": results, "max_output_difference": differences}
+    return {"results": results, "max_output_difference": difference}
+
+
+def run_on_gpu(args) -> dict:
+    """Every variant on one GPU (a one-rank NCCL group, ep 1), in ``args.dtype``, Megatron-core as
+    it is; timed with CUDA events (benchmarks/gpu.py's ``time_variants``)."""
+    from gpu import time_variants
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        variants, prepare, differences = _variants(args, device, getattr(torch, args.dtype))
+        stats = time_variants({name: (prepare, run) for name, run in variants.items()}, args.reps, device)
+        difference = differences()
+    finally:
+        ext_ps.destroy_model_parallel()
+        dist.destroy_process_group()
+    return {"device": torch.cuda.get_device_name(device), "variants": stats,
+            "max_output_difference": difference}
+
+
+# Per device: hidden, ffn, tokens (per rank), repetitions. The GPU's: a Mixtral 8x7B layer at 8192 tokens.
+SIZES = {"cpu": (1024, 2816, 2048, 3), "cuda": (4096, 14336, 8192, 10)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu: --ep CPU processes each; cuda: one GPU, ep 1")
+    p.add_argument("--ep", type=int, nargs="+", default=None, help="cpu only (default 1 2 4)")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--ffn", type=int, default=2816)
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--ffn", type=int, default=None)
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank")
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="cuda only")
     p.add_argument("--quick", action="store_true", help="tiny shapes, ep 2, one repetition")
     p.add_argument("--without-megatron-core", action="store_true", help="megatron_ext only")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    for field, default in zip(("hidden", "ffn", "tokens", "reps"), SIZES[args.device]):
+        if getattr(args, field) is None:
+            setattr(args, field, default)
+    if args.device == "cuda":
+        if args.ep not in (None, [1]):
+            raise SystemExit(f"benchmarks/moe.py --device cuda runs on one GPU at ep 1, got --ep {args.ep}")
+        if not torch.cuda.is_available():
+            raise SystemExit("benchmarks/moe.py --device cuda needs a CUDA GPU")
+        result = run_on_gpu(args)
+        print(f"MoE layer fwd+bwd on {result['device']}, {args.dtype}, E {args.experts} top-{args.topk}, "
+              f"hidden {args.hidden}, ffn {args.ffn} (SwiGLU), {args.tokens} tokens")
+        rows = result["variants"]
+        base = rows.get("Megatron-core allgather")
+        for name, r in rows.items():
+            ratio = f" {r['median_ms'] / base['median_ms']:6.2f}x Megatron-core allgather" if base else ""
+            print(f"  {name:38s} {r['min_ms']:9.2f} {r['median_ms']:9.2f} {r['max_ms']:9.2f} ms "
+                  f"peak extra {r['peak_extra_mib']:9.1f} MiB{ratio}")
+        print(f"  largest output difference to megatron_ext SequentialMLP allgather: "
+              f"{result['max_output_difference']}")
+        path = args.json or "runs/gpu_moe.json"
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"args": vars(args), "torch": torch.__version__,
+                       "megatron_core": megatron_core_version(),
+                       "timing_method": "variants interleaved rep by rep, first rep a warm-up; CUDA events "
+                                        "around one forward + backward; min/median/max over reps",
+                       **result}, f, indent=2)
+        print(f"wrote {path}")
+        return
+    args.ep = args.ep or [1, 2, 4]
     if args.quick:
         args.ep, args.experts, args.hidden, args.ffn, args.tokens, args.reps = [2], 4, 16, 24, 32, 1
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # freed tensors leave the resident set

@@ -26,7 +26,9 @@ def test_gpu_benchmark_script_on_cpu(tmp_path):
     rows = {r["op"]: r for r in result["rows"]}
     assert list(rows) == ["bias_gelu fwd (tanh)", "bias_gelu bwd (tanh)", "bias_gelu fwd (erf)",
                           "bias_dropout_add fwd (p 0.1)", "bias_dropout_add fwd+bwd (p 0.1)",
-                          "cross_entropy fwd+bwd"]
+                          "cross_entropy fwd+bwd", "rms_norm fwd", "rms_norm bwd", "rms_norm fwd+bwd",
+                          "rotary fwd", "rotary bwd", "rotary fwd+bwd", "swiglu fwd", "swiglu bwd",
+                          "swiglu fwd+bwd"]
     assert list(rows["cross_entropy fwd+bwd"]["variants"]) == [
         "megatron_ext",
         "megatron_ext overwrite_logits",
@@ -36,6 +38,11 @@ def test_gpu_benchmark_script_on_cpu(tmp_path):
     bf16 = 2
     assert rows["bias_gelu fwd (tanh)"]["bytes"] == (2 * tokens * 4 * hidden + 4 * hidden) * bf16
     assert rows["cross_entropy fwd+bwd"]["bytes"] == 3 * tokens * vocab * bf16
+    swiglu_width = 256  # 8 h / 3 rounded up to a multiple of 256
+    assert rows["swiglu fwd+bwd"]["bytes"] == 8 * tokens * swiglu_width * bf16
+    assert rows["rotary fwd+bwd"]["bytes"] == 4 * tokens * hidden * bf16
+    assert list(rows["swiglu fwd+bwd"]["variants"]) == ["megatron_ext", "torch F.silu(gate) * up"]
+    assert list(rows["rotary bwd"]["variants"]) == ["megatron_ext"]
     for r in rows.values():
         for s in r["variants"].values():
             assert 0 < s["min_ms"] <= s["median_ms"] <= s["max_ms"]
@@ -171,6 +178,33 @@ def test_train_step_benchmark_script(tmp_path):
             assert v["max_loss_difference"] <= 1e-5, (case, name, v["losses"], reference)
 
 
+def test_gpu_step_time_categories():
+    """The profile's categories of kernel names as an H200 profile of a step names them."""
+    from benchmarks.gpu_step import time_category
+
+    names = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "gemm",
+        "nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNT": "gemm",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128": "attention",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, float, float>": "attention",
+        "void at::native::multi_tensor_apply_kernel<at::native::FusedAdamMathFunctor<float, 4>>": "optimizer",
+        "void megatron_ext::(anonymous namespace)::rotary_pack_kernel<c10::BFloat16, float>": "rotary",
+        "void megatron_ext::(anonymous namespace)::swiglu_backward_kernel<c10::BFloat16, float>": "swiglu",
+        "void megatron_ext::(anonymous namespace)::rms_norm_weight_grad_kernel<c10::BFloat16, float>": "norm",
+        "void megatron_ext::(anonymous namespace)::row_stats_kernel<c10::BFloat16, float>": "cross-entropy",
+        "void megatron_ext::(anonymous namespace)::grad_kernel<c10::BFloat16, float>": "cross-entropy",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<double, at::native::NormTwoOps>>":
+            "reductions",
+        "void at::native::elementwise_kernel<128, 2, direct_copy_kernel_cuda>": "copies and fills",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>":
+            "copies and fills",
+        "triton_poi_fused_add_mul_0": "other",
+        "aten::mm": "gemm",
+        "megatron_ext::rotary_pos_emb_forward": "rotary",
+    }
+    assert {name: time_category(name) for name in names} == names
+
+
 @pytest.mark.slow  # runs the benchmark script end to end
 def test_gpu_step_benchmark_script_on_cpu(tmp_path):
     """benchmarks/gpu_step.py at its tiny CPU size: every figure reported and consistent; with
@@ -208,5 +242,11 @@ def test_gpu_step_benchmark_script_on_cpu(tmp_path):
     if with_core:
         assert stacks["megatron_ext"]["max_loss_difference"] < 0.05
         assert stacks["megatron-core"]["max_loss_difference"] == 0.0
+    for name, prof in tiny["profile"].items():  # the CPU operators' self time by category
+        ms = prof["ms_per_step"]
+        assert prof["total_ms"] == pytest.approx(sum(ms.values())) and prof["host_waits_per_step"] == 0
+        kinds = ["gemm", "optimizer"] + (["rotary", "swiglu", "norm"] if name == "megatron_ext" else [])
+        assert all(ms[kind] > 0 for kind in kinds), (name, ms)
+    assert list(tiny["profile"]) == list(stacks)
     assert list(tiny["recompute"]) == ["none", "selective-all", "full"]
     assert all(m["step_s"] > 0 and m["peak_extra_gib"] >= 0 for m in tiny["recompute"].values())
