@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from common import megatron_core_version, print_table, run_interleaved, summarize, write_json
 
 from megatron_ext import parallel_state as ext_ps
+from megatron_ext import tensor_parallel as ext_tp
 from megatron_ext.transformer import TransformerConfig as ExtConfig
 from megatron_ext.transformer.moe import MoELayer as ExtMoELayer
 from tests.distributed import run_distributed
@@ -43,17 +44,20 @@ DTYPE = torch.float32
 
 
 def _fields(args, dispatcher: str, grouped: bool) -> dict[str, Any]:
+    """The layer's config; on a GPU its weights are made there, in ``args.dtype``."""
+    on_gpu = args.device == "cuda"
     return dict(
         num_layers=1, hidden_size=args.hidden, num_attention_heads=8, ffn_hidden_size=args.ffn,
         moe_ffn_hidden_size=args.ffn, num_moe_experts=args.experts, moe_router_topk=args.topk,
         expert_model_parallel_size=dist.get_world_size(), moe_token_dispatcher_type=dispatcher,
         moe_grouped_gemm=grouped, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, params_dtype=DTYPE, use_cpu_initialization=True,
+        add_bias_linear=False, params_dtype=getattr(torch, args.dtype) if on_gpu else DTYPE,
+        use_cpu_initialization=not on_gpu,
         moe_aux_loss_coeff=0.0, bias_activation_fusion=False, gradient_accumulation_fusion=False,
     )
 
 
-def _megatron_core_layers(args, on_cpu: bool) -> dict[str, torch.nn.Module]:
+def _megatron_core_layers(args) -> dict[str, torch.nn.Module]:
     """Megatron-core's MoELayer with SequentialMLP experts, per dispatcher."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -65,7 +69,7 @@ def _megatron_core_layers(args, on_cpu: bool) -> dict[str, torch.nn.Module]:
     bind_te_general_gemm()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
     tensor_parallel.model_parallel_cuda_manual_seed(
-        1234, **({"inference_rng_tracker": True} if on_cpu else {}))
+        1234, **({"inference_rng_tracker": True} if args.device == "cpu" else {}))
     layers = {}
     for dispatcher in ("allgather", "alltoall"):
         config = TransformerConfig(**_fields(args, dispatcher, False))
@@ -80,11 +84,11 @@ def _variants(args, device: torch.device, dtype: torch.dtype):
     per variant, its prepare (a fresh input made by an op, and the output's gradient) and its run
     (forward, then the gradient handed to the input's producer). Also returns a function giving
     each layer's largest output difference from megatron_ext's SequentialMLP allgather layer."""
-    on_cpu = device.type == "cpu"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        reference = {} if args.without_megatron_core else _megatron_core_layers(args, on_cpu)
+        reference = {} if args.without_megatron_core else _megatron_core_layers(args)
     ext_ps.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
+    ext_tp.model_parallel_cuda_manual_seed(1234)  # the trackers a GPU initialisation draws from
     ours = {}
     for name, dispatcher, grouped in (
         ("megatron_ext SequentialMLP allgather", "allgather", False),
