@@ -129,7 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recompute-num-layers", type=int, default=None,
                    help="layers per recomputed chunk (uniform) or recomputed layers per stage (block)")
     p.add_argument("--recompute-modules", nargs="+", default=None,
-                   help="with selective recomputation: any of core_attn, mlp, layernorm (default core_attn)")
+                   help="with selective recomputation: any of core_attn, mlp, layernorm and, in MoE layers, "
+                        "moe, moe_act (needs --moe-grouped-gemm), shared_experts (default core_attn)")
     p.add_argument(
         "--sequence-parallel",
         action="store_true",

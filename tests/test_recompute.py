@@ -1,10 +1,11 @@
 """Activation recomputation with Megatron-core's settings: full recomputation ("uniform" chunks of
 ``recompute_num_layers`` layers, or the first ``recompute_num_layers`` layers as a "block") and
-selective recomputation of ``recompute_modules`` ("core_attn", "mlp", "layernorm"). Every mode
-gives the losses and gradients of the run without recomputation in float64, with dropout on (the
-recomputation replays the forward's random states), at tensor-parallel size 2 with sequence
-parallelism, for a GPT and a Llama-style model; and every mode keeps fewer activation bytes for
-the backward. Bad settings raise ValueError naming the value."""
+selective recomputation of ``recompute_modules`` ("core_attn", "mlp", "layernorm"; in MoE layers
+"moe", "moe_act", "shared_experts"). Every mode gives the losses and gradients of the run without
+recomputation in float64, with dropout on (the recomputation replays the forward's random states),
+at tensor-parallel size 2 with sequence parallelism, for a GPT, a Llama-style and an MoE model (ep
+2); and every mode keeps fewer activation bytes for the backward. Bad settings raise ValueError
+naming the value."""
 
 from __future__ import annotations
 
@@ -31,6 +32,24 @@ MODES = {
 }
 
 
+# Mixture-of-experts layers in every layer of the Llama-style model: 4 experts over ep 2 (beside
+# tp 2), grouped GEMMs, shared experts, load-balancing and z-losses.
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8, moe_grouped_gemm=True,
+           moe_shared_expert_intermediate_size=16, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3,
+           moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2,
+           expert_tensor_parallel_size=1)
+MOE_MODES = {
+    "selective moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
+    "selective moe_act": dict(recompute_granularity="selective", recompute_modules=["moe_act"]),
+    "selective shared_experts": dict(recompute_granularity="selective", recompute_modules=["shared_experts"]),
+    "selective mlp": dict(recompute_granularity="selective", recompute_modules=["mlp"]),  # dense only
+    "selective all": dict(recompute_granularity="selective",
+                          recompute_modules=["core_attn", "layernorm", "moe", "moe_act", "shared_experts"]),
+    "moe_layer_recompute": dict(moe_layer_recompute=True),  # Megatron-core's older switch
+    "full uniform 1": MODES["full uniform 1"],
+}
+
+
 def _config(arch: str, **recompute) -> TransformerConfig:
     fields = dict(
         tensor_model_parallel_size=2, sequence_parallel=True, num_layers=3, hidden_size=16,
@@ -38,9 +57,11 @@ def _config(arch: str, **recompute) -> TransformerConfig:
         pipeline_dtype=torch.float64, use_cpu_initialization=True, bias_dropout_fusion=True,
         bias_activation_fusion=True,
     )
-    if arch == "llama":
+    if arch in ("llama", "moe"):
         fields.update(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
                       add_bias_linear=False, num_query_groups=2, ffn_hidden_size=32)
+    if arch == "moe":
+        fields.update(MOE)
     return TransformerConfig(**fields, **recompute)
 
 
@@ -93,6 +114,36 @@ def _worker() -> tuple[list, dict]:
     return compared.made, kept
 
 
+def _moe_worker() -> tuple[list, dict]:
+    ps.initialize_model_parallel(2, expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+    compared = Comparisons()
+    ref_loss, ref_grads, kept = _run("moe", {})
+    kept = {"none": kept}
+    for mode, recompute in MOE_MODES.items():
+        loss, grads, kept[mode] = _run("moe", recompute)
+        compared.close(loss, ref_loss, label=f"moe {mode} loss", **EXACT)
+        for name, grad in grads.items():
+            compared.close(grad, ref_grads[name], label=f"moe {mode} {name}", **EXACT)
+    ps.destroy_model_parallel()
+    return compared.made, kept
+
+
+@pytest.mark.slow  # two spawned ranks
+def test_moe_recompute_modules_equal_no_recompute():
+    """Recomputing the whole MoE layer from its input ("moe"), the experts' activation, freed
+    once the second grouped GEMM has it ("moe_act"), or the shared experts gives the losses and
+    gradients (the router's through its load-balancing and z-losses too) of the run without
+    recomputation, and keeps fewer activations; "mlp" leaves MoE layers alone."""
+    for made, kept in run_distributed(2, _moe_worker):
+        assert_comparisons(made)
+        none = kept["none"]
+        assert kept["selective mlp"] == none
+        for mode in ("selective moe", "selective moe_act", "selective shared_experts", "moe_layer_recompute"):
+            assert kept[mode] < none, (mode, kept[mode], none)
+        assert kept["moe_layer_recompute"] < kept["selective moe"]  # it also keeps the default core_attn
+        assert kept["selective all"] < min(kept[m] for m in ("selective moe", "moe_layer_recompute"))
+
+
 @pytest.mark.slow  # two spawned ranks, many training steps
 def test_every_recompute_mode_equals_no_recompute():
     for made, kept in run_distributed(2, _worker):
@@ -127,8 +178,15 @@ def test_every_recompute_mode_equals_no_recompute():
          r"invalid choices \['attention'\]"),
         (dict(recompute_granularity="selective", recompute_modules="mlp"), ValueError,
          "must be a list of module names, got 'mlp'"),
-        (dict(recompute_granularity="selective", recompute_modules=["moe_act"]), NotImplementedError,
-         r"recompute_modules \['moe_act'\] are not supported"),
+        (dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]), NotImplementedError,
+         r"recompute_modules \['mla_up_proj'\] are not supported"),
+        (dict(recompute_granularity="selective", recompute_modules=["moe_act"]), ValueError,
+         "'moe_act' needs moe_grouped_gemm=True"),
+        (dict(recompute_granularity="selective", recompute_modules=["shared_experts"], moe_grouped_gemm=True,
+              num_moe_experts=2, moe_shared_expert_intermediate_size=8, moe_shared_expert_overlap=True),
+         ValueError, "'shared_experts' cannot be recomputed with moe_shared_expert_overlap=True"),
+        (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+              moe_layer_recompute=True), ValueError, "moe_layer_recompute=True cannot be combined"),
     ],
 )
 def test_bad_recompute_settings_are_refused(fields, error, match):

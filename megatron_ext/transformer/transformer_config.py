@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,7 +89,6 @@ _UNIMPLEMENTED = {
     "use_kitchen_attention": "NVIDIA Kitchen quantisation",
     "fp4": "FP4 training",
     "fp4_param": "FP4 training",
-    "moe_layer_recompute": "mixture-of-experts layers",
     "enable_cuda_graph": "CUDA graphs",
     "external_cuda_graph": "CUDA graphs",
     "cuda_graph_impl": "CUDA graphs",
@@ -359,9 +359,9 @@ class TransformerConfig(ModelParallelConfig):
     # [s, b, vocab / tp] logits; same losses and gradients. Only the loss path (labels given).
     fused_output_cross_entropy: bool = False
 
-    # The modules selective recomputation can recompute here ("moe_act", "moe", "shared_experts"
-    # and "mla_up_proj" name Megatron-core features that megatron_ext does not have).
-    SELECTIVE_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+    # The modules selective recomputation can recompute here ("mla_up_proj" names a Megatron-core
+    # feature, multi-latent attention, that megatron_ext does not have).
+    SELECTIVE_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts")
     _MEGATRON_CORE_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
                                         "shared_experts")
 
@@ -419,6 +419,28 @@ class TransformerConfig(ModelParallelConfig):
                     f"TransformerConfig.recompute_modules {missing} are not supported by megatron_ext "
                     f"(no such modules); it recomputes {list(self.SELECTIVE_RECOMPUTE_MODULES)}"
                 )
+            if "moe_act" in self.recompute_modules and not self.moe_grouped_gemm:
+                raise ValueError(
+                    "TransformerConfig.recompute_modules: 'moe_act' needs moe_grouped_gemm=True (the "
+                    "experts' activation is recomputed in GroupedMLP)"
+                )
+            if ("shared_experts" in self.recompute_modules and self.moe_shared_expert_overlap
+                    and self.moe_shared_expert_intermediate_size is not None):
+                raise ValueError(
+                    "TransformerConfig.recompute_modules: 'shared_experts' cannot be recomputed with "
+                    "moe_shared_expert_overlap=True"
+                )
+        if self.moe_layer_recompute:  # Megatron-core's older switch for recompute_modules "moe"
+            if granularity == "full":
+                raise ValueError(
+                    "TransformerConfig.moe_layer_recompute=True cannot be combined with "
+                    "recompute_granularity='full'"
+                )
+            warnings.warn("TransformerConfig.moe_layer_recompute is deprecated: use "
+                          "recompute_granularity='selective' with 'moe' in recompute_modules")
+            self.recompute_granularity = "selective"
+            if "moe" not in self.recompute_modules:
+                self.recompute_modules = [*self.recompute_modules, "moe"]
 
     def __post_init__(self) -> None:
         super().__post_init__()

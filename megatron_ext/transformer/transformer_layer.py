@@ -119,7 +119,9 @@ class ParallelTransformerLayer(torch.nn.Module):
 
         training = self.training
         recompute_norm = training and selectively_recomputed(self.config, "layernorm")
-        recompute_mlp = training and selectively_recomputed(self.config, "mlp")
+        # "mlp" is the dense MLP; an MoE layer recomputes by "moe", "moe_act" and "shared_experts".
+        recompute_mlp = (training and selectively_recomputed(self.config, "mlp")
+                         and not isinstance(self.mlp, MoELayer))
 
         norm_checkpoint = tensor_parallel.CheckpointWithoutOutput() if recompute_norm else None
         ln_out = self._norm(self.input_layernorm, hidden_states, norm_checkpoint)

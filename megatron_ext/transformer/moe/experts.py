@@ -20,11 +20,13 @@ from typing import Any, Callable
 
 import torch
 
+from megatron_ext import tensor_parallel
 from megatron_ext.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron_ext.resolve import group_rank, group_size
 from megatron_ext.tensor_parallel.layers import _initialize_affine_weight_cpu
 from megatron_ext.transformer.moe.grouped_gemm_util import ops
 from megatron_ext.transformer.moe.router import moe_process_groups
+from megatron_ext.transformer.utils import selectively_recomputed
 
 
 def _activation(config: Any, gated: bool):
@@ -232,8 +234,18 @@ class GroupedMLP(torch.nn.Module):
         w2 = self.weight2.view(n, -1, h)
         sizes = tokens_per_expert.to(torch.int64).cpu()
         fc1 = ops.gmm(permuted_local_hidden_states, w1, sizes, trans_b=False)
-        act = (self.activation(fc1) * permuted_probs.unsqueeze(-1)).to(fc1.dtype)
-        return ops.gmm(act, w2, sizes, trans_b=False), None
+        if not (self.training and selectively_recomputed(self.config, "moe_act")):
+            return ops.gmm(self._weighted_activation(fc1, permuted_probs), w2, sizes, trans_b=False), None
+        # recompute_modules "moe_act": the activation's output is freed once the second GEMM has
+        # it, and recomputed from fc1 when that GEMM's backward needs it.
+        checkpoint = tensor_parallel.CheckpointWithoutOutput()
+        act = checkpoint.checkpoint(self._weighted_activation, fc1, permuted_probs)
+        out = ops.gmm(act, w2, sizes, trans_b=False)
+        checkpoint.discard_output_and_register_recompute(out)
+        return out, None
+
+    def _weighted_activation(self, fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        return (self.activation(fc1) * probs.unsqueeze(-1)).to(fc1.dtype)
 
 
 def _expert_build(

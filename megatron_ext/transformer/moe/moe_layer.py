@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from megatron_ext import tensor_parallel
 from megatron_ext.resolve import group_rank, group_size
 from megatron_ext.transformer.transformer_config import MOE_DISPATCHERS, check_moe_config
 from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict, renamed_sharded_state_dict
@@ -19,6 +20,7 @@ from megatron_ext.transformer.moe.token_dispatcher import (
     MoEAllGatherTokenDispatcher,
     MoEAlltoAllTokenDispatcher,
 )
+from megatron_ext.transformer.utils import selectively_recomputed
 
 DISPATCHERS = {"allgather": MoEAllGatherTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher}
 assert tuple(DISPATCHERS) == MOE_DISPATCHERS
@@ -114,8 +116,20 @@ class MoELayer(torch.nn.Module):
             raise ValueError(
                 "MoELayer: training with tensor_model_parallel_size > 1 needs sequence_parallel=True"
             )
+        if self.training and selectively_recomputed(self.config, "moe"):
+            # Only the input is kept; the router's losses and token counts are taken in the
+            # recomputation (they need gradients), as in Megatron-core.
+            return tensor_parallel.checkpoint(self._forward, False, hidden_states), None
+        return self._forward(hidden_states), None
+
+    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         dispatcher = self.token_dispatcher
-        shared = self.shared_experts(hidden_states) if self.shared_experts is not None else None
+        shared = None
+        if self.shared_experts is not None:
+            if self.training and selectively_recomputed(self.config, "shared_experts"):
+                shared = tensor_parallel.checkpoint(self.shared_experts, False, hidden_states)
+            else:
+                shared = self.shared_experts(hidden_states)
         probs, routing_map = self.router(hidden_states)
         tokens, probs = dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
         tokens, probs = dispatcher.token_dispatch(tokens, probs)
@@ -126,4 +140,4 @@ class MoELayer(torch.nn.Module):
         )
         if shared is not None:
             output = output + shared
-        return output, None
+        return output
