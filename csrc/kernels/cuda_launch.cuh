@@ -39,12 +39,16 @@ __device__ __forceinline__ int64_t grid_threads() {
   return static_cast<int64_t>(gridDim.x) * blockDim.x;
 }
 
-// 16 bytes of elements, loaded and stored as one access.
-template <typename scalar_t>
-struct alignas(16) Pack {
-  static constexpr int kSize = 16 / sizeof(scalar_t);
-  scalar_t v[kSize];
+// V consecutive elements, loaded and stored as one access (aligned to their size).
+template <typename scalar_t, int V>
+struct alignas(sizeof(scalar_t) * V) Lanes {
+  static constexpr int kSize = V;
+  scalar_t v[V];
 };
+
+// 16 bytes of elements.
+template <typename scalar_t>
+using Pack = Lanes<scalar_t, 16 / sizeof(scalar_t)>;
 
 // Whether the pack kernels apply: rows a whole number of packs, every tensor 16-byte aligned.
 template <typename scalar_t>

@@ -1,7 +1,7 @@
 // CUDA kernels of RMSNorm, rotary embedding and SwiGLU, the arithmetic of kernels/llama_fusions.h
 // (the CPU twins run the same). RMSNorm takes one block per row (a CUB block reduction for the
-// row's sum) and sums its weight gradient over blocks of rows into a buffer, one column per
-// thread, then over the blocks; rotary embedding and SwiGLU are one grid-stride pass over the
+// row's sum) and sums its weight gradient over blocks of rows into a buffer, a group of columns
+// per thread, then over the blocks; rotary embedding and SwiGLU are one grid-stride pass over the
 // output, 16 bytes of elements per step where the widths and alignments allow (an element per step
 // otherwise).
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
@@ -18,8 +18,10 @@
 
 #include <algorithm>
 #include <cub/block/block_reduce.cuh>
+#include <initializer_list>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 #include "kernels/llama_fusions.h"
 #include "kernels/llama_fusions_checks.h"
@@ -32,20 +34,32 @@ using namespace kernels;
 
 // ---- RMSNorm ---------------------------------------------------------------------------------
 
-template <typename scalar_t, typename acc_t>
+// The kernels read and write V consecutive elements per access: a 16-byte pack where the row
+// width and the pointers allow (rms_norm_lanes), one element otherwise. Thread t of a block takes
+// the lane groups t, t + blockDim.x, ... of a row.
+
+template <typename scalar_t, typename acc_t, int V>
 __global__ void rms_norm_forward_kernel(const scalar_t* __restrict__ x,
                                         const scalar_t* __restrict__ w, int64_t rows, int64_t h,
                                         acc_t eps, scalar_t* __restrict__ y,
                                         acc_t* __restrict__ rstd) {
+  using L = Lanes<scalar_t, V>;
   using BlockReduce = cub::BlockReduce<acc_t, kThreads>;
   __shared__ typename BlockReduce::TempStorage storage;
   __shared__ acc_t row_rstd;
+  const int64_t groups = h / V;
+  const L* wl = reinterpret_cast<const L*>(w);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const scalar_t* xr = x + row * h;
+    const L* xr = reinterpret_cast<const L*>(x + row * h);
+    L* yr = reinterpret_cast<L*>(y + row * h);
     acc_t squares = 0;
-    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
-      const acc_t v = static_cast<acc_t>(xr[j]);
-      squares += v * v;
+    for (int64_t j = threadIdx.x; j < groups; j += blockDim.x) {
+      const L xv = xr[j];
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const acc_t v = static_cast<acc_t>(xv.v[k]);
+        squares += v * v;
+      }
     }
     const acc_t sum = BlockReduce(storage).Sum(squares);
     if (threadIdx.x == 0) {
@@ -54,60 +68,103 @@ __global__ void rms_norm_forward_kernel(const scalar_t* __restrict__ x,
     }
     __syncthreads();
     const acc_t r = row_rstd;
-    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
-      y[row * h + j] = static_cast<scalar_t>(
-          rms_norm_out(static_cast<acc_t>(xr[j]), r, static_cast<acc_t>(w[j])));
+    for (int64_t j = threadIdx.x; j < groups; j += blockDim.x) {
+      const L xv = xr[j], wv = wl[j];
+      L yv;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        yv.v[k] = static_cast<scalar_t>(
+            rms_norm_out(static_cast<acc_t>(xv.v[k]), r, static_cast<acc_t>(wv.v[k])));
+      }
+      yr[j] = yv;
     }
     __syncthreads();  // storage and row_rstd are reused by the next row
   }
 }
 
-template <typename scalar_t, typename acc_t>
+template <typename scalar_t, typename acc_t, int V>
 __global__ void rms_norm_backward_kernel(const scalar_t* __restrict__ grad,
                                          const scalar_t* __restrict__ x,
                                          const scalar_t* __restrict__ w,
                                          const acc_t* __restrict__ rstd, int64_t rows, int64_t h,
                                          scalar_t* __restrict__ grad_x) {
+  using L = Lanes<scalar_t, V>;
   using BlockReduce = cub::BlockReduce<acc_t, kThreads>;
   __shared__ typename BlockReduce::TempStorage storage;
   __shared__ acc_t row_coef;
+  const int64_t groups = h / V;
+  const L* wl = reinterpret_cast<const L*>(w);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const scalar_t* gr = grad + row * h;
-    const scalar_t* xr = x + row * h;
+    const L* gr = reinterpret_cast<const L*>(grad + row * h);
+    const L* xr = reinterpret_cast<const L*>(x + row * h);
+    L* dr = reinterpret_cast<L*>(grad_x + row * h);
     const acc_t r = rstd[row];
     acc_t dot = 0;
-    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
-      dot += (static_cast<acc_t>(gr[j]) * static_cast<acc_t>(w[j])) * static_cast<acc_t>(xr[j]);
+    for (int64_t j = threadIdx.x; j < groups; j += blockDim.x) {
+      const L gv = gr[j], xv = xr[j], wv = wl[j];
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        dot += (static_cast<acc_t>(gv.v[k]) * static_cast<acc_t>(wv.v[k])) *
+               static_cast<acc_t>(xv.v[k]);
+      }
     }
     const acc_t total = BlockReduce(storage).Sum(dot);
     if (threadIdx.x == 0) row_coef = rms_norm_grad_coef(r, total, h);
     __syncthreads();
     const acc_t coef = row_coef;
-    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
-      grad_x[row * h + j] = static_cast<scalar_t>(rms_norm_grad_input(
-          static_cast<acc_t>(gr[j]), static_cast<acc_t>(xr[j]), static_cast<acc_t>(w[j]), r, coef));
+    for (int64_t j = threadIdx.x; j < groups; j += blockDim.x) {
+      const L gv = gr[j], xv = xr[j], wv = wl[j];
+      L dv;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        dv.v[k] = static_cast<scalar_t>(rms_norm_grad_input(static_cast<acc_t>(gv.v[k]),
+                                                            static_cast<acc_t>(xv.v[k]),
+                                                            static_cast<acc_t>(wv.v[k]), r, coef));
+      }
+      dr[j] = dv;
     }
     __syncthreads();
   }
 }
 
-// partial[chunk, j] = sum over the chunk's rows of g (x rstd), one column per thread: a warp reads
-// consecutive columns of a row.
-template <typename scalar_t, typename acc_t>
+// partial[chunk, j] = sum over the chunk's rows of g (x rstd), one group of V columns per thread:
+// a warp reads consecutive columns of a row.
+template <typename scalar_t, typename acc_t, int V>
 __global__ void rms_norm_weight_grad_kernel(const scalar_t* __restrict__ grad,
                                             const scalar_t* __restrict__ x,
                                             const acc_t* __restrict__ rstd, int64_t rows, int64_t h,
                                             int64_t rows_per_chunk, acc_t* __restrict__ partial) {
+  using L = Lanes<scalar_t, V>;
+  const int64_t groups = h / V;
   const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (j >= h) return;
+  if (j >= groups) return;
   const int64_t first = blockIdx.y * rows_per_chunk;
   const int64_t last = first + rows_per_chunk < rows ? first + rows_per_chunk : rows;
-  acc_t sum = 0;
+  const L* gl = reinterpret_cast<const L*>(grad);
+  const L* xl = reinterpret_cast<const L*>(x);
+  acc_t sum[V] = {};
   for (int64_t row = first; row < last; ++row) {
-    sum += rms_norm_grad_weight_term(static_cast<acc_t>(grad[row * h + j]),
-                                     static_cast<acc_t>(x[row * h + j]), rstd[row]);
+    const L gv = gl[row * groups + j], xv = xl[row * groups + j];
+    const acc_t r = rstd[row];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      sum[k] +=
+          rms_norm_grad_weight_term(static_cast<acc_t>(gv.v[k]), static_cast<acc_t>(xv.v[k]), r);
+    }
   }
-  partial[blockIdx.y * h + j] = sum;
+#pragma unroll
+  for (int k = 0; k < V; ++k) partial[blockIdx.y * h + j * V + k] = sum[k];
+}
+
+// Calls launch(std::integral_constant<int, V>) with the widest V the row width and the pointers
+// allow: a 16-byte pack, or one element.
+template <typename scalar_t, typename Launch>
+void with_rms_norm_lanes(int64_t h, std::initializer_list<const void*> pointers, Launch&& launch) {
+  if (packs_fit<scalar_t>(h, pointers)) {
+    launch(std::integral_constant<int, Pack<scalar_t>::kSize>{});
+  } else {
+    launch(std::integral_constant<int, 1>{});
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& input,
@@ -125,12 +182,15 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& input
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_forward_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        rms_norm_forward_kernel<scalar_t, acc_t>
-            <<<row_blocks(rows), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-                x.const_data_ptr<scalar_t>(), w.const_data_ptr<scalar_t>(), rows, h,
-                static_cast<acc_t>(eps), y.mutable_data_ptr<scalar_t>(),
-                rstd.mutable_data_ptr<acc_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const scalar_t* xp = x.const_data_ptr<scalar_t>();
+        const scalar_t* wp = w.const_data_ptr<scalar_t>();
+        scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+        with_rms_norm_lanes<scalar_t>(h, {xp, wp, yp}, [&](auto lanes) {
+          rms_norm_forward_kernel<scalar_t, acc_t, decltype(lanes)::value>
+              <<<row_blocks(rows), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                  xp, wp, rows, h, static_cast<acc_t>(eps), yp, rstd.mutable_data_ptr<acc_t>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
       });
   return {y, rstd};
 }
@@ -149,28 +209,36 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
   const int64_t rows = x.numel() / h;
   auto grad_x = at::empty(x.sizes(), x.options());
   if (rows == 0) return {grad_x, at::zeros_like(weight)};
-  // Enough chunks of rows that the weight-gradient grid fills the device about four times over.
-  const int64_t column_blocks = (h + kThreads - 1) / kThreads;
-  const int64_t chunks = std::max<int64_t>(
-      1, std::min<int64_t>(rows, (multiprocessors() * 4 + column_blocks - 1) / column_blocks));
-  const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
-  auto partial = at::empty({(rows + rows_per_chunk - 1) / rows_per_chunk, h},
-                           x.options().dtype(fusion_acc_type(x.scalar_type())));
+  at::Tensor partial;
   const auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_backward_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
-        rms_norm_backward_kernel<scalar_t, acc_t><<<row_blocks(rows), kThreads, 0, stream>>>(
-            g.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
-            w.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(), rows, h,
-            grad_x.mutable_data_ptr<scalar_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        const dim3 grid(static_cast<unsigned>(column_blocks),
-                        static_cast<unsigned>(partial.size(0)));
-        rms_norm_weight_grad_kernel<scalar_t, acc_t><<<grid, kThreads, 0, stream>>>(
-            g.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), r.const_data_ptr<acc_t>(),
-            rows, h, rows_per_chunk, partial.mutable_data_ptr<acc_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const scalar_t* gp = g.const_data_ptr<scalar_t>();
+        const scalar_t* xp = x.const_data_ptr<scalar_t>();
+        const scalar_t* wp = w.const_data_ptr<scalar_t>();
+        scalar_t* dp = grad_x.mutable_data_ptr<scalar_t>();
+        with_rms_norm_lanes<scalar_t>(h, {gp, xp, wp, dp}, [&](auto lanes) {
+          constexpr int V = decltype(lanes)::value;
+          rms_norm_backward_kernel<scalar_t, acc_t, V><<<row_blocks(rows), kThreads, 0, stream>>>(
+              gp, xp, wp, r.const_data_ptr<acc_t>(), rows, h, dp);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          // Enough chunks of rows that the weight-gradient grid fills the device about four
+          // times over.
+          const int64_t column_blocks = (h / V + kThreads - 1) / kThreads;
+          const int64_t chunks = std::max<int64_t>(
+              1,
+              std::min<int64_t>(rows, (multiprocessors() * 4 + column_blocks - 1) / column_blocks));
+          const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
+          partial = at::empty({(rows + rows_per_chunk - 1) / rows_per_chunk, h},
+                              x.options().dtype(fusion_acc_type(x.scalar_type())));
+          const dim3 grid(static_cast<unsigned>(column_blocks),
+                          static_cast<unsigned>(partial.size(0)));
+          rms_norm_weight_grad_kernel<scalar_t, acc_t, V>
+              <<<grid, kThreads, 0, stream>>>(gp, xp, r.const_data_ptr<acc_t>(), rows, h,
+                                              rows_per_chunk, partial.mutable_data_ptr<acc_t>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
       });
   // The chunks' sums are added in the accumulation type, then rounded to the weight's dtype.
   return {grad_x, partial.sum(0).to(weight.scalar_type())};
