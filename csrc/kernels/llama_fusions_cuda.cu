@@ -430,26 +430,29 @@ __global__ void swiglu_backward_kernel(const scalar_t* __restrict__ grad,
 }
 
 // The same arithmetic over 16-byte packs, for halves a whole number of packs wide and 16-byte
-// aligned tensors: item e is a pack of the output, at column `col` of row `row`. biased_packs
-// brings a pack of gate and one of up values, with their biases added, into the accumulation type.
+// aligned tensors. gate_up_packs brings output pack e's gate and up values (their biases added)
+// into the accumulation type and returns the gate pack's offset in y (up's is f further).
 template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ void biased_packs(const scalar_t* y, const scalar_t* bias, int64_t row,
-                                             int64_t col, int64_t f, acc_t* gate, acc_t* up) {
+__device__ __forceinline__ int64_t gate_up_packs(const scalar_t* y, const scalar_t* bias, int64_t e,
+                                                 int64_t f, acc_t* gate, acc_t* up) {
   constexpr int k = Pack<scalar_t>::kSize;
-  const Pack<scalar_t> g = *as_packs(y + row * 2 * f + col);
-  const Pack<scalar_t> u = *as_packs(y + row * 2 * f + f + col);
+  const int64_t row = e / (f / k), col = e * k - row * f;
+  const int64_t at = row * 2 * f + col;
+  const Pack<scalar_t> g = *as_packs(y + at), u = *as_packs(y + at + f);
 #pragma unroll
   for (int j = 0; j < k; ++j) {
     gate[j] = static_cast<acc_t>(g.v[j]);
     up[j] = static_cast<acc_t>(u.v[j]);
   }
-  if (!bias) return;
-  const Pack<scalar_t> bg = *as_packs(bias + col), bu = *as_packs(bias + f + col);
+  if (bias) {
+    const Pack<scalar_t> bg = *as_packs(bias + col), bu = *as_packs(bias + f + col);
 #pragma unroll
-  for (int j = 0; j < k; ++j) {
-    gate[j] += static_cast<acc_t>(bg.v[j]);
-    up[j] += static_cast<acc_t>(bu.v[j]);
+    for (int j = 0; j < k; ++j) {
+      gate[j] += static_cast<acc_t>(bg.v[j]);
+      up[j] += static_cast<acc_t>(bu.v[j]);
+    }
   }
+  return at;
 }
 
 template <typename scalar_t, typename acc_t>
@@ -457,11 +460,9 @@ __global__ void swiglu_forward_pack_kernel(const scalar_t* __restrict__ y,
                                            const scalar_t* __restrict__ bias, int64_t items,
                                            int64_t f, scalar_t* __restrict__ out) {
   constexpr int k = Pack<scalar_t>::kSize;
-  const int64_t fp = f / k;
   for (int64_t e = global_thread(); e < items; e += grid_threads()) {
-    const int64_t row = e / fp, col = (e - row * fp) * k;
     acc_t gate[k], up[k];
-    biased_packs(y, bias, row, col, f, gate, up);
+    gate_up_packs(y, bias, e, f, gate, up);
     Pack<scalar_t> o;
 #pragma unroll
     for (int j = 0; j < k; ++j) o.v[j] = static_cast<scalar_t>(swiglu_out(gate[j], up[j]));
@@ -475,11 +476,9 @@ __global__ void swiglu_backward_pack_kernel(const scalar_t* __restrict__ grad,
                                             const scalar_t* __restrict__ bias, int64_t items,
                                             int64_t f, scalar_t* __restrict__ grad_y) {
   constexpr int k = Pack<scalar_t>::kSize;
-  const int64_t fp = f / k;
   for (int64_t e = global_thread(); e < items; e += grid_threads()) {
-    const int64_t row = e / fp, col = (e - row * fp) * k;
     acc_t gate[k], up[k];
-    biased_packs(y, bias, row, col, f, gate, up);
+    const int64_t at = gate_up_packs(y, bias, e, f, gate, up);
     const Pack<scalar_t> g = as_packs(grad)[e];
     Pack<scalar_t> d_gate, d_up;
 #pragma unroll
@@ -488,8 +487,8 @@ __global__ void swiglu_backward_pack_kernel(const scalar_t* __restrict__ grad,
       d_gate.v[j] = static_cast<scalar_t>(grads.gate);
       d_up.v[j] = static_cast<scalar_t>(grads.up);
     }
-    *as_packs(grad_y + row * 2 * f + col) = d_gate;
-    *as_packs(grad_y + row * 2 * f + f + col) = d_up;
+    *as_packs(grad_y + at) = d_gate;
+    *as_packs(grad_y + at + f) = d_up;
   }
 }
 
