@@ -13,7 +13,11 @@ import torch.nn.functional as F
 
 from megatron_ext.transformer import TransformerConfig
 from megatron_ext.transformer.moe import MoELayer
-from megatron_ext.transformer.moe.router_utils import MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker
+from megatron_ext.transformer.moe.router_utils import (
+    MoEAuxLossAutoScaler,
+    get_moe_layer_wise_logging_tracker,
+    save_to_aux_losses_tracker,
+)
 from tests.conftest import TIGHT
 from tests.distributed import run_distributed
 
@@ -214,6 +218,10 @@ def test_aux_loss_scaled_and_tracked():
     )[1]
     # Two forwards were tracked.
     torch.testing.assert_close(tracker["load_balancing_loss"]["values"][0], 2 * ref, **TIGHT)
+    # A deeper model later in the process: the entry grows, keeping what it holds.
+    save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(0.5), 3, 3)
+    values = tracker["load_balancing_loss"]["values"]
+    assert values.tolist() == [(2 * ref).item(), 0.0, 0.5]
     tracker.clear()
 
 

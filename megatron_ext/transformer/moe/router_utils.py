@@ -203,12 +203,18 @@ def save_to_aux_losses_tracker(
     avg_group: Any = None,
     reduce_group_has_dp: bool = False,
 ) -> None:
-    """Adds ``loss`` (detached) to layer ``layer_number``'s entry (1-based) of ``name``."""
+    """Adds ``loss`` (detached) to layer ``layer_number``'s entry (1-based) of ``name``. An entry
+    made for fewer layers (a shallower model built earlier in the process) grows to
+    ``num_layers``, keeping its values."""
     if layer_number is None:
         return
     tracker = get_moe_layer_wise_logging_tracker()
-    if name not in tracker:
-        tracker[name] = {"values": torch.zeros(num_layers, device=loss.device, dtype=torch.float64)}
+    kept = tracker[name]["values"] if name in tracker else None
+    if kept is None or kept.numel() < num_layers:
+        values = torch.zeros(num_layers, device=loss.device, dtype=torch.float64)
+        if kept is not None:
+            values[: kept.numel()] = kept
+        tracker.setdefault(name, {})["values"] = values
     tracker[name]["values"][layer_number - 1] += loss.detach().to(torch.float64)
     tracker[name].update(
         reduce_group=reduce_group, avg_group=avg_group, reduce_group_has_dp=reduce_group_has_dp
