@@ -284,7 +284,9 @@ def _measure(stack: Stack) -> tuple[float, float]:
     _sync(device)
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else memory_kib("VmHWM") * 1024
-    return seconds, (peak - before) / 2**20
+    # On the CPU the kernel's resident-set counters lag by a few pages (proc(5): VmRSS is
+    # inaccurate), so a step that adds nothing can read a few KiB below zero.
+    return seconds, max(0, peak - before) / 2**20
 
 
 def _stats(values: list[float]) -> dict[str, float]:
