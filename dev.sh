@@ -10,8 +10,8 @@
 #   ./dev.sh gpu               on a GPU machine, with the python and torch already there (no venv,
 #                              no downloads): build in place, run the `cuda` tests, then the GPU
 #                              benchmarks against megatron-core (benchmarks/gpu.py ->
-#                              runs/gpu_bench.json, benchmarks/moe.py --device cuda ->
-#                              runs/gpu_moe.json, benchmarks/gpu_step.py -> runs/gpu_step.json;
+#                              runs/gpu_bench.json, benchmarks/gpu_step.py -> runs/gpu_step.json,
+#                              benchmarks/moe.py --device cuda -> runs/gpu_moe.json;
 #                              megatron-core from .whl/ if not installed)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -82,10 +82,10 @@ PY
     echo "[gpu] building the extension in place against this torch"
     MAX_JOBS=${MAX_JOBS:-$(nproc)} FORCE_CUDA=1 "$GPU_PY" setup.py --quiet build_ext --inplace
     echo "[gpu] pytest -m cuda"
-    # A failing test does not stop the benchmark; the command exits with the tests' status.
-    tests_rc=0
-    "$GPU_PY" -m pytest -m cuda -q -p no:cacheprovider tests "$@" || tests_rc=$?
-    echo "[gpu] benchmark"
+    # A failing test or benchmark does not stop the ones after it; the command exits non-zero if
+    # any failed.
+    rc=0
+    "$GPU_PY" -m pytest -m cuda -q -p no:cacheprovider tests "$@" || rc=$?
     # The comparison needs megatron-core; a machine without internet takes its wheel from .whl/.
     if ! "$GPU_PY" -c "import megatron.core" 2>/dev/null && ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
       echo "[gpu] installing megatron-core (and einops, if its wheel is there) from .whl/ into build/gpu_site"
@@ -93,12 +93,13 @@ PY
         $(ls .whl/einops-*.whl 2>/dev/null)
       export PYTHONPATH="$PWD/build/gpu_site${PYTHONPATH:+:$PYTHONPATH}"
     fi
-    "$GPU_PY" benchmarks/gpu.py --json runs/gpu_bench.json
-    echo "[gpu] MoE layer benchmark"
-    "$GPU_PY" benchmarks/moe.py --device cuda --json runs/gpu_moe.json
+    echo "[gpu] kernel benchmark"
+    "$GPU_PY" benchmarks/gpu.py --json runs/gpu_bench.json || rc=$?
     echo "[gpu] training-step benchmark"
-    "$GPU_PY" benchmarks/gpu_step.py --json runs/gpu_step.json
-    exit "$tests_rc"
+    "$GPU_PY" benchmarks/gpu_step.py --json runs/gpu_step.json || rc=$?
+    echo "[gpu] MoE layer benchmark"
+    "$GPU_PY" benchmarks/moe.py --device cuda --json runs/gpu_moe.json || rc=$?
+    exit "$rc"
     ;;
   *)
     echo "usage: ./dev.sh {train|test|bench NAME|setup|gpu} [ARGS...]" >&2
