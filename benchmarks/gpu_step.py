@@ -131,16 +131,19 @@ def profile_steps(stack: "Stack", steps: int) -> dict[str, Any]:
     with profile(activities=activities) as prof:
         for _ in range(steps):
             stack.step()
-        _sync(stack.device)
+        _sync(stack.device)  # the kernels' records complete; this wait is not counted below
     categories: dict[str, float] = {cat: 0.0 for cat, _ in TIME_CATEGORIES}
     categories["other"] = 0.0
     waits = 0
     for e in prof.events():
-        if cuda and e.device_type == DeviceType.CUDA:
+        if cuda and e.device_type == DeviceType.CUDA and not e.is_user_annotation:
+            # (a user annotation is a record_function range on the GPU's timeline, not a kernel)
             categories[time_category(e.name)] += e.time_range.elapsed_us() / 1e3 / steps  # the kernel's
         elif not cuda and e.device_type == DeviceType.CPU:
             categories[time_category(e.name)] += e.self_cpu_time_total / 1e3 / steps
         waits += e.name in HOST_WAITS
+    if cuda:
+        waits -= 1  # the closing _sync's cudaDeviceSynchronize
     return {"ms_per_step": categories, "total_ms": sum(categories.values()),
             "host_waits_per_step": waits / steps}
 

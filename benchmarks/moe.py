@@ -44,7 +44,9 @@ DTYPE = torch.float32
 
 
 def _fields(args, dispatcher: str, grouped: bool) -> dict[str, Any]:
-    """The layer's config; on a GPU its weights are made there, in ``args.dtype``."""
+    """The layer's config; on a GPU in ``args.dtype``, with ``use_cpu_initialization=False``
+    (Megatron-core then draws its weights on the GPU; megatron_ext draws its experts on the CPU
+    either way)."""
     on_gpu = args.device == "cuda"
     return dict(
         num_layers=1, hidden_size=args.hidden, num_attention_heads=8, ffn_hidden_size=args.ffn,
@@ -80,8 +82,9 @@ def _megatron_core_layers(args) -> dict[str, torch.nn.Module]:
 
 
 def _variants(args, device: torch.device, dtype: torch.dtype):
-    """The layers on ``device`` in ``dtype`` (every one starting from Megatron-core's weights) and,
-    per variant, its prepare (a fresh input made by an op, and the output's gradient) and its run
+    """The layers on ``device`` in ``dtype`` (with Megatron-core installed, megatron_ext's
+    SequentialMLP layers start from its weights; the GroupedMLP layer draws its own) and, per
+    variant, its prepare (a fresh input made by an op, and the output's gradient) and its run
     (forward, then the gradient handed to the input's producer). Also returns a function giving
     each layer's largest output difference from megatron_ext's SequentialMLP allgather layer."""
     with warnings.catch_warnings():
@@ -96,7 +99,10 @@ def _variants(args, device: torch.device, dtype: torch.dtype):
         ("megatron_ext GroupedMLP alltoall", "alltoall", True),
     ):
         torch.manual_seed(1234)
-        ours[name] = ExtMoELayer(ExtConfig(**_fields(args, dispatcher, grouped)), layer_number=1)
+        # Weights about to be overwritten by Megatron-core's are not drawn (a Mixtral-sized
+        # layer's experts are 1.4e9 draws on the CPU).
+        fields = dict(_fields(args, dispatcher, grouped), perform_initialization=grouped or not reference)
+        ours[name] = ExtMoELayer(ExtConfig(**fields), layer_number=1)
     if reference:  # the same weights: Megatron-core's (router and SequentialMLP store them alike)
         source = reference["allgather"]
         for layer in (reference["alltoall"], ours["megatron_ext SequentialMLP allgather"],

@@ -34,6 +34,7 @@ ops = torch.ops.megatron_ext
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # CPU and GPU libm differ by an ulp or two; a 16-bit result may then round to the neighbouring value.
 TOL = {
+    torch.float64: dict(rtol=1e-12, atol=1e-13),
     torch.float32: dict(rtol=1e-5, atol=1e-6),
     torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
     torch.float16: dict(rtol=2e-3, atol=1e-3),
@@ -148,11 +149,13 @@ def _close_to_scale(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("width", [1024, 1003])  # rows of whole 16-byte packs (the packed kernels), or not
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES])
 def test_rms_norm_kernels_equal_cpu_twin(dtype, width):
-    x = _randn(33, 2, width, dtype=dtype, seed=30, scale=2.0)
+    # 1332 rows: more than the weight-gradient kernel's chunks of rows on any GPU (4 per
+    # multiprocessor), so a chunk sums several rows.
+    x = _randn(333, 4, width, dtype=dtype, seed=30, scale=2.0)
     w = _randn(width, dtype=dtype, seed=31)
-    g = _randn(33, 2, width, dtype=dtype, seed=32)
+    g = _randn(333, 4, width, dtype=dtype, seed=32)
     out, rstd = ops.rms_norm_forward(x, w, 1e-5)
     gpu_out, gpu_rstd = ops.rms_norm_forward(x.cuda(), w.cuda(), 1e-5)
     assert gpu_rstd.dtype == rstd.dtype == (torch.float32 if dtype != torch.float64 else torch.float64)
@@ -164,26 +167,27 @@ def test_rms_norm_kernels_equal_cpu_twin(dtype, width):
         _close_to_scale(got, want, dtype)
 
 
-@pytest.mark.parametrize("first_lane", [64, 65])
+@pytest.mark.parametrize("first_lane, rot", [(64, 48), (65, 48), (64, 40)])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, *DTYPES])
-def test_rotary_kernels_equal_cpu_twin_bit_for_bit(dtype, interleaved, first_lane):
-    # Heads read in place from a wider tensor (a fused QKV view); 48 of the 64 lanes rotate. No
-    # transcendental runs in the kernels and each product is rounded on both devices. Heads that
-    # start at lane 64 are 16-byte aligned (the kernel over packs), at lane 65 they are not (the
-    # kernel over elements).
+def test_rotary_kernels_equal_cpu_twin_bit_for_bit(dtype, interleaved, first_lane, rot):
+    # Heads read in place from a wider tensor (a fused QKV view, sliced on each device); rot of the
+    # 64 lanes rotate. No transcendental runs in the kernels and each product is rounded on both
+    # devices. Heads at lane 64 with 48 rotated lanes take the kernel over 16-byte packs; heads at
+    # lane 65 are not 16-byte aligned, and 40 rotated lanes do not split into whole 16-bit packs
+    # of halves: the kernel over elements.
     base = _randn(9, 2, 3, 3 * 64, dtype=dtype, seed=33)
-    t = base[..., first_lane:first_lane + 64]
-    angles = _randn(9, 48, dtype=torch.float32, seed=34, scale=3.0)
+    angles = _randn(9, rot, dtype=torch.float32, seed=34, scale=3.0)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     for fn in (ops.rotary_pos_emb_forward, ops.rotary_pos_emb_backward):
-        got = fn(t.cuda(), cos.cuda(), sin.cuda(), interleaved)
-        assert torch.equal(got.cpu(), fn(t, cos, sin, interleaved)), fn
+        got = fn(base.cuda()[..., first_lane:first_lane + 64], cos.cuda(), sin.cuda(), interleaved)
+        want = fn(base[..., first_lane:first_lane + 64], cos, sin, interleaved)
+        assert torch.equal(got.cpu(), want), fn
 
 
 @pytest.mark.parametrize("width", [128, 129])  # whole 16-byte packs (the kernel over packs), or not
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES])
 def test_swiglu_kernels_equal_cpu_twin(dtype, with_bias, width):
     y = _randn(17, 3, 2 * width, dtype=dtype, seed=35, scale=3.0)
     b = _randn(2 * width, dtype=dtype, seed=36) if with_bias else None

@@ -363,20 +363,20 @@ at::Tensor rotary_cuda(const char* op, const at::Tensor& input, const at::Tensor
     const scalar_t* tp = t.const_data_ptr<scalar_t>();
     const scalar_t* cp = c.const_data_ptr<scalar_t>();
     const scalar_t* sp = s.const_data_ptr<scalar_t>();
-    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    scalar_t* outp = out.mutable_data_ptr<scalar_t>();
     const auto stream = at::cuda::getCurrentCUDAStream();
     constexpr int64_t k = Pack<scalar_t>::kSize;
     // Packs fit when every head, every row of cos and sin and each rotated group (a half, or
     // the whole rotated part when interleaved) starts on a 16-byte boundary.
     const int64_t group = interleaved ? layout.rot_dim : layout.rot_dim / 2;
-    if (packs_fit<scalar_t>(layout.dim, {tp, cp, sp, op}) && group % k == 0 &&
+    if (packs_fit<scalar_t>(layout.dim, {tp, cp, sp, outp}) && group % k == 0 &&
         layout.stride_s % k == 0 && layout.stride_b % k == 0 && layout.stride_n % k == 0) {
       const int64_t items = n / layout.dim * rotary_pack_items(layout, k);
       rotary_pack_kernel<scalar_t, acc_t>
-          <<<blocks_for(items), kThreads, 0, stream>>>(tp, cp, sp, layout, items, backward, op);
+          <<<blocks_for(items), kThreads, 0, stream>>>(tp, cp, sp, layout, items, backward, outp);
     } else {
       rotary_kernel<scalar_t, acc_t>
-          <<<blocks_for(n), kThreads, 0, stream>>>(tp, cp, sp, layout, n, backward, op);
+          <<<blocks_for(n), kThreads, 0, stream>>>(tp, cp, sp, layout, n, backward, outp);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
