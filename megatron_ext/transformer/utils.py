@@ -94,7 +94,7 @@ def make_sharded_tensors_for_checkpoint(
 
 def selectively_recomputed(config: Any, module: str) -> bool:
     """Whether selective recomputation covers ``module`` (one of Megatron-core's
-    ``recompute_modules``: "core_attn", "mlp", "layernorm")."""
+    ``recompute_modules``: "core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts")."""
     return getattr(config, "recompute_granularity", None) == "selective" and module in (
         getattr(config, "recompute_modules", None) or ()
     )
