@@ -389,6 +389,39 @@ def print_table(result: dict) -> None:
                   f"peak extra {m['peak_extra_gib']:.3f} GiB")
 
 
+def markdown_table(result: dict) -> str:
+    """The comparison as the README's table: one row per shape, megatron_ext against
+    Megatron-core, with the device, torch version and date of the run above it."""
+    lines = [
+        f"{result['device']}, torch {result['torch']}, megatron-core {result['megatron_core']}, "
+        f"{result['dtype']}, measured {result['date']}; median step (min-max) of {result['reps']}",
+        "",
+        "| shape | megatron_ext step | megatron-core step | speed-up | MFU ext / core "
+        "| peak extra memory ext / core | state memory ext / core |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for shape, r in result["shapes"].items():
+        if "error" in r:
+            lines.append(f"| {shape} | {r['error']} | | | | | |")
+            continue
+        ext, core = r["stacks"]["megatron_ext"], r["stacks"].get("megatron-core")
+
+        def step(s: dict) -> str:
+            t = {k: 1e3 * v for k, v in s["step_s"].items()}
+            return f"{t['median']:.0f} ms ({t['min']:.0f}-{t['max']:.0f})"
+
+        def pair(key: str, fmt: str) -> str:
+            values = [s[key] for s in (ext, core) if s is not None]
+            return " / ".join("-" if v is None else format(v, fmt) for v in values)
+
+        core_step, speedup = (step(core), f"{r['speedup']:.2f}x") if core else ("-", "-")
+        lines.append(
+            f"| {shape}, {r['tokens_per_step']} tokens | {step(ext)} | {core_step} | {speedup} "
+            f"| {pair('mfu', '.1%')} | {pair('peak_extra_gib', '.1f')} GiB | {pair('state_gib', '.1f')} GiB |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -406,7 +439,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--unfused", action="store_true", help="both stacks without their fusions")
     p.add_argument("--without-megatron-core", action="store_true", help="megatron_ext only")
     p.add_argument("--json", default="runs/gpu_step.json")
+    p.add_argument("--markdown", metavar="JSON", default=None,
+                   help="print the README table of an earlier run's JSON, and run nothing")
     args = p.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as f:
+            result = json.load(f)
+        print(markdown_table(result))
+        return result
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():

@@ -248,5 +248,11 @@ def test_gpu_step_benchmark_script_on_cpu(tmp_path):
         kinds = ["gemm", "optimizer"] + (["rotary", "swiglu", "norm"] if name == "megatron_ext" else [])
         assert all(ms[kind] > 0 for kind in kinds), (name, ms)
     assert list(tiny["profile"]) == list(stacks)
+    table = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_step.py"), "--markdown", str(out)],
+                           check=True, capture_output=True, text=True, timeout=120).stdout.splitlines()
+    assert table[0].startswith(f"cpu, torch {result['torch']}") and f"measured {result['date']}" in table[0]
+    ext_ms = 1e3 * stacks["megatron_ext"]["step_s"]["median"]
+    assert table[-1].startswith(f"| tiny, {tiny['tokens_per_step']} tokens | {ext_ms:.0f} ms (")
+    assert len(table) == 5 and table[-1].count("|") == 8
     assert list(tiny["recompute"]) == ["none", "selective-all", "full"]
     assert all(m["step_s"] > 0 and m["peak_extra_gib"] >= 0 for m in tiny["recompute"].values())
