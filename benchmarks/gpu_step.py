@@ -136,7 +136,7 @@ def profile_steps(stack: "Stack", steps: int) -> dict[str, Any]:
     categories["other"] = 0.0
     waits = 0
     for e in prof.events():
-        if cuda and e.device_type == DeviceType.CUDA and not e.is_user_annotation:
+        if cuda and e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             # (a user annotation is a record_function range on the GPU's timeline, not a kernel)
             categories[time_category(e.name)] += e.time_range.elapsed_us() / 1e3 / steps  # the kernel's
         elif not cuda and e.device_type == DeviceType.CPU:
@@ -400,15 +400,16 @@ def markdown_table(result: dict) -> str:
         "| peak extra memory ext / core | state memory ext / core |",
         "|---|---|---|---|---|---|---|",
     ]
+
+    def step(s: dict) -> str:
+        t = {k: 1e3 * v for k, v in s["step_s"].items()}
+        return f"{t['median']:.0f} ms ({t['min']:.0f}-{t['max']:.0f})"
+
     for shape, r in result["shapes"].items():
         if "error" in r:
             lines.append(f"| {shape} | {r['error']} | | | | | |")
             continue
         ext, core = r["stacks"]["megatron_ext"], r["stacks"].get("megatron-core")
-
-        def step(s: dict) -> str:
-            t = {k: 1e3 * v for k, v in s["step_s"].items()}
-            return f"{t['median']:.0f} ms ({t['min']:.0f}-{t['max']:.0f})"
 
         def pair(key: str, fmt: str) -> str:
             values = [s[key] for s in (ext, core) if s is not None]
