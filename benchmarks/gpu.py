@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import megatron_ext  # noqa: E402
 from common import MEGATRON_CORE_VERSION, import_megatron_core, megatron_core_version  # noqa: E402
-from llama_kernels import _freqs  # noqa: E402
+from llama_kernels import _freqs, _unfused_swiglu  # noqa: E402
 from megatron_ext import fusions  # noqa: E402
 from megatron_ext import parallel_state as ps  # noqa: E402
 from megatron_ext import tensor_parallel  # noqa: E402
@@ -311,15 +311,11 @@ def run(args: argparse.Namespace) -> dict:
     f = 256 * -(-8 * h // (3 * 256))
     y, gy = randn(n, 2 * f), randn(n, f)
 
-    def unfused_swiglu(t: torch.Tensor) -> torch.Tensor:
-        gate, up = torch.chunk(t, 2, dim=-1)
-        return F.silu(gate) * up
-
     with torch.no_grad():
         row("swiglu fwd", 3 * n * f * es, {
             "megatron_ext": plain(lambda: ops.swiglu_forward(y, None)),
             "megatron-core": mc("bias_swiglu_impl", lambda fn: plain(lambda: fn(y, None))),
-            "torch F.silu(gate) * up": plain(lambda: unfused_swiglu(y)),
+            "torch F.silu(gate) * up": plain(lambda: _unfused_swiglu(y)),
         })
         row("swiglu bwd", 5 * n * f * es, {
             "megatron_ext": plain(lambda: ops.swiglu_backward(gy, y, None)),
@@ -327,7 +323,7 @@ def run(args: argparse.Namespace) -> dict:
     row("swiglu fwd+bwd", 8 * n * f * es, {
         "megatron_ext": fwd_bwd(fusions.swiglu, y, gy),
         "megatron-core": mc("bias_swiglu_impl", lambda fn: fwd_bwd(lambda t: fn(t, None), y, gy)),
-        "torch F.silu(gate) * up": fwd_bwd(unfused_swiglu, y, gy),
+        "torch F.silu(gate) * up": fwd_bwd(_unfused_swiglu, y, gy),
     })
     y = gy = None
 

@@ -208,17 +208,14 @@ def save_to_aux_losses_tracker(
     ``num_layers``, keeping its values."""
     if layer_number is None:
         return
-    tracker = get_moe_layer_wise_logging_tracker()
-    kept = tracker[name]["values"] if name in tracker else None
+    entry = get_moe_layer_wise_logging_tracker().setdefault(name, {})
+    kept = entry.get("values")
     if kept is None or kept.numel() < num_layers:
-        values = torch.zeros(num_layers, device=loss.device, dtype=torch.float64)
+        entry["values"] = torch.zeros(num_layers, device=loss.device, dtype=torch.float64)
         if kept is not None:
-            values[: kept.numel()] = kept
-        tracker.setdefault(name, {})["values"] = values
-    tracker[name]["values"][layer_number - 1] += loss.detach().to(torch.float64)
-    tracker[name].update(
-        reduce_group=reduce_group, avg_group=avg_group, reduce_group_has_dp=reduce_group_has_dp
-    )
+            entry["values"][: kept.numel()] = kept
+    entry["values"][layer_number - 1] += loss.detach().to(torch.float64)
+    entry.update(reduce_group=reduce_group, avg_group=avg_group, reduce_group_has_dp=reduce_group_has_dp)
 
 
 def clear_aux_losses_tracker() -> None:
