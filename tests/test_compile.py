@@ -134,6 +134,11 @@ def test_fullgraph_mlp_tp2():
     _assert_each_rank(run_distributed(2, _fullgraph_layer_worker, "mlp", timeout=900))
 
 
+# Before torch 2.13, inductor's CPU backward of causal SDPA in float64 stops with "expected scalar
+# type Double but found Float" (pytorch/pytorch#185539; seen on 2.11.0 and 2.12.0); the MLP test
+# above compiles the rest of the layer on those releases.
+@pytest.mark.skipif(torch.__version__ < "2.13",
+                    reason="torch < 2.13: inductor fails float64 causal SDPA backward (pytorch#185539)")
 def test_fullgraph_transformer_layer_tp2():
     _assert_each_rank(run_distributed(2, _fullgraph_layer_worker, "layer", timeout=900))
 
