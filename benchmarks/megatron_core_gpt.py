@@ -213,6 +213,8 @@ class Run:
     topk: int = 2
     ep: int = 1
     dispatcher: str = "allgather"  # or "alltoall"
+    aux_loss_coeff: float = 0.0  # the router's balance loss (Megatron-core's default: none)
+    z_loss_coeff: float | None = None  # the router's z-loss
 
 
 def config_fields(run: Run) -> dict[str, Any]:
@@ -233,7 +235,7 @@ def config_fields(run: Run) -> dict[str, Any]:
         fields.update(
             num_moe_experts=run.num_experts, moe_router_topk=run.topk,
             expert_model_parallel_size=run.ep, moe_token_dispatcher_type=run.dispatcher,
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=False, moe_aux_loss_coeff=run.aux_loss_coeff, moe_z_loss_coeff=run.z_loss_coeff,
         )
     if run.arch == "llama":
         fields.update(
@@ -434,9 +436,10 @@ def setup(run: Run, stack: str = "megatron.core", weights_from: list[torch.nn.Mo
 
 
 def train_step(run: Run, model: list[torch.nn.Module], optimizer: Any, scheduler: Any, step: int,
-               stack: str = "megatron.core") -> float | None:
+               stack: str = "megatron.core") -> tuple[float | None, float]:
     """One global step; returns the step's loss (mean over micro-batches and data-parallel
-    replicas) on the last pipeline stage, None elsewhere."""
+    replicas) on the last pipeline stage, None elsewhere, and the gradient norm ``optimizer.step()``
+    returned (every rank)."""
     ps = importlib.import_module(f"{stack}.parallel_state")
     get_forward_backward_func = importlib.import_module(
         f"{stack}.pipeline_parallel"
@@ -459,26 +462,27 @@ def train_step(run: Run, model: list[torch.nn.Module], optimizer: Any, scheduler
         num_microbatches=len(micro), seq_length=run.seq, micro_batch_size=run.micro_batch,
         forward_only=False,
     )
-    optimizer.step()
+    _, grad_norm, _ = optimizer.step()
     if scheduler is not None:
         scheduler.step(increment=1)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
-        return None
+        return None, float(grad_norm)
     # Each cp rank's loss is the mean over its tokens, as many on every rank.
     loss = torch.stack([m["lm loss"] for m in losses]).mean().to(torch.float64)
     torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group(with_context_parallel=True))
-    return float(loss) / (dp_size * run.cp)
+    return float(loss) / (dp_size * run.cp), float(grad_norm)
 
 
 def train(run: Run) -> dict[str, Any]:
     """Trains ``run.steps`` steps. Returns ``losses``, the per-step losses on the last pipeline
-    stage (None elsewhere), and ``params``, this rank's parameters after training as plain lists
-    by name (``chunk{i}.`` before each model chunk's names)."""
+    stage (None elsewhere), ``grad_norms``, the norms ``optimizer.step()`` returned, and ``params``,
+    this rank's parameters after training as plain lists by name (``chunk{i}.`` before each model
+    chunk's names)."""
     from megatron.core import parallel_state as ps
 
     model, optimizer, scheduler = setup(run)
     try:
-        losses = [train_step(run, model, optimizer, scheduler, step) for step in range(run.steps)]
+        steps = [train_step(run, model, optimizer, scheduler, step) for step in range(run.steps)]
     finally:
         ps.destroy_model_parallel()
     params = {
@@ -486,4 +490,5 @@ def train(run: Run) -> dict[str, Any]:
         for i, chunk in enumerate(model)
         for name, p in chunk.module.named_parameters()
     }
-    return {"losses": None if losses[0] is None else losses, "params": params}
+    losses, grad_norms = [loss for loss, _ in steps], [norm for _, norm in steps]
+    return {"losses": None if losses[0] is None else losses, "grad_norms": grad_norms, "params": params}

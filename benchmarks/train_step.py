@@ -67,7 +67,7 @@ def _worker(args: argparse.Namespace) -> dict:
             def step(name: str) -> None:
                 model, optimizer, scheduler, variant_run, stack = setups[name]
                 losses[name].append(
-                    train_step(variant_run, model, optimizer, scheduler, len(losses[name]), stack)
+                    train_step(variant_run, model, optimizer, scheduler, len(losses[name]), stack)[0]
                 )
 
             # Resident memory of the model, its gradient buffers and the optimizer state

@@ -24,14 +24,7 @@ import torch.distributed as dist
 
 from megatron_ext import parallel_state, tensor_parallel
 from megatron_ext.comm_errors import reported
-from megatron_ext.dist_checkpointing import (
-    CheckpointingException,
-    find_checkpoint,
-    latest_iteration,
-    load_checkpoint,
-    read_marker,
-    save_checkpoint,
-)
+from megatron_ext.dist_checkpointing import CheckpointingException
 from megatron_ext.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -50,6 +43,13 @@ from megatron_ext.models.hf import (
 from megatron_ext.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron_ext.pipeline_parallel import get_forward_backward_func
 from megatron_ext.tensor_parallel.utils import comm_device
+from megatron_ext.training.checkpointing import (
+    find_checkpoint,
+    latest_iteration,
+    load_checkpoint,
+    read_marker,
+    save_checkpoint,
+)
 from megatron_ext.transformer import TransformerConfig
 from megatron_ext.transformer.moe.router_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
 from megatron_ext.utils import get_batch_on_this_cp_rank
@@ -182,6 +182,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "--arch llama)")
     p.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
                    help="coefficient of the load-balancing loss (0: none); the loss is logged with the loss")
+    p.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"],
+                   default=None,
+                   help="the balance loss --moe-aux-loss-coeff weighs: over the micro-batch's tokens "
+                   "(aux_loss, the default) or per sequence (seq_aux_loss)")
+    p.add_argument("--moe-z-loss-coeff", type=float, default=None,
+                   help="coefficient of the router's z-loss (default: none)")
+    p.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default=None,
+                   help="the router's expert scores (default: softmax, or the --load-hf model's)")
+    p.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing: a per-expert bias added to the routing scores, moved "
+                   "after each step towards the mean load (needs --moe-router-score-function sigmoid)")
+    p.add_argument("--moe-router-bias-update-rate", type=float, default=None,
+                   help="with --moe-router-enable-expert-bias: the bias's step per update (default 1e-3)")
     p.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather",
                    help="how tokens reach their experts' ranks")
     p.add_argument("--moe-ffn-hidden-size", type=int, default=None,
@@ -384,6 +397,14 @@ def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
         for flag, value, default in (("--ep", args.ep, 1), ("--etp", args.etp, None),
                                      ("--moe-grouped-gemm", args.moe_grouped_gemm, False),
                                      ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, 0.0),
+                                     ("--moe-z-loss-coeff", args.moe_z_loss_coeff, None),
+                                     ("--moe-router-load-balancing-type",
+                                      args.moe_router_load_balancing_type, None),
+                                     ("--moe-router-score-function", args.moe_router_score_function, None),
+                                     ("--moe-router-enable-expert-bias",
+                                      args.moe_router_enable_expert_bias, False),
+                                     ("--moe-router-bias-update-rate",
+                                      args.moe_router_bias_update_rate, None),
                                      ("--moe-expert-capacity-factor", args.moe_expert_capacity_factor, None),
                                      ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size, None)):
             if value != default:
@@ -414,6 +435,15 @@ def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--moe-grouped-gemm has no biases: use --arch llama")
     if not 0.0 <= args.moe_aux_loss_coeff < FLOAT32_MAX:
         raise ValueError(f"--moe-aux-loss-coeff must be a finite number >= 0, got {args.moe_aux_loss_coeff}")
+    z_loss = args.moe_z_loss_coeff
+    if z_loss is not None and not 0.0 <= z_loss < FLOAT32_MAX:
+        raise ValueError(f"--moe-z-loss-coeff must be a finite number >= 0, got {z_loss}")
+    sigmoid = args.moe_router_score_function == "sigmoid"
+    if args.moe_router_enable_expert_bias and args.load_hf is None and not sigmoid:
+        raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+    rate = args.moe_router_bias_update_rate
+    if rate is not None and not 0.0 <= rate < FLOAT32_MAX:
+        raise ValueError(f"--moe-router-bias-update-rate must be a finite number >= 0, got {rate}")
     factor = args.moe_expert_capacity_factor
     if factor is not None and not 0.0 < factor < FLOAT32_MAX:
         raise ValueError(f"--moe-expert-capacity-factor must be a finite number > 0, got {factor}")
@@ -435,9 +465,17 @@ def moe_settings(args: argparse.Namespace) -> dict:
         expert_tensor_parallel_size=args.etp,
         moe_grouped_gemm=args.moe_grouped_gemm,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        # The router's settings that a --load-hf model may have its own of: only when given.
+        **{field: value for field, value in (
+            ("moe_router_load_balancing_type", args.moe_router_load_balancing_type),
+            ("moe_router_score_function", args.moe_router_score_function),
+            ("moe_router_enable_expert_bias", args.moe_router_enable_expert_bias or None),
+            ("moe_router_bias_update_rate", args.moe_router_bias_update_rate),
+        ) if value is not None},
     )
 
 
@@ -907,9 +945,9 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
         losses.append(global_mean_loss(step_losses, device))
         aux_losses.append(moe_aux_losses(args, num_microbatches))
         tokens_per_s.append(tokens_per_step / (time.perf_counter() - start))
-        # the norm is computed only to clip: none without --clip-grad, none for a skipped step
+        # the norm before clipping; none for a skipped step
         log_event(args, step=step + 1, loss=losses[-1], tokens_per_s=tokens_per_s[-1],
-                  grad_norm=grad_norm if args.clip_grad > 0 else None, skipped=not update_successful,
+                  grad_norm=grad_norm, skipped=not update_successful,
                   **aux_losses[-1])
         if progress is not None:
             aux = {name: f"{value:.4f}" for name, value in aux_losses[-1].items()}

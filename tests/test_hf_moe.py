@@ -178,12 +178,17 @@ EXAMPLE = ["--tp", "1", "--pp", "1", "--seq-len", "16", "--micro-batch-size", "2
            "--dtype", "float64", "--no-progress", "--plot", "", "--steps", "1", "--lr", "0"]
 
 
-def _example_worker(path: str, export_dir: str) -> list[float]:
+def _example_worker(path: str, export_dir: str) -> tuple[list[float], list[float]]:
+    """The example's losses, and again with the router's balance and z losses on (they join the
+    backward, not the reported language-model loss)."""
     from tests.conftest import load_train_gpt
 
     train_gpt = load_train_gpt()
     args = EXAMPLE + ["--ep", "2", "--load-hf", path, "--export-hf", export_dir]
-    return train_gpt.train(train_gpt.parse_args(args))["losses"]
+    router_losses = EXAMPLE + ["--ep", "2", "--load-hf", path, "--moe-aux-loss-coeff", "0.01",
+                               "--moe-z-loss-coeff", "1e-3"]
+    return (train_gpt.train(train_gpt.parse_args(args))["losses"],
+            train_gpt.train(train_gpt.parse_args(router_losses))["losses"])
 
 
 def _transformers_loss(path: str) -> float:
@@ -217,10 +222,11 @@ def test_example_loads_and_exports_hf_moe(tmp_path):
 
     path, export_dir = str(tmp_path / "qwen2_moe"), str(tmp_path / "export")
     _hf_model("qwen2_moe", vocab_size=256).save_pretrained(path)  # the example's tokens are bytes
-    first, second = run_distributed(2, _example_worker, path, export_dir)
-    assert first == second
+    (first, with_router_losses), second = run_distributed(2, _example_worker, path, export_dir)
+    assert (first, with_router_losses) == second
     hf_loss = _transformers_loss(path)
     assert abs(first[0] - hf_loss) < 1e-9 * hf_loss, (first, hf_loss)
+    assert abs(with_router_losses[0] - hf_loss) < 1e-9 * hf_loss, (with_router_losses, hf_loss)
     original, exported = load_file(f"{path}/model.safetensors"), load_file(f"{export_dir}/model.safetensors")
     assert set(original) == set(exported)
     assert all(torch.equal(exported[k], v) for k, v in original.items())

@@ -38,7 +38,7 @@ from benchmarks.megatron_core_gpt import (  # noqa: E402
 )
 from tests.distributed import run_distributed  # noqa: E402
 
-pytestmark = pytest.mark.slow  # two 4-rank training runs of ten configurations each
+pytestmark = pytest.mark.slow  # two 4-rank training runs of fourteen configurations each
 
 # name -> (run, largest difference of a step's loss, of a trained parameter)
 RUNS = {
@@ -70,14 +70,21 @@ RUNS = {
         Run(arch="llama", tp=2, sequence_parallel=True, num_experts=4, ep=2, dispatcher="alltoall",
             layers=2, optimizer="sgd"), 1e-6, 1e-9),
 }
+# Each MoE run again with the router's balance and z losses on: their gradients go through
+# Megatron-core's own MoEAuxLossAutoScaler (its router's), whose scale megatron_ext's schedules set.
+RUNS.update({
+    f"{name} aux z": (dataclasses.replace(run, aux_loss_coeff=0.01, z_loss_coeff=1e-3), losses, params)
+    for name, (run, losses, params) in list(RUNS.items()) if run.num_experts is not None
+})
 
 # The run Megatron-core alone gives the reference with, where it cannot run the run itself: its
 # alltoall dispatcher at expert-tensor-parallel size 2 all-gathers tokens of uneven counts with
 # torch.distributed.all_gather, which gloo refuses ("invalid tensor size"). Dropless, both
 # dispatchers route every token to the same experts with the same weights.
 MEGATRON_CORE_REFERENCE = {
-    "moe llama tp2 ep2 sequence-parallel alltoall": dataclasses.replace(
-        RUNS["moe llama tp2 ep2 sequence-parallel alltoall"][0], dispatcher="allgather"),
+    name: dataclasses.replace(RUNS[name][0], dispatcher="allgather")
+    for name in ("moe llama tp2 ep2 sequence-parallel alltoall",
+                 "moe llama tp2 ep2 sequence-parallel alltoall aux z")
 }
 
 # Submodules of the aliased packages that megatron_ext does not have, so Megatron-core's own ran.
@@ -133,6 +140,11 @@ def test_megatron_core_gpt_model_trains_on_megatron_ext_as_on_megatron_core(on_m
                     name, expected["losses"], got["losses"])
                 # The model trains: the loss of the last step is below the first.
                 assert expected["losses"][-1] < expected["losses"][0], (name, expected["losses"])
+            # The norm step() returns, clipping on (float32 runs) or off (float64: Megatron-core's
+            # ChainedOptimizer computes it regardless), to the losses' relative precision.
+            assert all(n > 0 for n in expected["grad_norms"]), (name, expected["grad_norms"])
+            torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(expected["grad_norms"]),
+                                       rtol=loss_tolerance, atol=0, msg=lambda m: f"{name} rank {rank}: {m}")
             assert sorted(got["params"]) == sorted(expected["params"]), (name, rank)
             diffs = {p: _max_difference(v, got["params"][p]) for p, v in expected["params"].items()}
             for param, diff in diffs.items():
@@ -150,6 +162,10 @@ CP_RUNS = {
     "gpt cp4 all_gather": Run(cp=4, cp_comm_type="all_gather", optimizer="sgd"),
     "llama tp2 cp2 p2p": Run(arch="llama", tp=2, cp=2, cp_comm_type="p2p", optimizer="sgd"),
     "llama cp2 pp2 a2a": Run(arch="llama", cp=2, pp=2, cp_comm_type="a2a", optimizer="sgd"),
+    # Megatron-core's MoE layer with its router's losses: each cp rank's share of them carries the
+    # main loss's scale times cp (Megatron-core's autoscaler, set by megatron_ext's schedules).
+    "moe gpt cp2 ep2 p2p aux z": Run(cp=2, num_experts=4, ep=2, layers=2, optimizer="sgd",
+                                     aux_loss_coeff=0.01, z_loss_coeff=1e-3),
 }
 
 

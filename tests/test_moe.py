@@ -119,6 +119,8 @@ CASES = [
     dict(moe_router_pre_softmax=True, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01),
     dict(moe_aux_loss_coeff=0.3, gated_linear_unit=True, activation_func=F.silu),
     dict(moe_router_score_function="sigmoid", moe_aux_loss_coeff=0.2, moe_z_loss_coeff=0.05),
+    dict(moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5, moe_aux_loss_coeff=0.2,
+         moe_z_loss_coeff=0.05),
 ]
 
 
@@ -159,11 +161,14 @@ def test_layer_equals_serial_formula(dispatcher, grouped):
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
 def test_capacity_drops_the_serial_tokens(dispatcher):
-    for policy, factor in itertools.product(["probs", "position"], [0.5, 1.0]):
+    # with and without the router's losses (attached to the scores, they change nothing forward)
+    for policy, factor, coeff in itertools.product(["probs", "position"], [0.5, 1.0], [0.0, 0.1]):
         config = moe_config(
             moe_token_dispatcher_type=dispatcher,
             moe_expert_capacity_factor=factor,
             moe_token_drop_policy=policy,
+            moe_aux_loss_coeff=coeff,
+            moe_z_loss_coeff=coeff or None,
         )
         torch.manual_seed(5)
         layer = MoELayer(config, layer_number=1)
@@ -172,7 +177,8 @@ def test_capacity_drops_the_serial_tokens(dispatcher):
         capacity = math.ceil(12 * K / E * factor)
         weights = [(w1.detach(), w2.detach()) for w1, w2 in expert_weights(layer)]
         ref, _ = serial_moe(x.detach(), layer.router.weight.detach(), weights, config, drop_capacity=capacity)
-        torch.testing.assert_close(out.detach(), ref, **TIGHT, msg=lambda m: f"{policy} {factor}: {m}")
+        label = f"{policy} {factor} {coeff}"
+        torch.testing.assert_close(out.detach(), ref, **TIGHT, msg=lambda m: f"{label}: {m}")
         dropped = (
             out.detach() - serial_moe(x.detach(), layer.router.weight.detach(), weights, config)[0]
         ).abs()
@@ -180,18 +186,24 @@ def test_capacity_drops_the_serial_tokens(dispatcher):
 
 
 def test_pad_to_capacity_equals_dropping_with_alltoall():
-    outs = []
-    for pad in (False, True):
-        config = moe_config(
-            moe_token_dispatcher_type="alltoall",
-            moe_expert_capacity_factor=1.0,
-            moe_pad_expert_input_to_capacity=pad,
-        )
-        torch.manual_seed(5)
-        layer = MoELayer(config, layer_number=1)
-        x = torch.randn(6, 2, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-        outs.append(layer(x)[0])
-    torch.testing.assert_close(outs[0], outs[1], **TIGHT)
+    for coeff in (0.0, 0.1):  # with and without the router's losses
+        outs, grads = [], []
+        for pad in (False, True):
+            config = moe_config(
+                moe_token_dispatcher_type="alltoall",
+                moe_expert_capacity_factor=1.0,
+                moe_pad_expert_input_to_capacity=pad,
+                moe_aux_loss_coeff=coeff,
+                moe_z_loss_coeff=coeff or None,
+            )
+            torch.manual_seed(5)
+            layer = MoELayer(config, layer_number=1)
+            x = torch.randn(6, 2, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+            outs.append(layer(x)[0])
+            outs[-1].square().sum().backward()
+            grads.append(layer.router.weight.grad)
+        torch.testing.assert_close(outs[0], outs[1], **TIGHT)
+        torch.testing.assert_close(grads[0], grads[1], **TIGHT)
 
 
 def test_aux_loss_scaled_and_tracked():
@@ -229,16 +241,19 @@ def _shared_experts_and_expert_bias() -> None:
     from megatron_ext import parallel_state
 
     parallel_state.initialize_model_parallel()
-    config = moe_config(moe_shared_expert_intermediate_size=10)
-    torch.manual_seed(3)
-    layer = MoELayer(config, layer_number=1)
     x = torch.randn(4, 2, H, dtype=torch.float64)
-    shared = layer.shared_experts(x)
-    routed = serial_moe(
-        x, layer.router.weight.detach(), [(a.detach(), b.detach()) for a, b in expert_weights(layer)], config
-    )[0]
-    torch.testing.assert_close(layer(x)[0].detach(), routed + shared.detach(), **TIGHT)
-    assert shared.abs().max() > 0
+    for coeff in (0.0, 0.1):  # with and without the router's losses
+        config = moe_config(moe_shared_expert_intermediate_size=10, moe_aux_loss_coeff=coeff,
+                            moe_z_loss_coeff=coeff or None)
+        torch.manual_seed(3)
+        layer = MoELayer(config, layer_number=1)
+        shared = layer.shared_experts(x)
+        routed = serial_moe(
+            x, layer.router.weight.detach(), [(a.detach(), b.detach()) for a, b in expert_weights(layer)],
+            config,
+        )[0]
+        torch.testing.assert_close(layer(x)[0].detach(), routed + shared.detach(), **TIGHT)
+        assert shared.abs().max() > 0
 
     config = moe_config(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     layer = MoELayer(config, layer_number=1)

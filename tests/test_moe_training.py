@@ -55,14 +55,18 @@ TINY = [
     "0.5",
 ]
 ARCHS = {"llama": ["--arch", "llama", "--ffn-hidden", "12"], "gpt": ["--arch", "gpt"]}
-# (ep, etp, tp, pp) -> flags; dp is what the world leaves.
+# (ep, etp, tp, pp, cp) -> flags; dp is what the world leaves.
 LAYOUT_FLAGS = {
-    (1, 1, 1, 1): [],
-    (2, 1, 1, 1): ["--ep", "2"],
-    (4, 1, 1, 1): ["--ep", "4"],
-    (2, 1, 2, 1): ["--ep", "2", "--etp", "1", "--tp", "2", "--sequence-parallel"],
-    (2, 2, 2, 1): ["--ep", "2", "--etp", "2", "--tp", "2", "--sequence-parallel"],
-    (2, 1, 1, 2): ["--ep", "2", "--pp", "2"],
+    (1, 1, 1, 1, 1): [],
+    (2, 1, 1, 1, 1): ["--ep", "2"],
+    (4, 1, 1, 1, 1): ["--ep", "4"],
+    (2, 1, 2, 1, 1): ["--ep", "2", "--etp", "1", "--tp", "2", "--sequence-parallel"],
+    (2, 2, 2, 1, 1): ["--ep", "2", "--etp", "2", "--tp", "2", "--sequence-parallel"],
+    (2, 1, 1, 2, 1): ["--ep", "2", "--pp", "2"],
+    (1, 1, 1, 1, 2): ["--cp", "2"],
+    (2, 1, 1, 1, 2): ["--cp", "2", "--ep", "2"],
+    (2, 1, 2, 1, 2): ["--cp", "2", "--ep", "2", "--etp", "1", "--tp", "2", "--sequence-parallel"],
+    (1, 1, 1, 2, 1): ["--pp", "2"],
 }
 VARIANTS = {
     "allgather": ["--moe-token-dispatcher-type", "allgather"],
@@ -141,12 +145,12 @@ def _train(runs: list[tuple]) -> dict:
     train_gpt.parallel_state.destroy_model_parallel = gather_then_destroy
     out = {}
     for layout, variant, arch, extra in runs:
-        optimizer = ["--use-distributed-optimizer"] if layout != (1, 1, 1, 1) else []
+        optimizer = ["--use-distributed-optimizer"] if layout != (1, 1, 1, 1, 1) else []
         args = train_gpt.parse_args(
             TINY + ARCHS[arch] + LAYOUT_FLAGS[layout] + VARIANTS[variant] + optimizer + list(extra)
         )
         log = train_gpt.train(args)
-        aux = [d["load_balancing_loss"] for d in log["aux_losses"]]
+        aux = [[d[name] for name in sorted(d)] for d in log["aux_losses"]]  # balance, z, per-sequence
         out[(layout, variant, arch, tuple(extra))] = (log["losses"], aux, log["grad_norms"], weights[-1])
     return out
 
@@ -161,8 +165,8 @@ def _merged(results: list[dict]) -> dict:
 
 def _assert_equal_serial(reference: dict, results: dict) -> None:
     for (layout, variant, arch, extra), (losses, aux, norms, weights) in results.items():
-        ref_losses, ref_aux, ref_norms, ref_weights = reference[((1, 1, 1, 1), "allgather", arch, extra)]
-        label = f"{arch} (ep, etp, tp, pp)={layout} {variant} {' '.join(extra)}"
+        ref_losses, ref_aux, ref_norms, ref_weights = reference[((1, 1, 1, 1, 1), "allgather", arch, extra)]
+        label = f"{arch} (ep, etp, tp, pp, cp)={layout} {variant} {' '.join(extra)}"
         for what, got, want in (
             ("losses", losses, ref_losses),
             ("aux losses", aux, ref_aux),
@@ -185,26 +189,40 @@ def _assert_equal_serial(reference: dict, results: dict) -> None:
             )
 
 
-SERIAL_RUNS = [((1, 1, 1, 1), "allgather", arch, extra) for arch in ARCHS for extra in ((), tuple(CAPACITY))]
+# The router's losses all on (the balance loss of TINY, the z-loss; per sequence; with the
+# sigmoid router's expert bias): their gradients must carry the main loss's scale in every layout
+# (1 / micro-batches, times cp for the context-parallel ranks' shares).
+LOSSES = {
+    "aux z": ("--moe-z-loss-coeff", "1e-3"),
+    "seq_aux z": ("--moe-router-load-balancing-type", "seq_aux_loss", "--moe-z-loss-coeff", "1e-3"),
+    "sigmoid expert-bias aux z": ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                                  "--moe-router-bias-update-rate", "1e-2", "--moe-z-loss-coeff", "1e-3"),
+}
+SERIAL_RUNS = [
+    ((1, 1, 1, 1, 1), "allgather", arch, extra) for arch in ARCHS for extra in ((), tuple(CAPACITY))
+] + [((1, 1, 1, 1, 1), "allgather", "llama", losses) for losses in LOSSES.values()]
 WORLD_2 = (
-    [((2, 1, 1, 1), v, "llama", ()) for v in VARIANTS]
-    + [((2, 1, 2, 1), v, "llama", ()) for v in VARIANTS]
-    + [((2, 1, 1, 1), v, "gpt", ()) for v in ("allgather", "alltoall")]
-    + [((2, 1, 1, 1), v, "llama", tuple(CAPACITY)) for v in ("allgather", "alltoall")]
+    [((2, 1, 1, 1, 1), v, "llama", ()) for v in VARIANTS]
+    + [((2, 1, 2, 1, 1), v, "llama", ()) for v in VARIANTS]
+    + [((2, 1, 1, 1, 1), v, "gpt", ()) for v in ("allgather", "alltoall")]
+    + [((2, 1, 1, 1, 1), v, "llama", tuple(CAPACITY)) for v in ("allgather", "alltoall")]
 )
 WORLD_4 = (
-    [((4, 1, 1, 1), v, "llama", ()) for v in VARIANTS]
-    + [((2, 2, 2, 1), v, "llama", ()) for v in VARIANTS]
-    + [((2, 1, 1, 2), v, "llama", ()) for v in VARIANTS]
-    + [((2, 1, 1, 1), v, "llama", ()) for v in VARIANTS]  # dp 4: expert-data-parallel size 2
-    + [((2, 2, 2, 1), "alltoall", "gpt", ())]
+    [((4, 1, 1, 1, 1), v, "llama", ()) for v in VARIANTS]
+    + [((2, 2, 2, 1, 1), v, "llama", ()) for v in VARIANTS]
+    + [((2, 1, 1, 2, 1), v, "llama", ()) for v in VARIANTS]
+    + [((2, 1, 1, 1, 1), v, "llama", ()) for v in VARIANTS]  # dp 4: expert-data-parallel size 2
+    + [((2, 2, 2, 1, 1), "alltoall", "gpt", ())]
 )
 
 
 @pytest.fixture(scope="module")
 def serial():
     (ref,) = run_distributed(1, _train, SERIAL_RUNS)
-    assert ref[((1, 1, 1, 1), "allgather", "llama", ())][1][0] > 0.5  # the balance loss is tracked
+    assert ref[((1, 1, 1, 1, 1), "allgather", "llama", ())][1][0][0] > 0.5  # the balance loss is tracked
+    # (load_balancing_loss or seq_load_balancing_loss, z_loss)
+    tracked = [ref[((1, 1, 1, 1, 1), "allgather", "llama", losses)][1][0] for losses in LOSSES.values()]
+    assert [len(values) for values in tracked] == [2, 2, 2]
     return ref
 
 
@@ -214,7 +232,7 @@ def test_expert_parallel_world_2_trains_like_serial(serial):
     assert len(results) == len(WORLD_2)
     _assert_equal_serial(serial, results)
     # Dropping changes the run: the reference with a capacity differs from the dropless one.
-    dropless, dropped = (serial[((1, 1, 1, 1), "allgather", "llama", e)][0] for e in ((), tuple(CAPACITY)))
+    dropless, dropped = (serial[((1, 1, 1, 1, 1), "allgather", "llama", e)][0] for e in ((), tuple(CAPACITY)))
     assert abs(dropless[-1] - dropped[-1]) > 1e-6
 
 
@@ -223,6 +241,21 @@ def test_expert_parallel_world_4_trains_like_serial(serial):
     results = _merged(run_distributed(4, _train, WORLD_4, timeout=1200))
     assert len(results) == len(WORLD_4)
     _assert_equal_serial(serial, results)
+
+
+# Context parallelism (its ranks' shares of the router's losses), alone and with expert and
+# tensor parallelism, and pipeline parallelism (4 micro-batches), with every router loss on.
+LOSS_LAYOUTS_2 = [(1, 1, 1, 1, 2), (2, 1, 1, 1, 2), (1, 1, 1, 2, 1)]
+LOSS_LAYOUTS_4 = [(2, 1, 2, 1, 2)]
+
+
+@pytest.mark.slow  # a 2-rank and a 4-rank group, 12 trainings
+def test_router_losses_train_like_serial_with_context_and_pipeline_parallelism(serial):
+    for world, layouts in ((2, LOSS_LAYOUTS_2), (4, LOSS_LAYOUTS_4)):
+        runs = [(layout, "alltoall", "llama", losses) for layout in layouts for losses in LOSSES.values()]
+        results = _merged(run_distributed(world, _train, runs, timeout=900))
+        assert len(results) == len(runs)
+        _assert_equal_serial(serial, results)
 
 
 def _check_messages(cases: list[list[str]], world_size: int) -> list[str]:

@@ -72,6 +72,8 @@ def forward_step_calc_loss(
             )
     elif cp_group_size is None or is_last_stage is None:
         raise ValueError("cp_group_size and is_last_stage must be given together")
+    # Read when the backward runs, on every stage: the MoE and MTP losses' gradient scale.
+    set_aux_loss_scale(config, num_microbatches, cp_group_size)
     num_tokens = torch.tensor(0, dtype=torch.int)
     if not is_last_stage:
         return output_tensor, num_tokens
@@ -155,7 +157,6 @@ def forward_step(
                 f"{type(result).__name__}"
             )
         output_tensor, loss_func = result
-        set_aux_loss_scale(config, num_microbatches)
         output_tensor, num_tokens = forward_step_calc_loss(
             model, output_tensor, loss_func, config, vp_stage, collect_non_loss_data,
             num_microbatches, forward_data_store, cp_group_size, is_last_stage,

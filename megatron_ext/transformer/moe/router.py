@@ -157,13 +157,18 @@ class TopKRouter(torch.nn.Module):
     def apply_z_loss(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attaches the z-loss (coefficient split over the tensor × context-parallel ranks) to the
         logits in training."""
-        if self.config.moe_z_loss_coeff is None or not self.training or not torch.is_grad_enabled():
+        if not self.config.moe_z_loss_coeff or not self.training or not torch.is_grad_enabled():
             return logits
         coeff = self.config.moe_z_loss_coeff / group_size(self.tp_cp_group)
         z_loss = z_loss_func(logits, coeff, padding_mask=padding_mask)
         scaled = z_loss * logits.shape[0] if self.calculate_per_token_loss else z_loss
         logits = MoEAuxLossAutoScaler.apply(logits, scaled)
-        save_to_aux_losses_tracker("z_loss", z_loss / coeff, self.layer_number, self._num_layers())
+        # Each tensor x context-parallel rank's mean over its own tokens, summed over those ranks:
+        # the batch's mean, as the balance losses are logged (Megatron-core logs one rank's share).
+        save_to_aux_losses_tracker(
+            "z_loss", z_loss / self.config.moe_z_loss_coeff, self.layer_number, self._num_layers(),
+            reduce_group=self.tp_cp_group,
+        )
         return logits
 
     def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
