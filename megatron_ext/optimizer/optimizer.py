@@ -256,17 +256,16 @@ class MegatronOptimizer:
     def step(self) -> tuple[bool, float | None, int | None]:
         """One update. Returns ``(update_successful, grad_norm, num_zeros_in_grad)``: with an
         inf/NaN in the fp16 gradients the update is skipped and ``(False, None, None)``
-        returned; ``grad_norm`` is the norm before clipping (0.0 when ``clip_grad`` is 0, as in
-        Megatron-core's mixed-precision optimizer), ``num_zeros_in_grad`` None unless
-        ``log_num_zeros_in_grad``."""
+        returned; ``grad_norm`` is the norm before clipping, computed with clipping off too (as by
+        the ``ChainedOptimizer`` that Megatron-core's ``get_megatron_optimizer`` returns, whose norm
+        Megatron-LM logs), ``num_zeros_in_grad`` None unless ``log_num_zeros_in_grad``."""
         if self.prepare_grads():
             for s in self._slots:
                 s.main.grad = None
             return False, None, None
-        grad_norm: float | torch.Tensor = 0.0
+        # On the device until the update is queued: the host waits once, at the end.
+        grad_norm = self._grad_norm_tensor()
         if self.config.clip_grad > 0.0:
-            # On the device until the update is queued: the host waits once, at the end.
-            grad_norm = self._grad_norm_tensor()
             clip_grad_by_total_norm_fp32(self.get_parameters(), self.config.clip_grad, grad_norm)
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
         update_successful = self.step_with_ready_grads()
