@@ -4,8 +4,8 @@
 #
 #   ./dev.sh train [ARGS...]   the example training run (torchrun, 4 CPU processes by default)
 #   ./dev.sh test [PYTEST...]  the test suite
-#   ./dev.sh bench NAME        a benchmark from benchmarks/ (NAME without .py); installs
-#                              megatron-core 0.16.1 into the environment to compare against
+#   ./dev.sh bench NAME        a benchmark from benchmarks/ (NAME without .py), against
+#                              megatron-core 0.16.1 (set-up installs it, as the tests need it)
 #   ./dev.sh setup             set-up only
 #   ./dev.sh gpu               on a GPU machine, with the python and torch already there (no venv,
 #                              no downloads): build in place, run the `cuda` tests, then the GPU
@@ -17,6 +17,9 @@ set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${MEGATRON_EXT_VENV:-.venv}
 PY="$VENV/bin/python"
+# Megatron-core, the peer the compatibility tests and benchmarks run against, without its
+# dependencies (TransformerEngine and apex among them); the library never imports it.
+MEGATRON_CORE="megatron-core==0.16.1"
 
 hash_of() { cat "$@" | sha256sum | cut -d' ' -f1; }
 
@@ -26,10 +29,11 @@ setup() {
     "$(command -v python3.11 || command -v python3)" -m venv "$VENV"
   fi
   local deps_hash
-  deps_hash=$(hash_of requirements-dev.txt)
+  deps_hash=$( (cat requirements-dev.txt; echo "$MEGATRON_CORE") | sha256sum | cut -d' ' -f1)
   if [ "$(cat "$VENV/.deps" 2>/dev/null)" != "$deps_hash" ]; then
-    echo "[setup] installing torch 2.14.1 and the test tools"
+    echo "[setup] installing torch 2.14.1, the test tools and the peers the tests compare against"
     "$PY" -m pip install --quiet -r requirements-dev.txt
+    "$PY" -m pip install --quiet --no-deps "$MEGATRON_CORE"
     echo "$deps_hash" > "$VENV/.deps"
   fi
   local src_hash
@@ -59,11 +63,6 @@ case "$cmd" in
     ;;
   bench)
     setup
-    # The benchmarks compare against megatron-core in the same run; no test needs it.
-    if ! "$PY" -c "from importlib.metadata import version; assert version('megatron-core') == '0.16.1'" 2>/dev/null; then
-      echo "[bench] installing megatron-core==0.16.1 (without its dependencies) for the comparison"
-      "$PY" -m pip install --quiet --no-deps megatron-core==0.16.1
-    fi
     exec "$PY" "benchmarks/${1:?benchmark name}.py" "${@:2}"
     ;;
   gpu)

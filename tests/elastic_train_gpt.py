@@ -42,7 +42,7 @@ if __name__ == "__main__":
 
         train_gpt.step_microbatches = step_or_die
     if _chosen("KILL_IN_SAVE") is not None:
-        from megatron_ext.dist_checkpointing import checkpoint
+        from megatron_ext.training import checkpointing as checkpoint
 
         checkpoint._after_rank_wrote = _die
     try:

@@ -186,7 +186,7 @@ def test_strided_partitions_reshard_exactly(tmp_path, dcp_hooks):
 
 
 def _killed_mid_save_worker(save_dir: str):
-    from megatron_ext.dist_checkpointing import checkpoint
+    from megatron_ext.training import checkpointing as checkpoint
 
     saves = []
 
@@ -298,7 +298,7 @@ def test_other_model_or_corrupted_file_is_refused_on_every_rank(saved_at_tp2_pp2
 
 def _convert(*argv: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "megatron_ext.dist_checkpointing.convert", *argv],
+        [sys.executable, "-m", "megatron_ext.training.convert", *argv],
         check=False,
         capture_output=True,
         text=True,
@@ -367,7 +367,7 @@ def _format_1_worker(save_dir: str, old: str):
 
     import torch.distributed.checkpoint as dcp
 
-    from megatron_ext.dist_checkpointing import checkpoint
+    from megatron_ext.training import checkpointing as checkpoint
 
     train_gpt = load_train_gpt()
     save_checkpoint = train_gpt.save_checkpoint
@@ -410,7 +410,7 @@ def test_upgrade_of_a_format_1_checkpoint(tmp_path):
     assert refused.startswith(f"CheckpointingException: cannot load checkpoint {old!r}: checkpoint {old!r}: "
                               "format 'megatron_ext.dist_checkpointing/1', expected "
                               "'megatron_ext.dist_checkpointing/2'"), refused
-    assert f"megatron_ext.dist_checkpointing.convert upgrade {old} NEW_DIR" in refused
+    assert f"megatron_ext.training.convert upgrade {old} NEW_DIR" in refused
     assert _convert("upgrade", old, new) == f"{new}: written\n"
     first, second = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
     _convert("to-torch", os.path.join(save_dir, "iter_0000002"), first)

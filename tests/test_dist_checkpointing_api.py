@@ -351,6 +351,7 @@ def _gpt_worker(path: str) -> None:
     it into models of other seeds at tp 1 x pp 1 (dp 4), tp 4 and tp 1 x pp 4: every tensor
     equals that of the model built at the loading layout with the saved model's seed."""
     from megatron_ext import dist_checkpointing as dc
+    from megatron_ext.training.checkpointing import save_checkpoint
     from megatron_ext.transformer.transformer_layer import megatron_core_name
 
     _init(1, 1)
@@ -394,10 +395,10 @@ def _gpt_worker(path: str) -> None:
             assert (tied.key, tied.replica_id) == ("embedding.word_embeddings.weight", (1, 0, 0))
         dc.save(sd, save_dir)
         if not metadata:  # save_checkpoint stores these very tensors (and its optimizer, rng state)
-            dc.save_checkpoint(os.path.join(path, "layout_free"), 1, model)
+            save_checkpoint(os.path.join(path, "layout_free"), 1, model)
             plain = dc.load_plain_tensors(save_dir)
             if dist.get_rank() == 0:
-                from megatron_ext.dist_checkpointing.convert import to_torch
+                from megatron_ext.training.convert import to_torch
 
                 whole = to_torch(
                     os.path.join(path, "layout_free", "iter_0000001"), os.path.join(path, "whole.pt")

@@ -198,7 +198,7 @@ def test_export_never_mixes_or_overwrites_models(tmp_path):
 def test_converter_refuses_what_it_cannot_read_or_write(tmp_path):
     """The converter's refusals in this process (the command line prints them as one `error:`
     line, exit 2: test_command_lines_end_in_one_error_line)."""
-    from megatron_ext.dist_checkpointing import convert
+    from megatron_ext.training import convert
     from megatron_ext.dist_checkpointing.core import CheckpointingException
 
     missing, not_torch, out = tmp_path / "missing.pt", tmp_path / "notes.txt", tmp_path / "out"

@@ -93,6 +93,7 @@ def _worker(path: str) -> dict:
     import megatron.core.dist_checkpointing as mdc
 
     from megatron_ext import dist_checkpointing as dc
+    from megatron_ext.training.checkpointing import save_checkpoint
 
     cpu_patches(full=False)
     megatron_core_save_on_cpu()
@@ -112,7 +113,7 @@ def _worker(path: str) -> dict:
         for i, metadata in enumerate(METADATA):
             sd = ext.sharded_state_dict(metadata=metadata)
             out[arch, "entries", i, "megatron_ext"] = _entries(sd, "megatron_ext")
-        dc.save_checkpoint(ext_dir, 1, ext)  # a training checkpoint: dc.save of the model's and RNG state
+        save_checkpoint(ext_dir, 1, ext)  # a training checkpoint: dc.save of the model's and RNG state
 
         # Megatron-core's checkpoint, loaded by Megatron-core at tp 1 and by megatron_ext at tp 1 and 4.
         serial = Run(arch=arch)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext import parallel_state as ps
-from megatron_ext.dist_checkpointing import load_checkpoint, save_checkpoint
+from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_ext.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron_ext.optimizer import (
     DistributedOptimizer,

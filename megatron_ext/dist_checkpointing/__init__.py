@@ -3,7 +3,7 @@
 library: it knows no model, layer or optimizer; each layer's ``sharded_state_dict`` lives beside the
 layer. The training checkpoints built on it (``save_checkpoint`` / ``load_checkpoint``: the model's
 and optimizer's sharded state, made atomic, verified and refused alike on every rank) are
-``megatron_ext.training.checkpointing``, also reachable here under their earlier names."""
+``megatron_ext.training.checkpointing``; its command-line converter is ``megatron_ext.training.convert``."""
 
 from typing import Any
 
@@ -34,9 +34,10 @@ from megatron_ext.dist_checkpointing.validation import StrictHandling, validate_
 from megatron_ext.dist_checkpointing.sharding import replicated, sharded_tensor, tp_partitioned
 
 # The training checkpoint manager's names, where they were before it moved up to
-# megatron_ext.training.checkpointing; resolved on first use so this package imports nothing above it.
+# megatron_ext.training.checkpointing: a clear error, as this package imports nothing above it.
 _TRAINING_CHECKPOINT_NAMES = (
     "CONVERTIBLE_CONFIG_FIELDS",
+    "checkpoint",
     "checkpoint_dir",
     "complete_iterations",
     "find_checkpoint",
@@ -49,17 +50,17 @@ _TRAINING_CHECKPOINT_NAMES = (
 
 
 def __getattr__(name: str) -> Any:
-    if name == "checkpoint" or name in _TRAINING_CHECKPOINT_NAMES:
-        # Lazily: the old home of the training checkpoint manager, which lives above this package.
-        from megatron_ext.training import checkpointing
-
-        return checkpointing if name == "checkpoint" else getattr(checkpointing, name)
+    if name in _TRAINING_CHECKPOINT_NAMES:
+        where = "megatron_ext.training.checkpointing" + ("" if name == "checkpoint" else f".{name}")
+        raise AttributeError(
+            f"megatron_ext.dist_checkpointing.{name} moved to {where} (dist_checkpointing is the sharded "
+            "checkpoint library and knows nothing of training runs)"
+        )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "AsyncRequest",
-    "CONVERTIBLE_CONFIG_FIELDS",
     "CheckpointingException",
     "LocalNonpersistentObject",
     "ShardedBase",
@@ -79,15 +80,7 @@ __all__ = [
     "load_tensors_metadata",
     "save",
     "validate_sharding_integrity",
-    "checkpoint_dir",
-    "complete_iterations",
-    "find_checkpoint",
-    "latest_iteration",
-    "load_checkpoint",
-    "prune_checkpoints",
-    "read_marker",
     "replicated",
-    "save_checkpoint",
     "sharded_tensor",
     "tp_partitioned",
 ]

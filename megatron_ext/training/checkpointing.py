@@ -538,7 +538,7 @@ def read_marker(path: str, expected: str = FORMAT) -> dict[str, Any]:
     if marker.get("format") != expected:
         upgrade = (
             f" (stored by megatron_ext's names, one tensor per layer; `python -m "
-            f"megatron_ext.dist_checkpointing.convert upgrade {path} NEW_DIR` rewrites it)"
+            f"megatron_ext.training.convert upgrade {path} NEW_DIR` rewrites it)"
             if marker.get("format") == FORMAT_1 and expected == FORMAT
             else ""
         )

@@ -1,9 +1,9 @@
 """Converts a ``save_checkpoint`` checkpoint to one unsharded ``torch.save`` file and back (one
 process, no process group).
 
-    python -m megatron_ext.dist_checkpointing.convert to-torch CHECKPOINT out.pt
-    python -m megatron_ext.dist_checkpointing.convert from-torch in.pt CHECKPOINT
-    python -m megatron_ext.dist_checkpointing.convert upgrade OLD_CHECKPOINT CHECKPOINT
+    python -m megatron_ext.training.convert to-torch CHECKPOINT out.pt
+    python -m megatron_ext.training.convert from-torch in.pt CHECKPOINT
+    python -m megatron_ext.training.convert upgrade OLD_CHECKPOINT CHECKPOINT
 
 The file holds every stored tensor whole, by its key: ``{"model": {key: tensor}, "optimizer":
 {"optimizer.state.<state name>.<parameter key>": tensor}, "objects": {stored name: object}
