@@ -102,8 +102,9 @@ class MegatronOptimizer:
         return default_group("mp", self.model_parallel_group)
 
     def get_grad_stats_parallel_group(self) -> list[dist.ProcessGroup]:
-        """Gradients are already averaged over data-parallel ranks: the model-parallel group."""
-        return [self._model_parallel_group()]
+        """Gradients are already averaged over data-parallel ranks: the model-parallel group (none
+        in a process without torch.distributed, where there is nothing to reduce over)."""
+        return [self._model_parallel_group()] if dist.is_initialized() else []
 
     # Loss scaling ---------------------------------------------------------------------------------
 
@@ -133,19 +134,20 @@ class MegatronOptimizer:
         """Main gradients counted once across ranks: without tensor-parallel duplicates and the
         last stage's copy of the tied embedding; those of the dense parameters, or with
         ``expert`` of the expert parameters (``allreduce=False``)."""
+        alone = not dist.is_initialized()  # no tensor-parallel copies to skip
         return [
             s.main.grad
             for s in self._slots
             if s.main.grad is not None
             and getattr(s.model_param, "allreduce", True) != expert
             and not getattr(s.model_param, "shared", False)
-            and param_is_not_tensor_parallel_duplicate(s.model_param, self.tp_group)
+            and (alone or param_is_not_tensor_parallel_duplicate(s.model_param, self.tp_group))
         ]
 
     def get_expert_grad_stats_parallel_group(self) -> list[dist.ProcessGroup]:
         """Expert gradients are already averaged over expert-data-parallel ranks: the expert
         tensor × expert × pipeline-parallel group, where each expert shard lives once."""
-        return [default_group("tp_ep_pp")]
+        return [default_group("tp_ep_pp")] if dist.is_initialized() else []
 
     def _grad_norm_tensor(self) -> torch.Tensor:
         """The norm of all gradients, each counted once: the dense parameters' over their groups,
