@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import megatron_ext._ops  # noqa: F401  (the ops' fake kernels)
 from megatron_ext import parallel_state
+from megatron_ext.transformer.utils import window_keys
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
@@ -27,15 +28,23 @@ def context_parallel_attention(
     is_causal: bool = True,
     cp_comm_type: str = "p2p",
     softmax_scale: float | None = None,
+    window_size: tuple[int, int] | None = None,
+    sinks: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale, causal) v over the whole sequence, each rank holding its tokens.
+    """softmax(q k^T * scale, mask) v over the whole sequence, each rank holding its tokens.
 
-    ``query`` ``[b, heads, s, d]``, ``key`` and ``value`` ``[b, groups, s, d]`` (``heads / groups``
-    consecutive query heads share a key/value head), ``s`` this rank's tokens in the layout above;
-    returns ``[b, heads, s, d]``. ``cp_group`` defaults to parallel_state's context-parallel group;
-    ``softmax_scale`` to ``1 / sqrt(d)``. The backward sends the key/value gradients back to their
-    ranks. Errors (odd ``s`` under a causal mask, heads not divisible by cp for ``"a2a"``) are raised
-    on every rank before any communication.
+    ``query`` ``[b, heads, s, d]``, ``key`` ``[b, groups, s, d]`` and ``value`` ``[b, groups, s, dv]``
+    (``heads / groups`` consecutive query heads share a key/value head), ``s`` this rank's tokens in
+    the layout above; returns ``[b, heads, s, dv]``. ``cp_group`` defaults to parallel_state's
+    context-parallel group; ``softmax_scale`` to ``1 / sqrt(d)``. ``window_size`` ``(left, 0)``
+    (Megatron-core's and TransformerEngine's convention, causal only): each query sees itself and
+    the ``left`` keys before it. ``sinks`` ``[heads]``: one more logit per head in every row's
+    softmax (Megatron-core's ``softmax_offset``), with its gradient. ``cu_seqlens``: the boundaries
+    ``[0, .., cp * s]`` of packed sequences on the whole row, which never attend to each other; each
+    rank holds chunks ``r`` and ``2 * cp - 1 - r`` of every sequence. The backward sends the key/value
+    gradients back to their ranks. Errors (odd ``s`` under a causal mask, heads not divisible by cp
+    for ``"a2a"``, a bad window or ``cu_seqlens``) are raised on every rank before any communication.
     """
     if cp_group is None:
         cp_group = parallel_state.get_context_parallel_group()
@@ -49,6 +58,9 @@ def context_parallel_attention(
         is_causal,
         cp_comm_type,
         softmax_scale,
+        window_keys(window_size),
+        sinks,
+        cu_seqlens,
     )
 
 
