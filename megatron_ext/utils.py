@@ -62,8 +62,8 @@ def thd_partitioned_indices(
     """The rows of a packed row that context-parallel rank ``cp_rank`` holds (TransformerEngine's
     ``thd_get_partitioned_indices``): each sequence, ``cu_seqlens_padded[i] .. [i + 1]``, cut into
     ``2 * cp_size`` chunks, of which the rank keeps chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank``,
-    sequence after sequence. ValueError unless the boundaries increase from 0 to ``total_tokens`` and
-    every sequence divides into the chunks."""
+    sequence after sequence (at cp 1 every row, in order). ValueError unless the boundaries increase
+    from 0 to ``total_tokens`` and every sequence divides into the chunks."""
     bounds = [int(x) for x in cu_seqlens_padded.tolist()]
     if bounds[:1] != [0] or bounds[-1] != total_tokens or any(b <= a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(
@@ -72,6 +72,9 @@ def thd_partitioned_indices(
         )
     parts = []
     for a, b in zip(bounds, bounds[1:]):
+        if cp_size == 1:
+            parts.append(torch.arange(a, b))
+            continue
         if (b - a) % (2 * cp_size):
             raise ValueError(
                 f"a packed sequence of {b - a} tokens (padded) does not divide into 2 * cp = {2 * cp_size} "
