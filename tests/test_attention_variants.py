@@ -262,3 +262,49 @@ def test_opcheck_with_window_sinks_and_packed_rows():
     args = (q, k, v, "", 1, 0, True, "p2p", None, 3, sinks, cu)
     op = torch.ops.megatron_ext.context_parallel_attention.default
     assert_opchecks_passed([("window, sinks, packed", opcheck_report(op, args))])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_variants_on_cuda(dtype):
+    """cp 1 on a GPU: the CUDA block kernels (the scores in float64, the memory-efficient kernel with
+    a block-sized bias for float32, the flash kernel's window and, for packed rows of batch 1, its
+    variable-length calls for bfloat16) and their backward against unfused float64 attention: windows,
+    sinks, value heads narrower and wider than the query/key heads (padded for flash), packed rows.
+    The error bound is relative to the largest value of each reference tensor (TF32, bfloat16)."""
+    bound = {torch.float64: 1e-12, torch.float32: 2e-3, torch.bfloat16: 3e-2}[dtype]
+    _check_variants_on("cuda", dtype, bound)
+
+
+def _check_variants_on(device: str, dtype: torch.dtype, bound: float) -> None:
+    s = 256
+    g = torch.Generator().manual_seed(4)
+    cases = [dict(shape=(8, 2, 64, 64), causal=True, window=w, sinks=True, bounds=None) for w in (1, 17, 100)]
+    cases += [
+        dict(shape=(8, 2, 64, 64), causal=True, window=s, sinks=True, bounds=None),
+        dict(shape=(8, 4, 64, 32), causal=True, window=None, sinks=False, bounds=None),
+        dict(shape=(4, 4, 32, 72), causal=False, window=None, sinks=True, bounds=None),
+        dict(shape=(8, 2, 64, 64), causal=True, window=None, sinks=False, bounds=[0, 40, 100, s]),
+        dict(shape=(8, 2, 64, 48), causal=True, window=30, sinks=True, bounds=[0, 40, 100, s]),
+    ]
+    for case in cases:
+        q, k, v, grad, sinks = _inputs(case, s, g)
+        if case["bounds"] is not None:  # a batch of one packed row: flash's variable-length calls
+            q, k, v, grad = (t[:1] for t in (q, k, v, grad))
+        expected = _expected(case, q, k, v, grad, sinks)
+        leaves = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+        sink_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # a float32 parameter
+        ls = None if sinks is None else sinks.to(device, sink_dtype).requires_grad_(True)
+        cu = None
+        if case["bounds"] is not None:
+            cu = torch.tensor(case["bounds"], dtype=torch.int32, device=device)
+        out = torch.ops.megatron_ext.context_parallel_attention(
+            *leaves, "", 1, 0, case["causal"], "p2p", None, case["window"], ls, cu
+        )
+        out.backward(grad.to(device, dtype))
+        got = [out, *(t.grad for t in leaves), None if ls is None else ls.grad]
+        for name, actual, want in zip("out dq dk dv dsinks".split(), got, expected):
+            if want is not None:
+                error = (actual.double().cpu() - want).abs().max().item()
+                assert error <= bound * want.abs().max().item(), (dtype, _label(case), name, error)
