@@ -215,3 +215,31 @@ def test_gpt_packed_row_equals_sequences_alone():
 def test_gpt_packed_row_at_cp2_equals_sequences_alone():
     for made in run_distributed(2, _packed_worker, 2):
         assert_comparisons(made)
+
+
+def _refusal_worker() -> list[str]:
+    """megatron_ext's attention with a window or sinks: the op is causal and has no dropout."""
+    from megatron_ext.transformer import ParallelAttention
+
+    ps.initialize_model_parallel()
+    messages = []
+    cases = [(dict(window_size=(3, 0)), True), (dict(softmax_type="off-by-one", attention_dropout=0.1), 0)]
+    for kwargs, mask in cases:
+        attention = ParallelAttention(_config(**kwargs))
+        try:
+            attention(torch.randn(8, 1, 32, dtype=torch.float64),
+                      attention_mask=torch.zeros(1, 1, 8, 8, dtype=torch.bool) if mask else None)
+        except (ValueError, NotImplementedError) as e:
+            messages.append(f"{type(e).__name__}: {e}")
+        else:
+            messages.append("no error")
+    ps.destroy_model_parallel()
+    return messages
+
+
+def test_attention_refuses_a_mask_or_dropout_with_the_op():
+    ((mask, dropout),) = run_distributed(1, _refusal_worker)
+    assert mask.startswith("ValueError: ParallelAttention: sliding windows run in the causal attention op, "
+                           "which takes no attention_mask"), mask
+    assert dropout.startswith("NotImplementedError: ParallelAttention: attention_dropout=0.1 with attention "
+                              "sinks is not supported"), dropout

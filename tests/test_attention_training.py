@@ -3,7 +3,8 @@ Llama (rotary, grouped-query attention) at (tp, cp, pp, dp) = (2,1,1,1) with seq
 (1,2,1,1) with every comm type (p2p with selective core_attn recomputation), (1,1,2,1) with full
 recomputation and (1,1,1,2), each equal to the serial run in float64: per-step losses, gradient
 norms and the final weights, the sinks included. The serial run itself differs from one without
-the window and from one with the window on no layer, so the window and the sinks are in it."""
+the window and from one with the window on no layer, so the window and the sinks are in it. The
+example's refusals of bad window flags."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.test_context_parallel_training import _merged, _train
+from tests.test_context_parallel_training import _bad_arguments_worker, _merged, _train
 
 ATTENTION = ("--window-size", "5", "--window-attn-skip-freq", "2", "--softmax-type", "learnable")
 SERIAL = [
@@ -53,3 +54,17 @@ def test_windows_and_sinks_train_like_serial():
         assert set(weights) <= set(got_weights), (label, set(weights) - set(got_weights))
         for name, value in weights.items():
             _close(got_weights[name], value, f"{label} {name}", atol=1e-12)
+
+
+def test_bad_attention_arguments_raise_on_every_rank():
+    cases = [
+        (["--window-size", "0"], "--window-size must be >= 1 (the tokens a query sees, itself included)"),
+        (["--window-attn-skip-freq", "2"], "--window-attn-skip-freq needs --window-size"),
+        (["--window-size", "4", "--window-attn-skip-freq", "[1,0]"],
+         "--window-attn-skip-freq [1, 0] must list 0 or 1 for each of the --layers 4 layers"),
+        (["--window-size", "4", "--window-attn-skip-freq", "0"], "--window-attn-skip-freq must be >= 1"),
+    ]
+    argv = [["--tp", "1", "--pp", "1", *args] for args, _ in cases]
+    for messages in run_distributed(2, _bad_arguments_worker, argv):
+        for message, (_, expected) in zip(messages, cases):
+            assert expected in message, (expected, message)
