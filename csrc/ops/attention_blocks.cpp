@@ -308,19 +308,38 @@ std::vector<std::vector<Block>> varlen_groups(const Operands& op,
 
 }  // namespace
 
-Accumulator::Accumulator(const at::Tensor& q, int64_t dv) {
-  const auto options = q.options().dtype(acc_type(q));
-  out = at::zeros({q.size(0), q.size(1), q.size(2), dv}, options);
-  lse = at::full({q.size(0), q.size(1), q.size(2)}, -kInf, options);
+Accumulator::Accumulator(const at::Tensor& q, int64_t dv)
+    : options_(q.options().dtype(acc_type(q))), shape_{q.size(0), q.size(1), q.size(2), dv} {}
+
+void Accumulator::allocate() {
+  if (out_.defined()) return;
+  out_ = at::zeros(shape_, options_);
+  lse_ = at::full({shape_[0], shape_[1], shape_[2]}, -kInf, options_);
+}
+
+const at::Tensor& Accumulator::out() {
+  allocate();
+  return out_;
+}
+
+const at::Tensor& Accumulator::lse() {
+  allocate();
+  return lse_;
 }
 
 void Accumulator::merge(const at::Tensor& block_out, const at::Tensor& block_lse, int64_t row,
                         int64_t len) {
-  auto o = out.narrow(2, row, len);
-  auto l = lse.narrow(2, row, len);
+  if (!out_.defined() && row == 0 && len == shape_[2]) {
+    out_ = block_out.to(options_.dtype());
+    lse_ = block_lse.to(options_.dtype());
+    return;
+  }
+  allocate();
+  auto o = out_.narrow(2, row, len);
+  auto l = lse_.narrow(2, row, len);
   const auto merged = at::logaddexp(l, block_lse);
   o.mul_((l - merged).exp().unsqueeze(-1));
-  auto part = block_out.to(out.scalar_type());
+  auto part = block_out.to(out_.scalar_type());
   part.mul_((block_lse - merged).exp().unsqueeze(-1));
   o.add_(part);
   l.copy_(merged);
@@ -362,10 +381,23 @@ void backward_blocks(const at::Tensor& dout, const at::Tensor& q, const at::Tens
   Operands op(q, k, v, scale);
   const auto g = op.layout(pad_last(dout, op.pad));
   const auto o = op.layout(pad_last(out, op.pad));
+  const auto acc = q.options().dtype(acc_type(q));
+  // An undefined gradient takes a block's over all its rows as it is, else starts from zeros.
+  const auto add_to = [&](at::Tensor& grad, const at::Tensor& part, const at::Tensor& like,
+                          int64_t start, int64_t len) {
+    if (!grad.defined()) {
+      if (start == 0 && len == like.size(2)) {
+        grad = part.to(acc_type(q));
+        return;
+      }
+      grad = at::zeros({like.size(0), like.size(1), like.size(2), part.size(3)}, acc);
+    }
+    grad.narrow(2, start, len).add_(part);
+  };
   auto add = [&](const Block& b, const at::Tensor& gq, const at::Tensor& gk, const at::Tensor& gv) {
-    dq.narrow(2, b.q_row, b.q_len).add_(gq);
-    dk.narrow(2, b.k_row, b.k_len).add_(gk);
-    dv.narrow(2, b.k_row, b.k_len).add_(gv);
+    add_to(dq, gq, q, b.q_row, b.q_len);
+    add_to(dk, gk, k, b.k_row, b.k_len);
+    add_to(dv, gv, v, b.k_row, b.k_len);
   };
   for (const auto& group : varlen_groups(op, blocks)) {
     if (group.size() == 1) {
@@ -398,10 +430,11 @@ void backward_blocks(const at::Tensor& dout, const at::Tensor& q, const at::Tens
 }
 
 void apply_sinks(Accumulator& acc, const at::Tensor& sinks) {
-  const auto sink = sinks.to(acc.lse.scalar_type()).view({1, -1, 1});
-  const auto merged = at::logaddexp(acc.lse, sink);
-  acc.out.mul_((acc.lse - merged).exp().unsqueeze(-1));
-  acc.lse.copy_(merged);
+  const auto& lse = acc.lse();
+  const auto sink = sinks.to(lse.scalar_type()).view({1, -1, 1});
+  const auto merged = at::logaddexp(lse, sink);
+  acc.out().mul_((lse - merged).exp().unsqueeze(-1));
+  lse.copy_(merged);
 }
 
 at::Tensor sink_grad(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,

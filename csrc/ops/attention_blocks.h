@@ -26,13 +26,21 @@ namespace megatron_ext::attention {
 at::ScalarType acc_type(const at::Tensor& t);
 
 // The running output [b, heads, s, dv] and log-sum-exp [b, heads, s] (acc_type) of query rows,
-// every row starting with no keys (output 0, log-sum-exp −inf).
-struct Accumulator {
-  at::Tensor out, lse;
-
+// every row starting with no keys (output 0, log-sum-exp −inf). A first block over every row is
+// taken as it is (no zeros to merge into: one block is the whole attention at cp 1).
+class Accumulator {
+ public:
   Accumulator(const at::Tensor& q, int64_t dv);
   // Adds a block's partial output [b, heads, len, dv] and log-sum-exp of rows [row, row + len).
   void merge(const at::Tensor& out, const at::Tensor& lse, int64_t row, int64_t len);
+  const at::Tensor& out();
+  const at::Tensor& lse();
+
+ private:
+  void allocate();
+  at::TensorOptions options_;
+  std::vector<int64_t> shape_;
+  at::Tensor out_, lse_;
 };
 
 // Every block's partial result merged into ``acc``.
@@ -40,7 +48,8 @@ void forward_blocks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const std::vector<Block>& blocks, double scale, Accumulator& acc);
 
 // Every block's gradients, given the merged output and log-sum-exp of the query rows, added into
-// ``dq`` [b, heads, sq, d], ``dk`` [b, groups, sk, d] and ``dv`` [b, groups, sk, dv] (acc_type).
+// ``dq`` [b, heads, sq, d], ``dk`` [b, groups, sk, d] and ``dv`` [b, groups, sk, dv] (acc_type;
+// an undefined one is made here: a block's gradient over all its rows as it is, else zeros).
 void backward_blocks(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                      const std::vector<Block>& blocks, double scale, at::Tensor& dq, at::Tensor& dk,

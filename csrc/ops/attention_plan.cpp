@@ -110,8 +110,29 @@ void plan(const Piece& q, const Piece& k, bool causal, int64_t window, std::vect
 std::vector<Block> plan(const std::vector<Piece>& queries, const std::vector<Piece>& keys,
                         bool causal, int64_t window) {
   std::vector<Block> blocks;
-  for (const Piece& q : queries) {
-    for (const Piece& k : keys) plan(q, k, causal, window, blocks);
+  // Queries against their own rows without a window (a rank's own chunks): where a segment's
+  // pieces are adjacent rows of increasing positions, a key row is before a query row exactly when
+  // its position is, so the segment is one causal block over its rows (not one block per pair of
+  // pieces: fewer kernel calls and merges, the same work).
+  const bool own_rows =
+      causal && window == 0 && queries.size() == keys.size() &&
+      std::equal(queries.begin(), queries.end(), keys.begin(), [](const Piece& a, const Piece& b) {
+        return a.row == b.row && a.pos == b.pos && a.len == b.len && a.segment == b.segment;
+      });
+  for (size_t i = 0; i < queries.size();) {
+    size_t end = i + 1;
+    while (own_rows && end < queries.size() && queries[end].segment == queries[i].segment &&
+           queries[end].row == queries[end - 1].row + queries[end - 1].len &&
+           queries[end].pos >= queries[end - 1].pos + queries[end - 1].len) {
+      ++end;
+    }
+    if (end > i + 1) {
+      const int64_t rows = queries[end - 1].row + queries[end - 1].len - queries[i].row;
+      blocks.push_back({queries[i].row, rows, queries[i].row, rows, Mask::kCausal, -kUnbounded, 0});
+    } else {
+      for (const Piece& k : keys) plan(queries[i], k, causal, window, blocks);
+    }
+    i = end;
   }
   return blocks;
 }

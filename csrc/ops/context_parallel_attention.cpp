@@ -405,7 +405,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(
   const auto q = query.contiguous();
   const auto finish = [&](Accumulator& acc) {
     if (has(sinks)) attention::apply_sinks(acc, local_sinks(*sinks, call));
-    return acc.out.to(q.scalar_type());
+    return acc.out().to(q.scalar_type()).contiguous();
   };
   if (cp == 1 || call.type == CommType::kA2A) {
     auto seq =
@@ -416,7 +416,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(
     attention::forward_blocks(seq[0], seq[1], seq[2], call.plan(whole, whole), call.scale, acc);
     auto out = finish(acc);
     if (cp > 1) out = sequence_to_heads({out}, call)[0];
-    return {out.contiguous(), acc.lse};
+    return {out.contiguous(), acc.lse().contiguous()};
   }
   const auto mine = call.layout.rank_pieces(rank);
   Accumulator acc(q, value.size(3));
@@ -438,7 +438,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(
       if (ex) held = ex->wait();
     }
   }
-  return {finish(acc), acc.lse};
+  return {finish(acc), acc.lse().contiguous()};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
@@ -459,18 +459,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
     auto seq = cp == 1 ? std::vector<at::Tensor>{q, key, value, out, dout}
                        : heads_to_sequence({q, key, value, out, dout}, call);
     for (auto& t : seq) t = t.contiguous();
-    auto dq = at::zeros(seq[0].sizes(), acc), dk = at::zeros(seq[1].sizes(), acc),
-         dv = at::zeros(seq[2].sizes(), acc);
+    at::Tensor dq, dk, dv;  // made by the blocks (one block's own, at cp 1 causal)
     const auto whole = call.layout.whole();
     attention::backward_blocks(seq[4], seq[0], seq[1], seq[2], seq[3], lse, call.plan(whole, whole),
                                call.scale, dq, dk, dv);
+    for (auto [grad, like] : {std::pair{&dq, &seq[0]}, {&dk, &seq[1]}, {&dv, &seq[2]}}) {
+      if (!grad->defined()) *grad = at::zeros(like->sizes(), acc);
+    }
     if (has(sinks)) {
       local_sinks(dsinks, call)
           .copy_(attention::sink_grad(seq[4], seq[3], lse, local_sinks(*sinks, call)));
     }
     std::vector<at::Tensor> grads{dq.to(dtype), dk.to(dtype), dv.to(dtype)};
-    if (cp > 1) grads = sequence_to_heads(grads, call);
-    return {grads[0].contiguous(), grads[1].contiguous(), grads[2].contiguous(), dsinks};
+    if (cp > 1) grads = sequence_to_heads(grads, call);  // contiguous, as autograd takes any
+    return {grads[0], grads[1], grads[2], dsinks};
   }
   if (has(sinks)) dsinks = attention::sink_grad(dout, out, lse, *sinks);
   const auto mine = call.layout.rank_pieces(rank);
