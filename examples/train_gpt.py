@@ -583,6 +583,10 @@ def check_attention_args(args: argparse.Namespace) -> None:
     if args.hf_config is not None and (flags_set or args.softmax_type != "vanilla"):
         raise ValueError("--window-size, --window-attn-skip-freq and --softmax-type come from the --load-hf "
                          "model's config; drop them")
+    no_hf_config = args.softmax_type != "vanilla" or args.window_attn_skip_freq is not None
+    if args.export_hf is not None and no_hf_config:
+        raise ValueError("--export-hf writes Llama or Mistral configs, which have no attention sinks "
+                         "(--softmax-type) and no windows on some layers only (--window-attn-skip-freq)")
     if args.window_size is not None and args.window_size < 1:
         raise ValueError(f"--window-size must be >= 1 (the tokens a query sees, itself included), got "
                          f"{args.window_size}")

@@ -56,15 +56,17 @@ def test_windows_and_sinks_train_like_serial():
             _close(got_weights[name], value, f"{label} {name}", atol=1e-12)
 
 
-def test_bad_attention_arguments_raise_on_every_rank():
+def test_bad_attention_arguments_raise_on_every_rank(tmp_path):
     cases = [
         (["--window-size", "0"], "--window-size must be >= 1 (the tokens a query sees, itself included)"),
         (["--window-attn-skip-freq", "2"], "--window-attn-skip-freq needs --window-size"),
         (["--window-size", "4", "--window-attn-skip-freq", "[1,0]"],
          "--window-attn-skip-freq [1, 0] must list 0 or 1 for each of the --layers 4 layers"),
         (["--window-size", "4", "--window-attn-skip-freq", "0"], "--window-attn-skip-freq must be >= 1"),
+        (["--arch", "llama", "--softmax-type", "learnable", "--export-hf", "{tmp}"],
+         "--export-hf writes Llama or Mistral configs, which have no attention sinks"),
     ]
-    argv = [["--tp", "1", "--pp", "1", *args] for args, _ in cases]
+    argv = [["--tp", "1", "--pp", "1", *(a.format(tmp=tmp_path / "hf") for a in args)] for args, _ in cases]
     for messages in run_distributed(2, _bad_arguments_worker, argv):
         for message, (_, expected) in zip(messages, cases):
             assert expected in message, (expected, message)
