@@ -14,10 +14,12 @@ import torch
 from tests.distributed import run_distributed
 from tests.test_context_parallel_training import _bad_arguments_worker, _merged, _train
 
-ATTENTION = ("--window-size", "5", "--window-attn-skip-freq", "2", "--softmax-type", "learnable")
+# A clipping threshold no gradient reaches: the gradient norm is computed, and compared, every step.
+CLIP = ("--clip-grad", "1000")
+ATTENTION = ("--window-size", "5", "--window-attn-skip-freq", "2", "--softmax-type", "learnable", *CLIP)
 SERIAL = [
     ((1, 1, 1, 1), "p2p", ATTENTION),
-    ((1, 1, 1, 1), "p2p", ()),
+    ((1, 1, 1, 1), "p2p", CLIP),
     # the window on no layer (every layer full attention), the sinks kept
     ((1, 1, 1, 1), "p2p", ("--window-size", "5", "--window-attn-skip-freq", "1", *ATTENTION[4:])),
 ]
@@ -45,6 +47,7 @@ def test_windows_and_sinks_train_like_serial():
         assert serial[(*other, "llama")][0] != losses, other  # the window and the sinks change the run
     sinks = [name for name in weights if name.endswith("self_attention.softmax_offset")]
     assert len(sinks) == 4, sorted(weights)
+    assert all(norm > 0 for norm in norms), norms
     results = _merged(run_distributed(2, _train, WORLD_2, ["llama"]))
     assert len(results) == len(WORLD_2)
     for (layout, comm, extra, _), (got_losses, got_norms, got_weights) in results.items():
