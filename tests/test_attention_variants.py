@@ -308,3 +308,9 @@ def _check_variants_on(device: str, dtype: torch.dtype, bound: float) -> None:
             if want is not None:
                 error = (actual.double().cpu() - want).abs().max().item()
                 assert error <= bound * want.abs().max().item(), (dtype, _label(case), name, error)
+
+
+def test_op_refuses_a_window_of_no_keys():
+    x = torch.zeros(1, 2, 8, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="window must be a positive integer .the keys a query sees"):
+        torch.ops.megatron_ext.context_parallel_attention(x, x, x, "", 1, 0, True, "p2p", None, 0)
