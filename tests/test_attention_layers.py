@@ -243,3 +243,22 @@ def test_attention_refuses_a_mask_or_dropout_with_the_op():
                            "which takes no attention_mask"), mask
     assert dropout.startswith("NotImplementedError: ParallelAttention: attention_dropout=0.1 with attention "
                               "sinks is not supported"), dropout
+
+
+def _sharded_sinks_worker() -> dict:
+    ps.initialize_model_parallel(2)
+    config = _config(num_layers=2, tensor_model_parallel_size=2, softmax_type="learnable")
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+    model = GPTModel(config, vocab_size=64, max_sequence_length=16, init_seed=1)
+    shards = {t.key: (t.global_shape, t.global_offset, tuple(t.data.shape))
+              for name, t in model.sharded_state_dict().items() if "softmax_offset" in name}
+    ps.destroy_model_parallel()
+    return shards
+
+
+def test_learnable_sinks_checkpoint_as_megatron_core():
+    """The sinks of a tp 2 model: Megatron-core's key, stacked over layers, split along the heads."""
+    for rank, shards in enumerate(run_distributed(2, _sharded_sinks_worker)):
+        key = "decoder.layers.self_attention.core_attention.softmax_offset"
+        assert sorted(shards) == [key], shards
+        assert shards[key][0] == (2, 4) and shards[key][1][1] == 2 * rank and shards[key][2] == (2,), shards
