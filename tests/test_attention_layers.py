@@ -262,3 +262,37 @@ def test_learnable_sinks_checkpoint_as_megatron_core():
         key = "decoder.layers.self_attention.core_attention.softmax_offset"
         assert sorted(shards) == [key], shards
         assert shards[key][0] == (2, 4) and shards[key][1][1] == 2 * rank and shards[key][2] == (2,), shards
+
+
+def _compiled_worker() -> list:
+    """megatron_ext's attention with a window and learnable sinks compiled with fullgraph (the op's
+    fake kernels, its outputs' strides), and over a packed row compiled with graph breaks (the
+    boundaries are read on the host), against eager."""
+    from megatron_ext.transformer import ParallelAttention
+
+    cmp = Comparisons()
+    ps.initialize_model_parallel()
+    attention = ParallelAttention(_config(window_size=(2, 0), softmax_type="learnable"))
+    bounds = torch.tensor([0, 5, 12], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=7)
+    x = torch.randn(12, 1, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for fullgraph, params in ((True, None), (False, packed)):
+        results = []
+        for module in (attention, torch.compile(attention, fullgraph=fullgraph)):
+            leaf = x.clone().requires_grad_(True)
+            out = module(leaf, packed_seq_params=params)[0]
+            out.square().sum().backward()
+            grads = {name: p.grad.clone() for name, p in attention.named_parameters() if p.grad is not None}
+            results.append({"out": out, "input grad": leaf.grad, **grads})
+            attention.zero_grad(set_to_none=True)
+        assert list(results[1]) == list(results[0]) and "softmax_offset" in results[0], list(results[0])
+        for name, want in results[0].items():
+            cmp.close(results[1][name], want, f"fullgraph={fullgraph} {name}", **TIGHT)
+    ps.destroy_model_parallel()
+    return cmp.made
+
+
+@pytest.mark.slow  # compiles the layer
+def test_attention_with_window_sinks_and_packing_compiles():
+    (made,) = run_distributed(1, _compiled_worker, timeout=900)
+    assert_comparisons(made)

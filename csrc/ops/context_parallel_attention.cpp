@@ -471,7 +471,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
           .copy_(attention::sink_grad(seq[4], seq[3], lse, local_sinks(*sinks, call)));
     }
     std::vector<at::Tensor> grads{dq.to(dtype), dk.to(dtype), dv.to(dtype)};
-    if (cp > 1) grads = sequence_to_heads(grads, call);  // contiguous, as autograd takes any
+    dq.reset(), dk.reset(), dv.reset();  // the grads hold them now
+    if (cp > 1) grads = sequence_to_heads(grads, call);
+    // Contiguous, as the fake kernel says (a compiled graph checks the strides); one at a time, so
+    // a kernel's own layout is freed before the next copy.
+    for (auto& grad : grads) grad = grad.contiguous();
     return {grads[0], grads[1], grads[2], dsinks};
   }
   if (has(sinks)) dsinks = attention::sink_grad(dout, out, lse, *sinks);
