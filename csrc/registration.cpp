@@ -165,20 +165,24 @@ TORCH_LIBRARY(megatron_ext, m) {
       "bool precomputed, int vocab_start, int vocab_size, str group_name, int group_size) -> ()");
 
   // Context-parallel attention (ops/context_parallel_attention.cpp): query [b, heads, s, d], key
-  // and value [b, groups, s, d], this rank's tokens; returns [b, heads, s, d]. ``_forward`` also
-  // returns the log-sum-exp its backward takes.
+  // [b, groups, s, d] and value [b, groups, s, dv], this rank's tokens; returns [b, heads, s, dv].
+  // ``window``: the keys a causal query sees, itself included; ``sinks``: one logit per head;
+  // ``cu_seqlens``: the boundaries of packed sequences on the whole row. ``_forward`` also returns
+  // the log-sum-exp its backward takes; ``_backward`` the sinks' gradient (empty without sinks).
   m.def(
       "context_parallel_attention(Tensor query, Tensor key, Tensor value, str group_name, "
       "int group_size, int group_rank, bool is_causal=True, str cp_comm_type=\"p2p\", "
-      "float? scale=None) -> Tensor");
+      "float? scale=None, int? window=None, Tensor? sinks=None, Tensor? cu_seqlens=None) "
+      "-> Tensor");
   m.def(
       "context_parallel_attention_forward(Tensor query, Tensor key, Tensor value, str group_name, "
-      "int group_size, int group_rank, bool is_causal, str cp_comm_type, float? scale) "
-      "-> (Tensor, Tensor)");
+      "int group_size, int group_rank, bool is_causal, str cp_comm_type, float? scale, "
+      "int? window=None, Tensor? sinks=None, Tensor? cu_seqlens=None) -> (Tensor, Tensor)");
   m.def(
       "context_parallel_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor "
       "value, Tensor out, Tensor log_sum_exp, str group_name, int group_size, int group_rank, "
-      "bool is_causal, str cp_comm_type, float? scale) -> (Tensor, Tensor, Tensor)");
+      "bool is_causal, str cp_comm_type, float? scale, int? window=None, Tensor? sinks=None, "
+      "Tensor? cu_seqlens=None) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 namespace {

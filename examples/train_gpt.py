@@ -10,6 +10,7 @@ per-step losses agree across layouts (exactly, up to rounding, in float64).
 from __future__ import annotations
 
 import argparse
+import ast
 import glob
 import json
 import math
@@ -64,6 +65,19 @@ BYTE_VOCAB = 256
 DEFAULT_CORPUS_BYTES = 4 * 1024 * 1024
 
 
+def window_pattern(text: str) -> int | list[int]:
+    """--window-attn-skip-freq: an int, or a list literal of 0/1 entries."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, list) and all(isinstance(x, int) for x in value):
+        return value
+    raise argparse.ArgumentTypeError(f"expected an int or a list such as [1,0,1,0], got {text!r}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
@@ -95,6 +109,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "32 for llama)",
     )
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--window-size", type=int, default=None,
+                   help="sliding-window attention: each query sees itself and the W-1 tokens before it "
+                        "(Hugging Face's sliding_window=W, Megatron-core's window_size=(W-1, 0))")
+    p.add_argument("--window-attn-skip-freq", type=window_pattern, default=None,
+                   help="with --window-size: K makes every K-th layer full attention; or a list of 0/1 "
+                        "per layer, e.g. [1,0,1,0] (1: the window), as Megatron-core's window_attn_skip_freq")
+    p.add_argument("--softmax-type", choices=["vanilla", "off-by-one", "learnable"], default="vanilla",
+                   help="attention sinks: off-by-one adds a zero logit to every softmax, learnable a "
+                        "trained logit per head (Megatron-core's softmax_type)")
     p.add_argument(
         "--vocab-size", type=int, default=256, help=">= 256 (bytes); padded rows are never targets"
     )
@@ -311,6 +334,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
             f"launch with --nproc-per-node {model_parallel * args.dp}"
         )
     check_context_parallel_args(args)
+    check_attention_args(args)
     check_moe_args(args, world_size)
     if args.heads % args.tp != 0:
         raise ValueError(f"--heads {args.heads} is not divisible by --tp {args.tp}")
@@ -590,6 +614,32 @@ def check_context_parallel_args(args: argparse.Namespace) -> None:
                          "with context parallelism")
 
 
+def check_attention_args(args: argparse.Namespace) -> None:
+    """--window-size, --window-attn-skip-freq and --softmax-type: a positive window, a pattern with
+    one entry per layer, and none of them with --load-hf (the model's config says)."""
+    flags_set = args.window_size is not None or args.window_attn_skip_freq is not None
+    if args.hf_config is not None and (flags_set or args.softmax_type != "vanilla"):
+        raise ValueError("--window-size, --window-attn-skip-freq and --softmax-type come from the --load-hf "
+                         "model's config; drop them")
+    no_hf_config = args.softmax_type != "vanilla" or args.window_attn_skip_freq is not None
+    if args.export_hf is not None and no_hf_config:
+        raise ValueError("--export-hf writes Llama or Mistral configs, which have no attention sinks "
+                         "(--softmax-type) and no windows on some layers only (--window-attn-skip-freq)")
+    if args.window_size is not None and args.window_size < 1:
+        raise ValueError(f"--window-size must be >= 1 (the tokens a query sees, itself included), got "
+                         f"{args.window_size}")
+    freq = args.window_attn_skip_freq
+    if freq is None:
+        return
+    if args.window_size is None:
+        raise ValueError("--window-attn-skip-freq needs --window-size")
+    if isinstance(freq, int) and freq < 1:
+        raise ValueError(f"--window-attn-skip-freq must be >= 1, got {freq}")
+    if isinstance(freq, list) and (len(freq) != args.layers or set(freq) - {0, 1}):
+        raise ValueError(f"--window-attn-skip-freq {freq} must list 0 or 1 for each of the --layers "
+                         f"{args.layers} layers")
+
+
 def read_hf_config(path: str) -> dict:
     """--load-hf's config.json, whose shape replaces the model arguments, after checking that the
     directory's safetensors files (and index) are readable and one model."""
@@ -781,6 +831,12 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
         virtual_pipeline_model_parallel_size=args.virtual_pipeline,
         **moe_settings(args),
     )
+    if args.hf_config is None:  # a --load-hf model's attention is its own
+        training.update(
+            window_size=None if args.window_size is None else (args.window_size - 1, 0),
+            window_attn_skip_freq=args.window_attn_skip_freq,
+            softmax_type=args.softmax_type,
+        )
     if args.hf_config is not None:
         config, model_kwargs = config_from_hf(args.hf_config, **training)
     else:

@@ -202,22 +202,27 @@ def _attention_acc_dtype(query: torch.Tensor) -> torch.dtype:
 
 
 @torch.library.register_fake("megatron_ext::context_parallel_attention")
-def _(query, key, value, group_name, group_size, group_rank, is_causal=True, cp_comm_type="p2p", scale=None):
-    return query.new_empty(query.shape)
+def _(query, key, value, group_name, group_size, group_rank, is_causal=True, cp_comm_type="p2p", scale=None,
+      window=None, sinks=None, cu_seqlens=None):
+    return query.new_empty((*query.shape[:3], value.shape[3]))
 
 
 @torch.library.register_fake("megatron_ext::context_parallel_attention_forward")
-def _(query, key, value, group_name, group_size, group_rank, is_causal, cp_comm_type, scale):
+def _(query, key, value, group_name, group_size, group_rank, is_causal, cp_comm_type, scale, window=None,
+      sinks=None, cu_seqlens=None):
     b, heads, s, _ = query.shape
     if cp_comm_type == "a2a" and group_size > 1:  # the log-sum-exp of heads / cp over the whole sequence
         heads, s = heads // group_size, s * group_size
-    return query.new_empty(query.shape), query.new_empty((b, heads, s), dtype=_attention_acc_dtype(query))
+    out = query.new_empty((*query.shape[:3], value.shape[3]))
+    return out, query.new_empty((b, heads, s), dtype=_attention_acc_dtype(query))
 
 
 @torch.library.register_fake("megatron_ext::context_parallel_attention_backward")
 def _(grad_out, query, key, value, out, log_sum_exp, group_name, group_size, group_rank, is_causal,
-      cp_comm_type, scale):
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+      cp_comm_type, scale, window=None, sinks=None, cu_seqlens=None):
+    grad_sinks = sinks.new_empty(sinks.shape) if sinks is not None else query.new_empty(
+        (0,), dtype=_attention_acc_dtype(query))
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), grad_sinks
 
 
 # --- The experts' token permutation and grouped GEMM (ops/moe.cpp) ------------------------------

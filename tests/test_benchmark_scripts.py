@@ -96,6 +96,26 @@ def test_attention_benchmark_script(tmp_path):
 
 
 @pytest.mark.slow  # runs the benchmark script end to end
+def test_attention_windows_benchmark_script(tmp_path):
+    out = tmp_path / "attention_windows.json"
+    _run_script("attention_windows.py", "--without-megatron-core", "--seq", "64", "128", "--window", "16",
+                "--full-max-seq", "64", "--packed-seq", "96", "--sequences", "3", "--heads", "2",
+                "--head-dim", "8", "--reps", "1", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert list(result["windows"]) == ["64", "128"]
+    assert list(result["windows"]["64"]) == [
+        "window 16 (megatron_ext)", "full causal (megatron_ext)", "sdpa band mask"
+    ]
+    assert list(result["windows"]["128"]) == ["window 16 (megatron_ext)"]
+    assert sum(result["packed"]["96"]["lengths"]) == 96 and len(result["packed"]["96"]["lengths"]) == 3
+    assert list(result["packed"]["96"]["summary"]) == [
+        "packed (megatron_ext cu_seqlens)", "padded batch (sdpa causal)"
+    ]
+    for rows in [*result["windows"].values(), result["packed"]["96"]["summary"]]:
+        assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in rows.values())
+
+
+@pytest.mark.slow  # runs the benchmark script end to end
 def test_moe_benchmark_script(tmp_path):
     pytest.importorskip("megatron.core")
     out = tmp_path / "moe.json"

@@ -1,6 +1,7 @@
 """Hugging Face weights in and out: a small randomly initialised ``transformers.LlamaForCausalLM``
 loaded into megatron_ext at tp 1, tp 2 and tp 2 x pp 2 gives transformers' logits in float64, and
-the export gives back its state dict exactly. Needs ``transformers`` (installed by CI)."""
+the export gives back its state dict exactly; so do Qwen2, Qwen3 and Mistral (a sliding window
+shorter than the sequence among them). Needs ``transformers`` (installed by CI)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel
 from megatron_ext.models import GPTModel
-from megatron_ext.models.hf import config_from_hf, export_hf_state_dict, load_hf_state_dict
+from megatron_ext.models.hf import config_from_hf, export_hf_state_dict, hf_config_dict, load_hf_state_dict
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.slow  # end-to-end runs from Hugging Face weights
@@ -137,6 +138,9 @@ VARIANTS = [
     dict(model_type="qwen2"),  # biases on the query/key/value projections only
     dict(model_type="qwen3", head_dim=12),  # query/key norms, heads wider than hidden / heads
     dict(model_type="mistral", sliding_window=16),
+    # A window shorter than the sequence: transformers' mask (query i sees keys i - 4 < j <= i) as
+    # megatron_ext's window_size=(3, 0).
+    dict(model_type="mistral", sliding_window=4),
 ]
 
 
@@ -168,6 +172,34 @@ def test_hf_weights_give_transformers_logits(world):
                 assert err < 1e-9, (hf_kwargs, layout, err)
             else:
                 assert 1e-9 < err < 1e-5, (layout, err)
+
+
+def _window_export_worker() -> list:
+    ps.initialize_model_parallel()
+    config, kwargs = config_from_hf(_hf_config("mistral", sliding_window=4), use_cpu_initialization=True)
+    exported = hf_config_dict(GPTModel(config, **kwargs))
+    refusals = []
+    for overrides in (dict(window_attn_skip_freq=2), dict(softmax_type="learnable")):
+        other, kwargs = config_from_hf(_hf_config("mistral", sliding_window=4), use_cpu_initialization=True,
+                                       **overrides)
+        try:
+            hf_config_dict(GPTModel(other, **kwargs))
+        except ValueError as e:
+            refusals.append(str(e))
+    ps.destroy_model_parallel()
+    return [config.window_size, kwargs["max_sequence_length"], exported, refusals]
+
+
+def test_mistral_sliding_window_is_the_window_size():
+    """transformers' ``sliding_window`` W counts the query itself: Megatron-core's ``(W - 1, 0)``;
+    a model with a window on every layer is exported as Mistral with W; windows on some layers and
+    sinks have no Hugging Face config here."""
+    ((window_size, max_length, exported, refusals),) = run_distributed(1, _window_export_worker)
+    assert window_size == (3, 0) and max_length == 32
+    assert exported["model_type"] == "mistral" and exported["sliding_window"] == 4
+    assert exported["architectures"] == ["MistralForCausalLM"]
+    assert "window_attn_skip_freq=2 (expected None)" in refusals[0], refusals
+    assert "softmax_type='learnable' (expected 'vanilla')" in refusals[1], refusals
 
 
 def _directory_worker(path: str) -> list[str]:

@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "megatron_ext.fusions",
             "megatron_ext.hyper_comm_grid",
             "megatron_ext.model_parallel_config",
+            "megatron_ext.packed_seq_params",
             "megatron_ext.optimizer_param_scheduler",
             "megatron_ext.parallel_state",
             "megatron_ext.process_group_layout",

@@ -16,6 +16,17 @@ from megatron_ext.transformer.rotary import RotaryEmbedding
 from megatron_ext.transformer.utils import initialization_seed
 
 TIED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
+
+
+def packed_rotary_len(packed_seq_params) -> int:
+    """The positions the rotary angles of a packed row need: its longest sequence, padded
+    (``max_seqlen_q`` / ``max_seqlen_kv``, and the boundaries themselves)."""
+    lengths = [packed_seq_params.max_seqlen_q or 0, packed_seq_params.max_seqlen_kv or 0]
+    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        bounds = getattr(packed_seq_params, name)
+        if bounds is not None and bounds.numel() > 1:
+            lengths.append(int((bounds[1:] - bounds[:-1]).max()))
+    return max(lengths)
 _POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 
 
@@ -98,6 +109,12 @@ class GPTModel(torch.nn.Module):
     embeddings of the queries and keys in every layer, with ``rotary_percent``, ``rotary_base``,
     ``seq_len_interpolation_factor`` and ``config.rotary_interleaved``; positions ``0 .. s - 1``,
     ``position_ids`` are not read) or ``"none"``.
+
+    ``packed_seq_params`` (Megatron-core's ``PackedSeqParams``, ``qkv_format="thd"``): each row of
+    ``input_ids`` is packed sequences that never attend to each other, rotated from position 0 each
+    (learned positions read ``position_ids``, which then restart per sequence too); under context
+    parallelism every sequence is split into 2 * cp chunks on its own
+    (``megatron_ext.utils.get_thd_batch_on_this_cp_rank``).
     """
 
     def __init__(
@@ -233,10 +250,17 @@ class GPTModel(torch.nn.Module):
         position_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        packed_seq_params=None,
     ) -> torch.Tensor:
         hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
         rotary_pos_emb = None
-        if self.position_embedding_type == "rope":
+        if self.position_embedding_type == "rope" and packed_seq_params is not None:
+            # Every packed sequence from position 0: the angles of the longest one's positions, of
+            # which each layer takes a sequence's own (on every cp rank: chunks of each sequence).
+            device = input_ids.device if self.pre_process else self.decoder.input_tensor.device
+            rotary_pos_emb = self.rotary_pos_emb(packed_rotary_len(packed_seq_params), device=device,
+                                                 packed_seq=True)
+        elif self.position_embedding_type == "rope":
             if self.pre_process:
                 seq_len, device = input_ids.size(1), input_ids.device
             else:
@@ -252,7 +276,7 @@ class GPTModel(torch.nn.Module):
             cp_group = self.rotary_pos_emb.cp_group
             seq_len *= cp_group.size() if cp_group is not None else 1
             rotary_pos_emb = self.rotary_pos_emb(seq_len, device=device)
-        hidden = self.decoder(hidden, attention_mask, rotary_pos_emb)
+        hidden = self.decoder(hidden, attention_mask, rotary_pos_emb, packed_seq_params)
         if not self.post_process:
             return hidden
         weight = (

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from megatron_ext.resolve import module_with
 from megatron_ext.transformer import TransformerConfig
 from megatron_ext.transformer.transformer_layer import is_moe_layer
+from megatron_ext.transformer.utils import window_keys
 
 _ACTIVATIONS: dict[str, Callable] = {
     "silu": F.silu,
@@ -61,7 +62,8 @@ def config_from_hf(
     """The ``TransformerConfig`` of a Hugging Face Llama-family config (a ``PretrainedConfig`` or
     its ``config.json`` as a dict), and the ``GPTModel`` keyword arguments it needs besides:
     ``vocab_size`` (rounded up to a multiple of ``make_vocab_size_divisible_by``; padded rows load
-    as zeros), ``max_sequence_length`` (capped at a sliding window, which then never applies),
+    as zeros), ``max_sequence_length`` (for Qwen2's sliding window capped at it, which then never
+    applies; Mistral's and Mixtral's ``sliding_window`` W becomes ``window_size=(W - 1, 0)``),
     ``position_embedding_type``, ``rotary_base``, ``rotary_percent`` and
     ``share_embeddings_and_output_weights``. ``config_overrides`` set further TransformerConfig
     fields (the parallel sizes, ``params_dtype``, ...); ``pipeline_dtype`` defaults to
@@ -140,7 +142,14 @@ def config_from_hf(
     vocab = -(-vocab // make_vocab_size_divisible_by) * make_vocab_size_divisible_by
     max_length = _field(hf_config, "max_position_embeddings")
     window = _field(hf_config, "sliding_window")
-    if window and (model_type in ("mistral", "mixtral") or _field(hf_config, "use_sliding_window", False)):
+    if window and model_type in ("mistral", "mixtral"):
+        # transformers' sliding window: query i sees keys i - window < j <= i, itself included.
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(
+                f"the Hugging Face config's 'sliding_window' must be a positive integer, got {window!r}"
+            )
+        fields.setdefault("window_size", (window - 1, 0))
+    elif window and _field(hf_config, "use_sliding_window", False):
         max_length = min(max_length, window)
     model_kwargs = dict(
         vocab_size=vocab,
@@ -236,7 +245,8 @@ def hf_config_dict(model_chunks, vocab_size: int | None = None) -> dict[str, Any
     """A Hugging Face ``config.json`` for a GPTModel with RMSNorm, a SiLU gated MLP and rotary
     embeddings: what ``transformers.AutoModelForCausalLM.from_pretrained`` needs beside
     ``export_hf_state_dict``'s tensors. ``vocab_size`` drops padded vocabulary rows. A dense model
-    becomes a ``LlamaConfig`` (biases on every linear or none, no query/key norms); a mixture of
+    becomes a ``LlamaConfig`` (biases on every linear or none, no query/key norms), or with a
+    sliding window on every layer a ``MistralConfig`` (no biases); a mixture of
     experts (softmax routing, no biases) a ``MixtralConfig`` (every layer MoE, the top-k weights
     renormalised), a ``Qwen2MoeConfig`` (gated shared experts) or a ``Qwen3MoeConfig`` (query/key
     norms). ValueError for other models."""
@@ -265,6 +275,16 @@ def hf_config_dict(model_chunks, vocab_size: int | None = None) -> dict[str, Any
         if moe_type == "mixtral":
             checks["moe_router_pre_softmax"] = (config.moe_router_pre_softmax, False)
             checks["moe_layer_freq"] = (_moe_pattern(config), [1] * config.num_layers)
+    # A sliding window on every layer is Mistral's (or Mixtral's); sinks and windows on some layers
+    # only have no config here.
+    window = window_keys(getattr(config, "window_size", None))
+    checks["softmax_type"] = (getattr(config, "softmax_type", "vanilla"), "vanilla")
+    if window is not None:
+        checks["window_attn_skip_freq"] = (getattr(config, "window_attn_skip_freq", None), None)
+        if moe_type is None:
+            checks["add_bias_linear"] = (config.add_bias_linear, False)
+        elif moe_type != "mixtral":
+            checks["window_size"] = (config.window_size, None)
     differ = [f"{name}={got!r} (expected {want!r})" for name, (got, want) in checks.items() if got != want]
     if differ:
         shape = "Llama-shaped" if moe_type is None else f"a {moe_type} model"
@@ -296,6 +316,9 @@ def hf_config_dict(model_chunks, vocab_size: int | None = None) -> dict[str, Any
         "tie_word_embeddings": bool(model.share_embeddings_and_output_weights),
         "dtype": str(config.params_dtype).replace("torch.", ""),
     }
+    if moe_type is None and window is not None:
+        del out["attention_bias"], out["mlp_bias"]
+        out.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window)
     if moe_type is None:
         return out
     del out["mlp_bias"]
@@ -305,7 +328,7 @@ def hf_config_dict(model_chunks, vocab_size: int | None = None) -> dict[str, Any
     out["router_aux_loss_coef"] = float(coeff if not isinstance(coeff, list) else sum(coeff))
     if moe_type == "mixtral":
         out.update(architectures=["MixtralForCausalLM"], intermediate_size=config.moe_ffn_hidden_size,
-                   num_local_experts=config.num_moe_experts, sliding_window=None)
+                   num_local_experts=config.num_moe_experts, sliding_window=window)
         return out
     out.update(
         architectures=["Qwen2MoeForCausalLM" if moe_type == "qwen2_moe" else "Qwen3MoeForCausalLM"],

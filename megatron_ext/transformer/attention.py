@@ -17,13 +17,27 @@ from megatron_ext.tensor_parallel import (
 )
 from megatron_ext.tensor_parallel.sharded_state import renamed_sharded_state_dict
 from megatron_ext.tensor_parallel.utils import divide
-from megatron_ext.transformer.context_parallel import context_parallel_attention, cp_comm_type_of
+from megatron_ext.transformer.context_parallel import (
+    context_parallel_attention,
+    cp_comm_type_of,
+    packed_cu_seqlens,
+)
 from megatron_ext.transformer.rotary import apply_rotary_pos_emb
 from megatron_ext.transformer.transformer_config import TransformerConfig
-from megatron_ext.transformer.utils import layer_norm, selectively_recomputed
+from megatron_ext.transformer.utils import (
+    is_layer_window_attention,
+    layer_norm,
+    make_softmax_offset,
+    selectively_recomputed,
+    window_keys,
+)
 
 # The submodules' names here -> Megatron-core's checkpoint keys.
-ATTENTION_KEYS = {"query_key_value.": "linear_qkv.", "dense.": "linear_proj."}
+ATTENTION_KEYS = {
+    "query_key_value.": "linear_qkv.",
+    "dense.": "linear_proj.",
+    "softmax_offset": "core_attention.softmax_offset",
+}
 
 
 class ParallelAttention(torch.nn.Module):
@@ -53,7 +67,12 @@ class ParallelAttention(torch.nn.Module):
     sequence parallelism the whole block already runs inside it).
     With ``config.context_parallel_size`` > 1 the sequence is this context-parallel rank's chunks
     (``transformer.context_parallel``) and the attention is the context-parallel op with the
-    layer's ``cp_comm_type``; causal, no ``attention_mask``, no attention dropout.
+    layer's ``cp_comm_type``; causal, no ``attention_mask``, no attention dropout. The same op (at
+    any cp size, whatever ``attention_backend``) computes a sliding window (``config.window_size``
+    on the layers ``config.window_attn_skip_freq`` picks), attention sinks
+    (``config.softmax_type`` "off-by-one" or "learnable": the ``softmax_offset`` of this rank's
+    heads, a parameter for "learnable") and packed sequences (``packed_seq_params``); see
+    docs/attention.md.
     Under sequence parallelism the input and output are ``[s / tp, b, h]``: the QKV projection
     all-gathers the sequence, the output projection reduce-scatters it. Returns
     ``(output, output_bias)`` with the bias not yet added.
@@ -74,6 +93,15 @@ class ParallelAttention(torch.nn.Module):
         backend = getattr(config.attention_backend, "name", config.attention_backend)
         self.unfused = backend in ("unfused", "local")
         self.cp_size = getattr(config, "context_parallel_size", 1)
+        window = getattr(config, "window_size", None)
+        skip_freq = getattr(config, "window_attn_skip_freq", None)
+        self.window_size = window if window_keys(window) and is_layer_window_attention(
+            window, skip_freq, layer_number) else None
+        offset = make_softmax_offset(config, tp, parallel_state.get_tensor_model_parallel_rank())
+        if isinstance(offset, torch.nn.Parameter):
+            self.softmax_offset = offset
+        else:  # off-by-one's zeros follow the module's device, unsaved, as Megatron-core's
+            self.register_buffer("softmax_offset", offset, persistent=False)
         bias = bool(config.add_bias_linear)
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size,
@@ -114,32 +142,43 @@ class ParallelAttention(torch.nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rotary_pos_emb: torch.Tensor | None = None,
+        packed_seq_params=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``attention_mask`` (optional, boolean, True = masked out) is broadcast to
         ``[b, heads, s, s]`` and combined with the causal mask; ``rotary_pos_emb`` (optional,
-        ``[>= s, 1, 1, dim]`` angles) rotates the queries and keys."""
-        if self.cp_size > 1 and attention_mask is not None:
+        ``[>= s, 1, 1, dim]`` angles) rotates the queries and keys. ``packed_seq_params``
+        (Megatron-core's ``PackedSeqParams``, ``qkv_format="thd"``): the sequence dim is a row of
+        packed sequences that never attend to each other, each rotated from position 0
+        (``rotary_pos_emb`` then holds the angles of the longest sequence's positions)."""
+        cu_seqlens = packed_cu_seqlens(packed_seq_params, is_causal=True)
+        if attention_mask is not None and self.cp_size > 1:
             raise ValueError(
                 f"ParallelAttention: with context_parallel_size={self.cp_size} the attention is causal and "
                 "takes no attention_mask (the sequence is split over the context-parallel ranks); got a mask "
                 f"of shape {tuple(attention_mask.shape)}"
             )
+        if attention_mask is not None and self._fused_op_reasons(cu_seqlens):
+            raise ValueError(
+                f"ParallelAttention: {self._fused_op_reasons(cu_seqlens)} run in the causal attention op, "
+                f"which takes no attention_mask; got a mask of shape {tuple(attention_mask.shape)}"
+            )
         query, key, value = self.query_key_value_heads(hidden_states)  # [s, b, heads or groups, d]
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.config)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb, self.config)
+            cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.config, cu_seqlens, cp_group)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, self.config, cu_seqlens, cp_group)
         s, b = query.shape[:2]
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
         if self.training and selectively_recomputed(self.config, "core_attn"):
             # Keep q, k, v only; the attention (its scores and dropout mask when unfused) is
             # recomputed in the backward under the forward's random states.
             context = tensor_parallel.checkpoint(
-                self.core_attention, False, query, key, value, attention_mask
+                self.core_attention, False, query, key, value, attention_mask, cu_seqlens
             )
         else:
-            context = self.core_attention(query, key, value, attention_mask)
+            context = self.core_attention(query, key, value, attention_mask, cu_seqlens)
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_partition * self.head_dim)
         return self.dense(context)
 
@@ -166,25 +205,45 @@ class ParallelAttention(torch.nn.Module):
             query = query[:, :, first : first + self.num_heads_per_partition]
         return query, key, value
 
+    def _fused_op_reasons(self, cu_seqlens: torch.Tensor | None) -> str:
+        """What makes the layer attend through the attention op rather than SDPA ("" for nothing)."""
+        reasons = [
+            ("context parallelism", self.cp_size > 1),
+            ("sliding windows", self.window_size is not None),
+            ("attention sinks", self.softmax_offset is not None),
+            ("packed sequences", cu_seqlens is not None),
+        ]
+        return " and ".join(name for name, used in reasons if used)
+
     def core_attention(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """softmax(q k^T / sqrt(d), causal and ``attention_mask``) v with dropout, over
         ``[b, heads, s, d]`` queries and ``[b, groups, s, d]`` keys and values (each group serving
-        ``heads / groups`` consecutive query heads)."""
+        ``heads / groups`` consecutive query heads); with context parallelism, a window, sinks or
+        packed sequences (``cu_seqlens``) the attention op, causal, without dropout."""
         s = query.shape[-2]
         gqa = key.shape[1] != query.shape[1]
         p = self.config.attention_dropout if self.training else 0.0
-        if self.cp_size > 1:
+        reasons = self._fused_op_reasons(cu_seqlens)
+        if reasons:
             if p > 0:
                 raise NotImplementedError(
-                    f"ParallelAttention: attention_dropout={p} with context parallelism is not supported; "
+                    f"ParallelAttention: attention_dropout={p} with {reasons} is not supported; "
                     "set attention_dropout=0"
                 )
-            comm = cp_comm_type_of(self.config, self.layer_number)
-            return context_parallel_attention(query, key, value, parallel_state.get_context_parallel_group(),
-                                              True, comm)
+            return context_parallel_attention(
+                query,
+                key,
+                value,
+                parallel_state.get_context_parallel_group(check_initialized=False),
+                True,
+                cp_comm_type_of(self.config, self.layer_number),
+                window_size=self.window_size,
+                sinks=self.softmax_offset,
+                cu_seqlens=cu_seqlens,
+            )
         # Each rank drops its own heads. Under sequence parallelism the block already runs on the
         # model-parallel stream, and forking it again would replay the stream's saved state.
         # Without a draw there is nothing to fork, which also keeps the layer traceable by

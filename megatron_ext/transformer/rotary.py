@@ -16,6 +16,7 @@ import torch
 from megatron_ext import parallel_state
 from megatron_ext.fusions.fused_rope import fused_apply_rotary_pos_emb
 from megatron_ext.transformer.context_parallel import get_pos_emb_on_this_cp_rank
+from megatron_ext.utils import thd_partitioned_indices
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -60,10 +61,14 @@ class RotaryEmbedding(torch.nn.Module):
             else parallel_state.get_context_parallel_group(check_initialized=False)
         )
 
-    def forward(self, max_seq_len: int, offset: int = 0, device: torch.device | None = None) -> torch.Tensor:
+    def forward(
+        self, max_seq_len: int, offset: int = 0, device: torch.device | None = None, packed_seq: bool = False
+    ) -> torch.Tensor:
         """``[max_seq_len, 1, 1, dim]`` float32 angles (on ``device``, default the CPU); over a
         context-parallel group of size cp > 1, the ``max_seq_len / cp`` rows of this rank's chunks
-        (``get_pos_emb_on_this_cp_rank``), as Megatron-core's."""
+        (``get_pos_emb_on_this_cp_rank``), as Megatron-core's. ``packed_seq``: the angles of
+        positions ``0 .. max_seq_len - 1`` unsplit, from which ``apply_rotary_pos_emb`` takes each
+        packed sequence's own (Megatron-core's ``packed_seq``)."""
         if self.inv_freq.device != torch.device(device or "cpu"):
             self.inv_freq = self.inv_freq.to(device)
         positions = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=torch.float32) + offset
@@ -75,7 +80,7 @@ class RotaryEmbedding(torch.nn.Module):
         else:
             angles = torch.cat((freqs, freqs), dim=-1)
         angles = angles[:, None, None, :]
-        if self.cp_group is not None and self.cp_group.size() > 1:
+        if self.cp_group is not None and self.cp_group.size() > 1 and not packed_seq:
             angles = get_pos_emb_on_this_cp_rank(angles, 0, self.cp_group)
         return angles
 
@@ -89,11 +94,45 @@ def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config) -> torch.Tensor:
+def packed_positions(cu_seqlens: torch.Tensor, cp_group: torch.distributed.ProcessGroup | None = None):
+    """The position, within its own sequence, of every row of this context-parallel rank's part of a
+    packed row (``cu_seqlens``: the boundaries on the whole row; ``cp_group`` defaults to
+    parallel_state's): positions restart at 0 with each sequence."""
+    if cp_group is None:
+        cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+    cp, rank = (cp_group.size(), cp_group.rank()) if cp_group is not None else (1, 0)
+    bounds = cu_seqlens.to("cpu", torch.long)
+    rows = thd_partitioned_indices(bounds, int(bounds[-1]), cp, rank)
+    return rows - bounds[torch.bucketize(rows, bounds[1:], right=True)]
+
+
+def apply_rotary_pos_emb(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    config,
+    cu_seqlens: torch.Tensor | None = None,
+    cp_group: torch.distributed.ProcessGroup | None = None,
+) -> torch.Tensor:
     """Rotates ``t`` (``[s, b, heads, d]``) by ``freqs`` (``[>= s, 1, 1, dim]``, from
     ``RotaryEmbedding``), channels ``dim ..`` passing through; ``config.rotary_interleaved`` picks
     the channel pairing. With ``config.apply_rope_fusion`` one kernel does it
-    (``fusions.fused_apply_rotary_pos_emb``, the same numbers)."""
+    (``fusions.fused_apply_rotary_pos_emb``, the same numbers).
+
+    With ``cu_seqlens`` (a packed row, ``t`` ``[t, 1, heads, d]`` or ``[t, heads, d]``: this
+    context-parallel rank's rows of it) every sequence is rotated from position 0 on, by the rows
+    of ``freqs`` (``RotaryEmbedding(.., packed_seq=True)``, at least the longest sequence's
+    positions) of its own positions (``packed_positions``), as Megatron-core does for ``thd``."""
+    if cu_seqlens is not None:
+        positions = packed_positions(cu_seqlens, cp_group)
+        longest = int(positions.max()) + 1
+        if longest > freqs.shape[0]:
+            raise ValueError(
+                f"rotary angles for {freqs.shape[0]} positions, but a packed sequence reaches position "
+                f"{longest - 1}; compute them for the longest sequence (max_seqlen_q / max_seqlen_kv)"
+            )
+        freqs = freqs.index_select(0, positions.to(freqs.device))
+        if t.dim() == 3:
+            return apply_rotary_pos_emb(t.unsqueeze(1), freqs, config).squeeze(1)
     interleaved = bool(getattr(config, "rotary_interleaved", False))
     dim = freqs.shape[-1]
     if dim > t.shape[-1]:

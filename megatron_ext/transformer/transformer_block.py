@@ -114,8 +114,9 @@ def _virtual_stage(vp_stage: int | None, pp_rank: int | None, pp_size: int, vp_s
 class ParallelTransformer(torch.nn.Module):
     """This pipeline stage's layers (``num_layers / pp``, or model chunk ``vp_stage``'s share as
     ``get_num_layers_to_build`` says), and the final normalisation on the last stage.
-    ``rotary_pos_emb`` (optional angles from ``transformer.rotary.RotaryEmbedding``) reaches every
-    layer's attention.
+    ``rotary_pos_emb`` (optional angles from ``transformer.rotary.RotaryEmbedding``) and
+    ``packed_seq_params`` (Megatron-core's ``PackedSeqParams`` of packed rows) reach every layer's
+    attention.
 
     On stages other than the first, the input comes from ``set_input_tensor`` (the activation
     received from the previous stage), as in Megatron-core. With
@@ -186,6 +187,7 @@ class ParallelTransformer(torch.nn.Module):
         hidden_states: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
         rotary_pos_emb: torch.Tensor | None = None,
+        packed_seq_params=None,
     ) -> torch.Tensor:
         if not self.pre_process:
             hidden_states = self.input_tensor
@@ -199,18 +201,19 @@ class ParallelTransformer(torch.nn.Module):
             else contextlib.nullcontext()
         )
         with rng_context:
-            return self._run_layers(hidden_states, attention_mask, rotary_pos_emb)
+            return self._run_layers(hidden_states, attention_mask, rotary_pos_emb, packed_seq_params)
 
     def _run_layers(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None,
         rotary_pos_emb: torch.Tensor | None,
+        packed_seq_params=None,
     ) -> torch.Tensor:
         for start, end, recompute in self._recompute_plan():
             def run(h: torch.Tensor, start: int = start, end: int = end) -> torch.Tensor:
                 for layer in self.layers[start:end]:
-                    h = layer(h, attention_mask, rotary_pos_emb)
+                    h = layer(h, attention_mask, rotary_pos_emb, packed_seq_params)
                 return h
 
             if recompute:

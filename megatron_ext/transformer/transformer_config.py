@@ -2,7 +2,7 @@
 TransformerConfig, with its name, default and place in the positional order.
 
 The fields megatron_ext's transformer reads take any valid value; a field whose feature it does not
-implement (mixture of experts, FP8, sliding windows, CUDA graphs, ...) is accepted at its
+implement (FP8, multi-latent attention, CUDA graphs, ...) is accepted at its
 default and raises ``NotImplementedError`` naming it when set to anything else. Options that only
 refine an unimplemented feature (the ``moe_*`` settings without ``num_moe_experts``, the ``fp8_*``
 settings without ``fp8``, ...) change nothing and are accepted.
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from megatron_ext.model_parallel_config import ModelParallelConfig, refuse_unimplemented
 from megatron_ext.transformer.context_parallel import check_context_parallel_config
+from megatron_ext.transformer.utils import check_attention_variants
 
 
 class AttnBackend(enum.Enum):
@@ -57,14 +58,11 @@ _UNIMPLEMENTED = {
     "mtp_num_layers": "multi-token prediction",
     "pipeline_model_parallel_layout": "custom pipeline layouts",
     "softmax_scale": "a custom attention softmax scale",
-    "softmax_type": "off-by-one / learnable softmax",
     "fp32_residual_connection": "fp32 residual connections",
     "layernorm_zero_centered_gamma": "zero-centred LayerNorm gamma",
     "activation_func_fp8_input_store": "FP8 activation storage",
     "glu_linear_offset": "an offset on the linear half of the gated linear unit",
     "activation_func_clamp_value": "activation clamping",
-    "window_size": "sliding-window attention",
-    "window_attn_skip_freq": "sliding-window attention",
     "qk_l2_norm": "query/key L2 normalisation",
     "qk_clip": "query/key clipping",
     "log_max_attention_logit": "attention-logit logging",
@@ -493,6 +491,7 @@ class TransformerConfig(ModelParallelConfig):
                 f"tensor_model_parallel_size ({tp})"
             )
         check_context_parallel_config(self)
+        check_attention_variants(self)
         if self.num_moe_experts is not None:
             if self.moe_ffn_hidden_size is None:
                 self.moe_ffn_hidden_size = self.ffn_hidden_size

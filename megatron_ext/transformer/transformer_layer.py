@@ -110,7 +110,10 @@ class ParallelTransformerLayer(torch.nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rotary_pos_emb: torch.Tensor | None = None,
+        packed_seq_params=None,
     ) -> torch.Tensor:
+        """``packed_seq_params``: Megatron-core's ``PackedSeqParams`` of a row of packed sequences
+        (see ``ParallelAttention.forward``); the rest of the layer works token by token."""
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
         dropout = self.config.hidden_dropout
         bias_dropout_add = get_bias_dropout_add(
@@ -125,7 +128,7 @@ class ParallelTransformerLayer(torch.nn.Module):
 
         norm_checkpoint = tensor_parallel.CheckpointWithoutOutput() if recompute_norm else None
         ln_out = self._norm(self.input_layernorm, hidden_states, norm_checkpoint)
-        attn_out, attn_bias = self.self_attention(ln_out, attention_mask, rotary_pos_emb)
+        attn_out, attn_bias = self.self_attention(ln_out, attention_mask, rotary_pos_emb, packed_seq_params)
         residual = ln_out if post_ln_residual else hidden_states
         hidden_states = bias_dropout_add((attn_out, attn_bias), residual, dropout)
         if norm_checkpoint is not None:

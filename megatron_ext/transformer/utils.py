@@ -98,3 +98,102 @@ def selectively_recomputed(config: Any, module: str) -> bool:
     return getattr(config, "recompute_granularity", None) == "selective" and module in (
         getattr(config, "recompute_modules", None) or ()
     )
+
+
+# --- Sliding windows and attention sinks --------------------------------------------------------
+
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+
+def is_layer_window_attention(
+    window_size: tuple[int, int] | None, window_attn_skip_freq: int | list | None, layer_number: int
+) -> bool:
+    """Whether layer ``layer_number`` (1-based) attends through the window (Megatron-core's rule):
+    every layer when ``window_attn_skip_freq`` is None; an int k makes every k-th layer (k, 2k, ...)
+    full attention; a list gives each layer, 1 for the window and 0 for full attention."""
+    if not window_size:
+        return False
+    if window_attn_skip_freq is None:
+        return True
+    if isinstance(window_attn_skip_freq, int):
+        return layer_number % window_attn_skip_freq != 0
+    if isinstance(window_attn_skip_freq, list):
+        return bool(window_attn_skip_freq[layer_number - 1])
+    raise ValueError(f"window_attn_skip_freq must be an int, a list or None, got {window_attn_skip_freq!r}")
+
+
+def window_keys(window_size: Any) -> int | None:
+    """The keys a query sees, itself included, of Megatron-core's / TransformerEngine's
+    ``window_size=(left, right)``: query i sees keys ``i - left .. i + right``, -1 unbounded. A
+    causal model's window is ``(left, 0)``: ``left + 1`` keys (Hugging Face's ``sliding_window``
+    counts the same keys, so it is ``left + 1``); ``left`` -1 is no window (None)."""
+    if window_size is None:
+        return None
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in window_size)
+    ):
+        raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = window_size
+    if left < -1:
+        raise ValueError(f"window_size=({left}, {right}): left must be >= 0, or -1 for no limit")
+    if right != 0:
+        raise ValueError(
+            f"window_size=({left}, {right}): the right side must be 0; the window slides over causal "
+            "attention, where no query sees a later key"
+        )
+    return None if left == -1 else left + 1
+
+
+def layer_window(config: Any, layer_number: int) -> int | None:
+    """The window (keys a query sees) of layer ``layer_number``'s attention, None for full
+    attention."""
+    window_size = getattr(config, "window_size", None)
+    skip_freq = getattr(config, "window_attn_skip_freq", None)
+    if not is_layer_window_attention(window_size, skip_freq, layer_number):
+        return None
+    return window_keys(window_size)
+
+
+def check_attention_variants(config: Any) -> None:
+    """ValueError naming a bad ``window_size``, ``window_attn_skip_freq`` or ``softmax_type``."""
+    window_keys(config.window_size)
+    freq = config.window_attn_skip_freq
+    if freq is not None:
+        valid_int = isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1
+        valid_list = isinstance(freq, list) and len(freq) == config.num_layers and set(freq) <= {0, 1}
+        if not (valid_int or valid_list):
+            raise ValueError(
+                "window_attn_skip_freq must be a positive int (every k-th layer full attention) or a list of "
+                f"num_layers ({config.num_layers}) entries 0 or 1 (1: the window), got {freq!r}"
+            )
+    if config.softmax_type not in SOFTMAX_TYPES:
+        raise ValueError(f"softmax_type must be one of {list(SOFTMAX_TYPES)}, got {config.softmax_type!r}")
+
+
+def make_softmax_offset(config: Any, tp_size: int, tp_rank: int) -> torch.Tensor | None:
+    """The attention sinks of ``config.softmax_type`` for this tensor-parallel rank's heads, as
+    Megatron-core's ``softmax_offset``: None for ``vanilla``; zeros for ``off-by-one`` (a constant,
+    not saved); a parameter for ``learnable``, split over tensor-parallel ranks with the heads and
+    drawn with ``config.init_method`` over all heads before the split, so every layout starts from
+    the serial values."""
+    kind = getattr(config, "softmax_type", "vanilla")
+    heads = config.num_attention_heads // tp_size
+    device = (
+        torch.device("cpu")
+        if getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available()
+        else torch.device("cuda", torch.cuda.current_device())
+    )
+    if kind == "vanilla":
+        return None
+    if kind == "off-by-one":
+        return torch.zeros(heads, dtype=config.params_dtype, device=device)
+    if kind != "learnable":
+        raise ValueError(f"softmax_type must be one of {list(SOFTMAX_TYPES)}, got {kind!r}")
+    full = torch.zeros(config.num_attention_heads, dtype=config.params_dtype, device=device)
+    if getattr(config, "perform_initialization", True):
+        config.init_method(full)
+    offset = torch.nn.Parameter(full[tp_rank * heads : (tp_rank + 1) * heads].clone())
+    offset.tensor_model_parallel, offset.partition_dim, offset.partition_stride = True, 0, 1
+    return offset
