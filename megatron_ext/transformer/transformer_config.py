@@ -107,6 +107,53 @@ _UNIMPLEMENTED = {
 MOE_DISPATCHERS = ("allgather", "alltoall")
 
 
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_group_limited_routing(num_experts: int, topk: int, num_groups: Any, group_topk: Any) -> None:
+    """ValueError unless ``num_groups`` groups of ``num_experts / num_groups`` consecutive experts,
+    ``group_topk`` of them chosen per token, can give each token ``topk`` experts and a score to
+    every group (the sum of its ``topk // group_topk`` best experts' scores). Megatron-core's
+    rules (groups divide the experts, no more chosen groups than groups, group_topk needs
+    num_groups), and two of its silent failures refused: a ``topk`` beyond the experts of the
+    chosen groups, and one below ``group_topk`` (every group would score 0)."""
+    if group_topk is None and num_groups is None:
+        return
+    if group_topk is None:
+        raise ValueError(
+            f"moe_router_num_groups ({num_groups!r}) needs moe_router_group_topk (the groups chosen per "
+            "token): group-limited routing takes both"
+        )
+    if num_groups is None:
+        raise ValueError(
+            f"moe_router_group_topk ({group_topk!r}) needs moe_router_num_groups: group-limited routing "
+            "takes both"
+        )
+    for name, value in (("moe_router_num_groups", num_groups), ("moe_router_group_topk", group_topk)):
+        if not _positive_int(value):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if num_experts % num_groups:
+        raise ValueError(
+            f"num_moe_experts ({num_experts}) must be divisible by moe_router_num_groups ({num_groups})"
+        )
+    if group_topk > num_groups:
+        raise ValueError(
+            f"moe_router_group_topk ({group_topk}) must not exceed moe_router_num_groups ({num_groups})"
+        )
+    per_group = num_experts // num_groups
+    if topk > group_topk * per_group:
+        raise ValueError(
+            f"moe_router_topk ({topk}) is not reachable with moe_router_group_topk ({group_topk}) groups "
+            f"of {per_group} experts: at most {group_topk * per_group} experts are in the chosen groups"
+        )
+    if topk < group_topk:
+        raise ValueError(
+            f"moe_router_topk ({topk}) must be at least moe_router_group_topk ({group_topk}): a group's "
+            "score sums its moe_router_topk // moe_router_group_topk best experts"
+        )
+
+
 def check_moe_config(config: Any, ep: int | None = None) -> None:
     """ValueError naming the offending setting of an MoE configuration."""
     experts, topk = config.num_moe_experts, config.moe_router_topk
@@ -170,6 +217,9 @@ def check_moe_config(config: Any, ep: int | None = None) -> None:
     shared = config.moe_shared_expert_intermediate_size
     if shared is not None and (not isinstance(shared, int) or shared < 1):
         raise ValueError(f"moe_shared_expert_intermediate_size must be a positive integer, got {shared!r}")
+    check_group_limited_routing(
+        experts, topk, config.moe_router_num_groups, config.moe_router_group_topk
+    )
 
 
 @dataclass
@@ -440,6 +490,22 @@ class TransformerConfig(ModelParallelConfig):
             if "moe" not in self.recompute_modules:
                 self.recompute_modules = [*self.recompute_modules, "moe"]
 
+    def _translate_topk_limited_devices(self) -> None:
+        """Megatron-core's deprecated ``moe_router_topk_limited_devices`` d: device-limited routing,
+        ``moe_router_group_topk`` d of ``expert_model_parallel_size`` groups."""
+        devices = self.moe_router_topk_limited_devices
+        if not devices:
+            return
+        if self.moe_router_group_topk:
+            raise ValueError(
+                "moe_router_topk_limited_devices is deprecated and replaced by moe_router_group_topk "
+                "and moe_router_num_groups: set only those"
+            )
+        warnings.warn("moe_router_topk_limited_devices is deprecated: use moe_router_group_topk and "
+                      "moe_router_num_groups")
+        self.moe_router_group_topk = devices
+        self.moe_router_num_groups = self.expert_model_parallel_size
+
     def __post_init__(self) -> None:
         super().__post_init__()
         refuse_unimplemented(self, _UNIMPLEMENTED)
@@ -493,6 +559,7 @@ class TransformerConfig(ModelParallelConfig):
         check_context_parallel_config(self)
         check_attention_variants(self)
         if self.num_moe_experts is not None:
+            self._translate_topk_limited_devices()
             if self.moe_ffn_hidden_size is None:
                 self.moe_ffn_hidden_size = self.ffn_hidden_size
             check_moe_config(self)
