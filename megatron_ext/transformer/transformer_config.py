@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from megatron_ext.model_parallel_config import ModelParallelConfig, refuse_unimplemented
 from megatron_ext.transformer.context_parallel import check_context_parallel_config
+from megatron_ext.transformer.mla_config import check_mla_config, check_mtp_config
 from megatron_ext.transformer.utils import check_attention_variants
 
 
@@ -55,7 +56,6 @@ def scaled_init_method_normal(
 
 # Fields whose feature the transformer does not implement, each with that feature.
 _UNIMPLEMENTED = {
-    "mtp_num_layers": "multi-token prediction",
     "pipeline_model_parallel_layout": "custom pipeline layouts",
     "softmax_scale": "a custom attention softmax scale",
     "fp32_residual_connection": "fp32 residual connections",
@@ -67,7 +67,6 @@ _UNIMPLEMENTED = {
     "qk_clip": "query/key clipping",
     "log_max_attention_logit": "attention-logit logging",
     "attention_output_gate": "gated attention",
-    "multi_latent_attention": "multi-latent attention",
     "no_rope_freq": "rotary embeddings skipped in some layers",
     "experimental_attention_variant": "experimental attention variants",
     "linear_attention_freq": "linear attention",
@@ -407,9 +406,9 @@ class TransformerConfig(ModelParallelConfig):
     # [s, b, vocab / tp] logits; same losses and gradients. Only the loss path (labels given).
     fused_output_cross_entropy: bool = False
 
-    # The modules selective recomputation can recompute here ("mla_up_proj" names a Megatron-core
-    # feature, multi-latent attention, that megatron_ext does not have).
-    SELECTIVE_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts")
+    # The modules selective recomputation can recompute here.
+    SELECTIVE_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts",
+                                   "mla_up_proj")
     _MEGATRON_CORE_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
                                         "shared_experts")
 
@@ -471,6 +470,11 @@ class TransformerConfig(ModelParallelConfig):
                 raise ValueError(
                     "TransformerConfig.recompute_modules: 'moe_act' needs moe_grouped_gemm=True (the "
                     "experts' activation is recomputed in GroupedMLP)"
+                )
+            if "mla_up_proj" in self.recompute_modules and not self.multi_latent_attention:
+                raise ValueError(
+                    "TransformerConfig.recompute_modules: 'mla_up_proj' is only supported with "
+                    "multi_latent_attention"
                 )
             if ("shared_experts" in self.recompute_modules and self.moe_shared_expert_overlap
                     and self.moe_shared_expert_intermediate_size is not None):
@@ -558,6 +562,8 @@ class TransformerConfig(ModelParallelConfig):
             )
         check_context_parallel_config(self)
         check_attention_variants(self)
+        check_mla_config(self)
+        check_mtp_config(self)
         if self.num_moe_experts is not None:
             self._translate_topk_limited_devices()
             if self.moe_ffn_hidden_size is None:
@@ -612,3 +618,34 @@ class TransformerConfig(ModelParallelConfig):
                 "init_method"
             )
         self.embedding_init_method = self.init_method
+
+
+@dataclass
+class MLATransformerConfig(TransformerConfig):
+    """Megatron-core's configuration of multi-latent attention (DeepSeek-V2/V3): its fields, defaults
+    and order on top of ``TransformerConfig``'s (``transformer.multi_latent_attention``).
+
+    ``q_lora_rank`` (None: the query is projected from the hidden state in one step, as in
+    DeepSeek-V2-Lite), ``kv_lora_rank``: the ranks of the compressed query and key/value latents;
+    ``qk_head_dim`` + ``qk_pos_emb_head_dim``: a query/key head (its rotated part shared by all heads
+    of a key), ``v_head_dim``: a value head. ``rope_type`` ``"rope"`` or ``"yarn"`` (YaRN with
+    ``rotary_scaling_factor``, ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``,
+    ``mscale``, ``mscale_all_dim``; the softmax scale carries ``mscale_all_dim``'s factor squared)."""
+
+    multi_latent_attention: bool = True
+    q_lora_rank: int | None = 512
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    normalization: str = "RMSNorm"
+    rope_type: str = "yarn"
+    rotary_base: float = 10000
+    rotary_percent: float = 1.0
+    rotary_scaling_factor: float = 40
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32
+    beta_slow: float = 1
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    cache_mla_latents: bool = False
