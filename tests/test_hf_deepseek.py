@@ -398,3 +398,61 @@ def test_configs_that_disagree_with_the_weights_raise_on_every_rank(tmp_path):
     assert "kv_a_proj_with_mqa" in first[0] and "was not built from this config" in first[0]
     assert "model.layers.1.mlp" in first[1]
     assert "the model was not built from this config" in first[2]
+
+
+# --- examples/train_gpt.py --load-hf / --export-hf ---------------------------------------------------
+
+EXAMPLE = ["--tp", "1", "--pp", "1", "--seq-len", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+           "--dtype", "float64", "--no-progress", "--plot", "", "--steps", "1", "--lr", "0"]
+
+
+def _example_worker(path: str, export_dir: str) -> list[float]:
+    from tests.conftest import load_train_gpt
+
+    train_gpt = load_train_gpt()
+    args = train_gpt.parse_args(EXAMPLE + ["--ep", "2", "--load-hf", path, "--export-hf", export_dir])
+    return train_gpt.train(args)["losses"]
+
+
+def _transformers_loss(path: str) -> float:
+    """transformers' mean loss of the model in ``path`` on the example's first global batch."""
+    from tests.conftest import load_train_gpt
+
+    train_gpt = load_train_gpt()
+    args = train_gpt.parse_args(EXAMPLE + ["--load-hf", path, "--dp", "1"])
+    args.vocab_size = 256
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel(1)
+        batches = train_gpt.step_microbatches(train_gpt.load_corpus(None, args.seq_len + 2), 0, args)
+        ps.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float64, experts_implementation="eager").double().eval()
+    losses = [F.cross_entropy(_logits(model, b["tokens"]).flatten(0, 1), b["labels"].flatten())
+              for b in batches]
+    return torch.stack(losses).mean().item()
+
+
+@pytest.mark.slow  # a 2-rank training from Hugging Face weights
+def test_example_loads_and_exports_hf_deepseek(tmp_path):
+    """train_gpt.py --load-hf of a DeepSeek-V3 model at ep 2 (lr 0) starts from transformers' loss
+    and --export-hf writes back the same files, but for the expert biases, which the step moves by
+    the update rate (1e-3) each (lr 0 stops the weights, not them)."""
+    from safetensors.torch import load_file
+
+    path, export_dir = str(tmp_path / "deepseek_v3"), str(tmp_path / "export")
+    _hf_model("deepseek_v3", vocab_size=256).save_pretrained(path)  # the example's tokens are bytes
+    first, second = run_distributed(2, _example_worker, path, export_dir)
+    assert first == second
+    hf_loss = _transformers_loss(path)
+    assert abs(first[0] - hf_loss) < 1e-9 * hf_loss, (first, hf_loss)
+    original, exported = load_file(f"{path}/model.safetensors"), load_file(f"{export_dir}/model.safetensors")
+    assert set(original) == set(exported)
+    biases = [k for k in original if k.endswith("e_score_correction_bias")]
+    assert len(biases) == 2
+    assert all(torch.equal(exported[k], v) for k, v in original.items() if k not in biases)
+    for k in biases:  # each moved by +-1e-3 (in float32), or not at all where an expert had its share
+        moved = (exported[k] - original[k]).abs()
+        assert (((moved - 1e-3).abs() < 1e-7) | (moved == 0)).all() and (moved > 0).any(), (k, moved)
