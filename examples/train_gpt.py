@@ -15,6 +15,7 @@ import glob
 import json
 import math
 import os
+import re
 import sys
 import sysconfig
 import time
@@ -32,6 +33,7 @@ from megatron_ext.distributed import (
     finalize_model_grads,
 )
 from megatron_ext.distributed.distributed_data_parallel import DEFAULT_BUCKET_SIZE_BYTES
+from megatron_ext.fusions.fused_bias_geglu import quick_gelu
 from megatron_ext.models import GPTModel
 from megatron_ext.models.hf import (
     config_from_hf,
@@ -55,6 +57,7 @@ from megatron_ext.transformer import TransformerConfig
 from megatron_ext.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron_ext.transformer.transformer_config import MLATransformerConfig
 from megatron_ext.transformer.transformer_layer import is_moe_layer
+from megatron_ext.transformer.transformer_config import check_group_limited_routing
 from megatron_ext.transformer.moe.router_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
 from megatron_ext.utils import get_batch_on_this_cp_rank
 
@@ -230,8 +233,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--etp", type=int, default=None,
                    help="expert-tensor-parallel size (each expert's MLP split over it; default: --tp)")
     p.add_argument("--moe-grouped-gemm", action="store_true",
-                   help="the experts as GroupedMLP (one grouped GEMM per projection; no biases: "
-                   "--arch llama)")
+                   help="the experts as GroupedMLP (one grouped GEMM per projection)")
     p.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
                    help="coefficient of the load-balancing loss (0: none); the loss is logged with the loss")
     p.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"],
@@ -254,6 +256,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe-expert-capacity-factor", type=float, default=None,
                    help="drop an expert's tokens beyond capacity factor x tokens x topk / experts "
                    "(default: none dropped)")
+    p.add_argument("--moe-layer-freq", default="1",
+                   help="which layers are MoE layers: every N-th (an int), or a python list expression of "
+                   "0/1 per layer, e.g. \"([0]*1+[1]*3)\": one dense layer, then three MoE layers")
+    p.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="group-limited routing: the experts in this many groups (consecutive experts; "
+                   "with --moe-router-group-topk)")
+    p.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="group-limited routing: each token's experts come from its this many best groups")
+    p.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="multiplies the routing weights (default: none)")
+    p.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="a shared expert of this width beside the routed ones in every MoE layer")
+    p.add_argument("--quick-geglu", action="store_true",
+                   help="gated MLPs with quick GELU, x sigmoid(1.702 x), as gpt-oss's experts (instead of "
+                   "the arch's activation)")
+    p.add_argument("--glu-linear-offset", type=float, default=0.0,
+                   help="gated MLPs: act(gate) x (up + this offset); gpt-oss: 1")
+    p.add_argument("--activation-func-clamp-value", type=float, default=None,
+                   help="gated MLPs: the gate clamped to at most this, the linear half to within it; "
+                   "gpt-oss: 7")
+    p.add_argument("--add-bias-linear", action="store_true",
+                   help="biases in every linear layer (attention, MLPs, the router, the experts) with "
+                   "--arch llama, as gpt-oss; --arch gpt has them")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--save", default=None, help="directory to save checkpoints in (also after the last step)")
     p.add_argument("--save-interval", type=int, default=None, help="save every this many steps")
@@ -305,6 +330,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def moe_freq_type(value: str | int | list[int]) -> int | list[int]:
+    """``--moe-layer-freq`` as Megatron-LM reads it: an int, or a python list expression made of
+    digits, commas, brackets, parentheses, + and * only."""
+    if not isinstance(value, str):
+        return value
+    if "[" not in value:
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"--moe-layer-freq {value!r} is not an int or a list expression") from None
+    if re.search(r"[^,\d\[\]()+*]", value):
+        raise ValueError(f"--moe-layer-freq {value!r} may hold only digits , [ ] ( ) + *")
+    try:
+        pattern = eval(value, {"__builtins__": {}})  # noqa: S307  (only the characters above)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"--moe-layer-freq {value!r} does not evaluate: {e}") from None
+    if not isinstance(pattern, list):
+        raise ValueError(f"--moe-layer-freq {value!r} is not a list")
+    return pattern
+
+
 def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Every rank runs this on the same arguments, so every rank raises the same error."""
     check_numbers(args)
@@ -331,6 +377,12 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
                 )
             args.num_experts, args.moe_router_topk = config.num_moe_experts, config.moe_router_topk
             args.moe_ffn_hidden_size = config.moe_ffn_hidden_size
+            # and so are the stack, the groups and the shared experts
+            args.moe_layer_freq = config.moe_layer_freq
+            args.moe_router_num_groups = config.moe_router_num_groups
+            args.moe_router_group_topk = config.moe_router_group_topk
+            args.moe_router_topk_scaling_factor = config.moe_router_topk_scaling_factor
+            args.moe_shared_expert_intermediate_size = config.moe_shared_expert_intermediate_size
         if getattr(config, "multi_latent_attention", False):
             args.multi_latent_attention = True
             if args.mtp_num_layers is None:  # the files' multi-token prediction layers are kept
@@ -371,6 +423,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     check_context_parallel_args(args)
     check_attention_args(args)
     check_mla_args(args)
+    apply_deepseek_defaults(args)
+    check_gated_unit_args(args)
     check_moe_args(args, world_size)
     if args.heads % args.tp != 0:
         raise ValueError(f"--heads {args.heads} is not divisible by --tp {args.tp}")
@@ -452,6 +506,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
 def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
     """The mixture-of-experts flags: experts divisible by --ep, top-k within the experts, the expert
     grid (--etp x --ep x --pp) dividing the world, sequence parallelism with --tp > 1."""
+    args.moe_layer_freq = moe_freq_type(args.moe_layer_freq)
     experts = args.num_experts
     if experts is None:
         for flag, value, default in (("--ep", args.ep, 1), ("--etp", args.etp, None),
@@ -466,7 +521,14 @@ def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
                                      ("--moe-router-bias-update-rate",
                                       args.moe_router_bias_update_rate, None),
                                      ("--moe-expert-capacity-factor", args.moe_expert_capacity_factor, None),
-                                     ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size, None)):
+                                     ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size, None),
+                                     ("--moe-layer-freq", args.moe_layer_freq, 1),
+                                     ("--moe-router-num-groups", args.moe_router_num_groups, None),
+                                     ("--moe-router-group-topk", args.moe_router_group_topk, None),
+                                     ("--moe-router-topk-scaling-factor",
+                                      args.moe_router_topk_scaling_factor, None),
+                                     ("--moe-shared-expert-intermediate-size",
+                                      args.moe_shared_expert_intermediate_size, None)):
             if value != default:
                 raise ValueError(f"{flag} {value} needs --num-experts (a mixture-of-experts model)")
         return
@@ -491,8 +553,7 @@ def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(
             "a mixture-of-experts model with --tp > 1 needs --sequence-parallel (as in Megatron-core)"
         )
-    if args.moe_grouped_gemm and args.arch not in ("llama", "deepseek", "hf"):
-        raise ValueError("--moe-grouped-gemm has no biases: use --arch llama")
+    check_moe_layer_args(args)
     if not 0.0 <= args.moe_aux_loss_coeff < FLOAT32_MAX:
         raise ValueError(f"--moe-aux-loss-coeff must be a finite number >= 0, got {args.moe_aux_loss_coeff}")
     z_loss = args.moe_z_loss_coeff
@@ -514,6 +575,64 @@ def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
         )
 
 
+# The TransformerConfig fields of the group-limited routing flags, as the flags name them.
+GROUP_FLAGS = {"moe_router_num_groups": "--moe-router-num-groups",
+               "moe_router_group_topk": "--moe-router-group-topk", "moe_router_topk": "--moe-router-topk",
+               "num_moe_experts": "--num-experts"}
+
+
+def check_moe_layer_args(args: argparse.Namespace) -> None:
+    """Which layers are MoE layers, group-limited routing, the scaling factor, the shared expert."""
+    freq, layers = args.moe_layer_freq, args.layers
+    if isinstance(freq, int) and freq < 1:
+        raise ValueError(f"--moe-layer-freq must be >= 1 or a list of 0/1, got {freq}")
+    if isinstance(freq, list) and (len(freq) != layers or set(freq) - {0, 1} or 1 not in freq):
+        raise ValueError(
+            f"--moe-layer-freq {freq} must list a 0 (dense) or 1 (MoE) for each of the --layers {layers} "
+            "layers, with at least one 1"
+        )
+    try:
+        check_group_limited_routing(args.num_experts, args.moe_router_topk, args.moe_router_num_groups,
+                                    args.moe_router_group_topk)
+    except ValueError as e:
+        message = str(e)
+        for field, flag in GROUP_FLAGS.items():
+            message = message.replace(field, flag)
+        raise ValueError(message) from None
+    factor = args.moe_router_topk_scaling_factor
+    if factor is not None and not 0.0 < factor < FLOAT32_MAX:
+        raise ValueError(f"--moe-router-topk-scaling-factor must be a finite number > 0, got {factor}")
+    shared = args.moe_shared_expert_intermediate_size
+    if shared is not None and (shared < 1 or shared % args.tp != 0):
+        raise ValueError(
+            f"--moe-shared-expert-intermediate-size {shared} must be >= 1 and divisible by --tp {args.tp}"
+        )
+
+
+def check_gated_unit_args(args: argparse.Namespace) -> None:
+    """gpt-oss's MLP flags: a gated MLP (--arch llama or --quick-geglu), a finite offset, a positive
+    finite clamp; not with --load-hf, whose config.json defines the model."""
+    flags = [flag for flag, on in (("--quick-geglu", args.quick_geglu),
+                                   ("--add-bias-linear", args.add_bias_linear),
+                                   ("--glu-linear-offset", args.glu_linear_offset != 0.0),
+                                   ("--activation-func-clamp-value",
+                                    args.activation_func_clamp_value is not None))
+             if on]
+    if flags and args.load_hf is not None:
+        raise ValueError(
+            f"{' '.join(flags)} cannot be combined with --load-hf: its config.json defines the model"
+        )
+    if not math.isfinite(args.glu_linear_offset):
+        raise ValueError(f"--glu-linear-offset must be a finite number, got {args.glu_linear_offset}")
+    clamp = args.activation_func_clamp_value
+    if clamp is not None and not 0.0 < clamp < FLOAT32_MAX:
+        raise ValueError(f"--activation-func-clamp-value must be a finite number > 0, got {clamp}")
+    gated = args.arch == "llama" or args.quick_geglu
+    if not gated and (args.glu_linear_offset != 0.0 or clamp is not None):
+        raise ValueError("--glu-linear-offset and --activation-func-clamp-value shape a gated MLP: use "
+                         "--arch llama or --quick-geglu")
+
+
 def moe_settings(args: argparse.Namespace) -> dict:
     """The TransformerConfig fields of the mixture-of-experts flags (none without --num-experts)."""
     if args.num_experts is None:
@@ -529,6 +648,11 @@ def moe_settings(args: argparse.Namespace) -> dict:
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_layer_freq=args.moe_layer_freq,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         # The router's settings that a --load-hf model may have its own of: only when given.
         **{field: value for field, value in (
             ("moe_router_load_balancing_type", args.moe_router_load_balancing_type),
@@ -591,21 +715,21 @@ def hf_mtp_layers(num_layers: int, names: list[str]) -> int | None:
     return depth or None
 
 
-def deepseek_moe_settings(args: argparse.Namespace) -> dict:
-    """--arch deepseek's experts where the flags do not say otherwise (DeepSeek-V3's): sigmoid scores with
-    the expert bias, the first layer dense, one shared expert as wide as a routed one."""
+def apply_deepseek_defaults(args: argparse.Namespace) -> None:
+    """--arch deepseek's experts where the flags keep their defaults (DeepSeek-V3's): sigmoid scores
+    with the expert bias, the first layer dense (--moe-layer-freq 1 means this), one shared expert as
+    wide as a routed one."""
     if args.arch != "deepseek" or args.num_experts is None:
-        return {}
-    sigmoid = args.moe_router_score_function in (None, "sigmoid")
-    settings = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=sigmoid)
-    if args.layers > 1:
-        settings["moe_layer_freq"] = [0] + [1] * (args.layers - 1)
-    width = args.moe_ffn_hidden_size or args.ffn_hidden or llama_ffn_hidden(args.hidden)
-    settings["moe_shared_expert_intermediate_size"] = width
-    for name in ("moe_router_num_groups", "moe_router_group_topk"):
-        if getattr(args, name, None) is not None:
-            settings[name] = getattr(args, name)
-    return settings
+        return
+    if args.moe_router_score_function is None:
+        args.moe_router_score_function = "sigmoid"
+    if args.moe_router_score_function == "sigmoid":
+        args.moe_router_enable_expert_bias = True
+    if str(args.moe_layer_freq) == "1" and args.layers > 1:
+        args.moe_layer_freq = [0] + [1] * (args.layers - 1)
+    if args.moe_shared_expert_intermediate_size is None:
+        width = args.moe_ffn_hidden_size or args.ffn_hidden or llama_ffn_hidden(args.hidden)
+        args.moe_shared_expert_intermediate_size = width
 
 
 def mla_settings(args: argparse.Namespace) -> dict:
@@ -988,7 +1112,7 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
         config, model_kwargs = config_from_hf(args.hf_config, **training)
     else:
         llama = args.arch in ("llama", "deepseek")
-        training = {**deepseek_moe_settings(args), **training}  # the flags given win
+        activation = torch.nn.functional.silu if llama else torch.nn.functional.gelu
         config = (MLATransformerConfig if args.multi_latent_attention else TransformerConfig)(
             num_layers=args.layers,
             hidden_size=args.hidden,
@@ -996,9 +1120,11 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
             num_query_groups=args.num_query_groups,
             ffn_hidden_size=args.ffn_hidden or (llama_ffn_hidden(args.hidden) if llama else None),
             normalization="RMSNorm" if llama else "LayerNorm",
-            gated_linear_unit=llama,
-            activation_func=torch.nn.functional.silu if llama else torch.nn.functional.gelu,
-            add_bias_linear=not llama,
+            gated_linear_unit=llama or args.quick_geglu,
+            activation_func=quick_gelu if args.quick_geglu else activation,
+            glu_linear_offset=args.glu_linear_offset,
+            activation_func_clamp_value=args.activation_func_clamp_value,
+            add_bias_linear=not llama or args.add_bias_linear,
             **mla_settings(args),
             **training,
         )

@@ -27,11 +27,11 @@ DEEPSEEK = [
     "--v-head-dim", "6", "--rope-type", "yarn", "--rotary-scaling-factor", "4", "--mscale", "0.9",
     "--mscale-all-dim", "0.8", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "8",
     "--moe-router-bias-update-rate", "1e-2", "--moe-aux-loss-coeff", "1e-2", "--mtp-num-layers", "1",
+    # two groups of two experts, the best group chosen: the top 2 within it
+    "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
     "--seq-len", "8", "--micro-batch-size", "2", "--global-batch-size", "8", "--steps", "3", "--lr", "1e-2",
     "--clip-grad", "0.5", "--dtype", "float64", "--no-progress", "--plot", "",
 ]
-# Two groups of two experts, the best group chosen: the top 2 within it.
-GROUPS = {"moe_router_num_groups": 2, "moe_router_group_topk": 1}
 # (tp, cp, pp, ep, dp) -> flags (the world: tp x cp x pp x dp; ep within it)
 LAYOUTS = {
     (1, 1, 1, 1, 1): ["--tp", "1", "--pp", "1"],
@@ -100,8 +100,6 @@ def _train(layouts: list[tuple]) -> dict:
     out = {}
     for layout in layouts:
         args = train_gpt.parse_args(DEEPSEEK + LAYOUTS[layout])
-        for name, value in GROUPS.items():
-            setattr(args, name, value)
         log = train_gpt.train(args)
         mtp = [[d[name] for name in sorted(d)] for d in log["mtp_losses"]]
         out[layout] = (log["losses"], mtp, log["grad_norms"], weights[-1])
@@ -178,10 +176,7 @@ def _checkpoint_worker(save_dir: str) -> tuple[tuple, dict]:
     train_gpt = load_train_gpt()
 
     def run(*flags: str) -> dict:
-        args = train_gpt.parse_args(DEEPSEEK + ["--steps", "4", *flags])
-        for name, value in GROUPS.items():
-            setattr(args, name, value)
-        return train_gpt.train(args)
+        return train_gpt.train(train_gpt.parse_args(DEEPSEEK + ["--steps", "4", *flags]))
 
     full = run("--tp", "1", "--pp", "2", "--save", save_dir, "--save-interval", "2")
     ckpt = os.path.join(save_dir, "iter_0000002")

@@ -138,7 +138,7 @@ def _layout_worker() -> list[str]:
     errors = []
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
-    for kwargs in (dict(position_embedding_type="learned_absolute"), dict(mtp_block_spec=object())):
+    for kwargs in (dict(position_embedding_type="learned_absolute"), dict(mtp_block_spec="a layer spec")):
         try:
             GPTModel(_config(pipeline_model_parallel_size=2), VOCAB, SEQ, **kwargs)
         except (ValueError, TypeError) as e:

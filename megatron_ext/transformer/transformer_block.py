@@ -179,8 +179,8 @@ class ParallelTransformer(torch.nn.Module):
     ) -> dict:
         """Megatron's checkpointing API: the layers by global layer number, stacked along a leading
         layer axis (``decoder.layers.<name>``) or, with ``metadata["non_homogeneous_layers"]`` or
-        ``["singleton_local_shards"]`` or a ``config.moe_layer_freq`` that mixes dense and
-        mixture-of-experts layers (Megatron-core's rule), one key per layer (``layers.<N>.<name>``)."""
+        ``["singleton_local_shards"]`` or dense and MoE layers mixed (``moe_layer_freq``), one
+        key per layer (``layers.<N>.<name>``)."""
         return block_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def forward(
@@ -227,13 +227,14 @@ class ParallelTransformer(torch.nn.Module):
 
 
 def _per_layer_keys(config: TransformerConfig, metadata: dict | None) -> bool:
-    """Whether the layers are saved one key each: asked for, or (Megatron-core's rule) layers of
-    different kinds, mixture-of-experts layers among dense ones, which cannot stack."""
+    """One key per layer where asked, or where the layers differ: dense and mixture-of-experts
+    layers mixed by ``moe_layer_freq`` (an int above 1 or any list, as Megatron-core decides)."""
     metadata = metadata or {}
     freq = getattr(config, "moe_layer_freq", 1)
-    mixed = isinstance(freq, (list, tuple)) or (isinstance(freq, int) and freq > 1)
-    return bool(metadata.get("non_homogeneous_layers") or metadata.get("singleton_local_shards") or mixed
-                or getattr(config, "hetereogenous_dist_checkpoint", False))
+    mixed = getattr(config, "num_moe_experts", None) is not None and (
+        isinstance(freq, (list, tuple)) or (isinstance(freq, int) and freq > 1)
+    )
+    return bool(mixed or metadata.get("non_homogeneous_layers") or metadata.get("singleton_local_shards"))
 
 
 def block_sharded_state_dict(

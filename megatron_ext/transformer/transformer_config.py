@@ -61,8 +61,6 @@ _UNIMPLEMENTED = {
     "fp32_residual_connection": "fp32 residual connections",
     "layernorm_zero_centered_gamma": "zero-centred LayerNorm gamma",
     "activation_func_fp8_input_store": "FP8 activation storage",
-    "glu_linear_offset": "an offset on the linear half of the gated linear unit",
-    "activation_func_clamp_value": "activation clamping",
     "qk_l2_norm": "query/key L2 normalisation",
     "qk_clip": "query/key clipping",
     "log_max_attention_logit": "attention-logit logging",
@@ -494,6 +492,26 @@ class TransformerConfig(ModelParallelConfig):
             if "moe" not in self.recompute_modules:
                 self.recompute_modules = [*self.recompute_modules, "moe"]
 
+    def _check_gated_unit(self) -> None:
+        """``glu_linear_offset`` (finite) and ``activation_func_clamp_value`` (positive and finite,
+        or None) shape the gated linear unit: set without ``gated_linear_unit`` they would do
+        nothing (Megatron-core ignores them there), so they raise."""
+        offset, clamp = self.glu_linear_offset, self.activation_func_clamp_value
+        if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
+            raise ValueError(f"TransformerConfig.glu_linear_offset must be a finite number, got {offset!r}")
+        if clamp is not None and (
+            isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not 0 < clamp < math.inf
+        ):
+            raise ValueError(
+                "TransformerConfig.activation_func_clamp_value must be a positive finite number or None, "
+                f"got {clamp!r}"
+            )
+        if not self.gated_linear_unit and (offset != 0.0 or clamp is not None):
+            raise ValueError(
+                f"TransformerConfig.glu_linear_offset ({offset}) and activation_func_clamp_value ({clamp}) "
+                "shape the gated linear unit: they need gated_linear_unit=True"
+            )
+
     def _translate_topk_limited_devices(self) -> None:
         """Megatron-core's deprecated ``moe_router_topk_limited_devices`` d: device-limited routing,
         ``moe_router_group_topk`` d of ``expert_model_parallel_size`` groups."""
@@ -588,6 +606,7 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(
                 f"TransformerConfig.activation_func must be callable, got {self.activation_func!r}"
             )
+        self._check_gated_unit()
         self._check_recompute()
         backend = getattr(self.attention_backend, "name", self.attention_backend)
         if backend not in AttnBackend.__members__:

@@ -298,11 +298,22 @@ def track_moe_metrics(
     pg_collection: Any = None,
 ) -> None:
     """Reduces the tracked losses over the ranks, adds each one's mean over the MoE layers (times
-    ``loss_scale``) to ``total_loss_dict`` and the writers, then clears the tracker."""
+    ``loss_scale``) to ``total_loss_dict`` and the writers, then clears the tracker.
+
+    ``force_initialize`` with ``track_names`` makes the entries a rank has not tracked (a pipeline
+    stage of dense layers only), so that every rank reduces the same ones: reduced as the routers
+    reduce theirs (over the tensor × context-parallel group, then averaged over data-parallel
+    ranks), every rank logs the same values (Megatron-core's such entries skip that reduction, and
+    only its last stage logs right)."""
     tracker = get_moe_layer_wise_logging_tracker()
     if force_initialize and track_names is not None:
+        reduce_group = (
+            default_group("tp_cp") if pg_collection is None and parallel_state.model_parallel_is_initialized()
+            else getattr(pg_collection, "tp_cp", None)
+        )
         for key in track_names:
-            tracker.setdefault(key, {"values": torch.zeros(num_layers or 1, dtype=torch.float64)})
+            tracker.setdefault(key, {"values": torch.zeros(num_layers or 1, dtype=torch.float64),
+                                     "reduce_group": reduce_group})
     reduce_aux_losses_tracker_across_ranks(track_names, pg_collection=pg_collection)
     if moe_layer_freq is None:
         num_moe_layers = num_layers
