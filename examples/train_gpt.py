@@ -581,34 +581,36 @@ def moe_settings(args: argparse.Namespace) -> dict:
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
-        moe_layer_freq=args.moe_layer_freq,
-        moe_router_num_groups=args.moe_router_num_groups,
-        moe_router_group_topk=args.moe_router_group_topk,
-        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
-        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        # The router's settings that a --load-hf model may have its own of: only when given.
+        # The settings that a --load-hf model may have its own of (its dense layers, its shared
+        # expert, its router's): only when given.
         **{field: value for field, value in (
+            ("moe_layer_freq", None if args.moe_layer_freq == 1 else args.moe_layer_freq),
+            ("moe_shared_expert_intermediate_size", args.moe_shared_expert_intermediate_size),
             ("moe_router_load_balancing_type", args.moe_router_load_balancing_type),
             ("moe_router_score_function", args.moe_router_score_function),
             ("moe_router_enable_expert_bias", args.moe_router_enable_expert_bias or None),
             ("moe_router_bias_update_rate", args.moe_router_bias_update_rate),
+            ("moe_router_num_groups", args.moe_router_num_groups),
+            ("moe_router_group_topk", args.moe_router_group_topk),
+            ("moe_router_topk_scaling_factor", args.moe_router_topk_scaling_factor),
         ) if value is not None},
     )
 
 
-def moe_aux_losses(args: argparse.Namespace, num_microbatches: int) -> dict[str, float]:
-    """The step's auxiliary losses (mean over micro-batches and MoE layers), reduced over the ranks
-    as Megatron-core logs them; clears the tracker."""
+def moe_aux_losses(args: argparse.Namespace, num_microbatches: int, config: TransformerConfig) -> dict:
+    """The step's auxiliary losses (mean over micro-batches and the model's MoE layers), reduced over
+    the ranks as Megatron-core logs them; clears the tracker."""
     if args.num_experts is None:
         return {}
     totals: dict[str, torch.Tensor] = {}
     # Every rank reduces the same losses, those its pipeline stage tracks or not (dense layers only).
-    kinds = args.moe_router_load_balancing_type or "aux_loss"
+    kinds, coeffs = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+    kinds, coeffs = (kinds, coeffs) if isinstance(kinds, list) else ([kinds], [coeffs])
     balance = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
-    names = [balance[kinds]] if kinds in balance and args.moe_aux_loss_coeff > 0 else []
-    names += ["z_loss"] if args.moe_z_loss_coeff else []
-    track_moe_metrics(1.0 / num_microbatches, 0, total_loss_dict=totals, num_layers=args.layers,
-                      moe_layer_freq=args.moe_layer_freq, force_initialize=True, track_names=names)
+    names = [balance[kind] for kind, coeff in zip(kinds, coeffs) if kind in balance and coeff > 0]
+    names += ["z_loss"] if config.moe_z_loss_coeff else []
+    track_moe_metrics(1.0 / num_microbatches, 0, total_loss_dict=totals, num_layers=config.num_layers,
+                      moe_layer_freq=config.moe_layer_freq, force_initialize=True, track_names=names)
     return {name: float(value) for name, value in totals.items()}
 
 
@@ -1068,7 +1070,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
         skipped += not update_successful
         grad_norms.append(grad_norm)
         losses.append(global_mean_loss(step_losses, device))
-        aux_losses.append(moe_aux_losses(args, num_microbatches))
+        aux_losses.append(moe_aux_losses(args, num_microbatches, config))
         tokens_per_s.append(tokens_per_step / (time.perf_counter() - start))
         # the norm before clipping; none for a skipped step
         log_event(args, step=step + 1, loss=losses[-1], tokens_per_s=tokens_per_s[-1],
