@@ -648,17 +648,18 @@ def moe_settings(args: argparse.Namespace) -> dict:
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
-        moe_layer_freq=args.moe_layer_freq,
-        moe_router_num_groups=args.moe_router_num_groups,
-        moe_router_group_topk=args.moe_router_group_topk,
-        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
-        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        # The router's settings that a --load-hf model may have its own of: only when given.
+        # The settings that a --load-hf model may have its own of (its dense layers, its shared
+        # expert, its router's): only when given.
         **{field: value for field, value in (
+            ("moe_layer_freq", None if args.moe_layer_freq == 1 else args.moe_layer_freq),
+            ("moe_shared_expert_intermediate_size", args.moe_shared_expert_intermediate_size),
             ("moe_router_load_balancing_type", args.moe_router_load_balancing_type),
             ("moe_router_score_function", args.moe_router_score_function),
             ("moe_router_enable_expert_bias", args.moe_router_enable_expert_bias or None),
             ("moe_router_bias_update_rate", args.moe_router_bias_update_rate),
+            ("moe_router_num_groups", args.moe_router_num_groups),
+            ("moe_router_group_topk", args.moe_router_group_topk),
+            ("moe_router_topk_scaling_factor", args.moe_router_topk_scaling_factor),
         ) if value is not None},
     )
 
@@ -765,14 +766,16 @@ def mtp_losses(args: argparse.Namespace, num_microbatches: int, device: torch.de
 def moe_aux_losses(
     args: argparse.Namespace, num_microbatches: int, config: TransformerConfig
 ) -> dict[str, float]:
-    """The step's auxiliary losses (mean over micro-batches and MoE layers), reduced over the ranks
-    as Megatron-LM logs them (every tracked name on every rank: a pipeline stage without MoE layers
-    takes part with zeros); clears the tracker."""
+    """The step's auxiliary losses (mean over micro-batches and the model's MoE layers), reduced over
+    the ranks as Megatron-LM logs them (every tracked name on every rank: a pipeline stage without
+    MoE layers takes part with zeros); clears the tracker."""
     if args.num_experts is None:
         return {}
-    kind = args.moe_router_load_balancing_type or config.moe_router_load_balancing_type
-    names = {"aux_loss": ["load_balancing_loss"], "seq_aux_loss": ["seq_load_balancing_loss"]}.get(kind, [])
-    names = (names if config.moe_aux_loss_coeff else []) + (["z_loss"] if config.moe_z_loss_coeff else [])
+    kinds, coeffs = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+    kinds, coeffs = (kinds, coeffs) if isinstance(kinds, list) else ([kinds], [coeffs])
+    balance = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+    names = [balance[kind] for kind, coeff in zip(kinds, coeffs) if kind in balance and coeff > 0]
+    names += ["z_loss"] if config.moe_z_loss_coeff else []
     depths = config.mtp_num_layers or 0
     pattern = [int(is_moe_layer(config, n)) for n in range(1, config.num_layers + 1)]
     totals: dict[str, torch.Tensor] = {}

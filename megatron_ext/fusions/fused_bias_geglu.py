@@ -49,8 +49,8 @@ def weighted_bias_quick_geglu_impl(
 ) -> torch.Tensor:
     """Megatron-core's token-weighted quick GEGLU: ``quick_geglu`` of ``input + bias`` (the halves
     clamped by ``clamp_value``) times ``weights`` [tokens, 1], in ``input``'s dtype, as one kernel
-    and a product. Megatron-core clamps before adding ``bias`` here but after it in its unfused
-    path; the bias comes first here in both (as gpt-oss computes). ``fp8_input_store`` raises
+    and a product. The clamp comes after the bias, as in gpt-oss and Megatron-core's unfused path
+    (Megatron-core's function here clamps before adding ``bias``). ``fp8_input_store`` raises
     NotImplementedError."""
     if fp8_input_store:
         raise NotImplementedError(

@@ -124,21 +124,22 @@ class _ExpertLinear(torch.nn.Module):
                 _mark_expert(self.bias)
 
 
-def _output_bias(
-    bias: torch.Tensor, probs: torch.Tensor, etp_group: Any, etp_rank: int, sizes: torch.Tensor | None = None
+def _add_output_bias(
+    out: torch.Tensor, bias: torch.Tensor, probs: torch.Tensor, etp_group: Any, etp_rank: int,
+    sizes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``probs * bias`` per row (each expert's bias, its rows ``sizes`` when ``bias`` stacks
+    """``out + probs * bias`` per row (each expert's bias, its rows ``sizes`` when ``bias`` stacks
     several experts' rows, times the row's router weight), counted once in the sum of the
-    expert-tensor-parallel ranks' partial outputs that the combine takes: zero but on etp rank 0.
-    Every rank holds the bias and gets its whole gradient (summed over the etp ranks in the
-    backward), so the copies stay equal."""
+    expert-tensor-parallel ranks' partial outputs that the combine takes: added on etp rank 0 (0
+    times the bias elsewhere). Every rank holds the bias and gets its whole gradient (summed over
+    the etp ranks in the backward), so the copies stay equal."""
     if group_size(etp_group) > 1:
         bias = tensor_parallel.copy_to_tensor_model_parallel_region(bias, etp_group)
         if etp_rank != 0:
             probs = torch.zeros_like(probs)
     if sizes is not None:
         bias = bias.repeat_interleave(sizes, dim=0, output_size=probs.shape[0])
-    return probs.unsqueeze(-1).to(bias.dtype) * bias
+    return torch.addcmul(out, probs.unsqueeze(-1).to(out.dtype), bias)
 
 
 class ExpertMLP(torch.nn.Module):
@@ -165,7 +166,7 @@ class ExpertMLP(torch.nn.Module):
         h = (self.activation(h) * probs.unsqueeze(-1)).to(hidden_states.dtype)
         out = torch.nn.functional.linear(h, self.linear_fc2.weight)
         if self.linear_fc2.bias is not None:
-            out = out + _output_bias(self.linear_fc2.bias, probs, self.etp_group, self.etp_rank)
+            out = _add_output_bias(out, self.linear_fc2.bias, probs, self.etp_group, self.etp_rank)
         return out
 
 
@@ -293,7 +294,7 @@ class GroupedMLP(torch.nn.Module):
             out = ops.gmm(act, w2, sizes, trans_b=False)
             checkpoint.discard_output_and_register_recompute(out)
         if self.bias2 is not None:
-            out = out + _output_bias(self.bias2, permuted_probs, self.tp_group, self.etp_rank, rows)
+            out = _add_output_bias(out, self.bias2, permuted_probs, self.tp_group, self.etp_rank, rows)
         return out, None
 
     def _weighted_activation(self, fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
