@@ -15,8 +15,16 @@ as it is (no CPU patches), each run timed with CUDA events (benchmarks/gpu.py's 
 median / max milliseconds and the peak extra device memory), at a Mixtral 8x7B layer's sizes
 (hidden 4096, ffn 14336, 8192 tokens); ``./dev.sh gpu`` runs it.
 
+Three layers each (``--variants``): SwiGLU experts with top-k softmax routing; gpt-oss's experts
+(quick GEGLU with ``glu_linear_offset`` 1 and ``activation_func_clamp_value`` 7, biases in the
+router and the experts); DeepSeek-V3's routing (group-limited sigmoid routing, 4 groups of which 2
+per token, with the expert bias and the scaling factor). Megatron-core's local layer runs all
+three on CPU (its unfused gated unit and its own group-limited top-k), the gpt-oss one from ep 2:
+at ep 1 its biased expert MLP adds the bias in place to the output of an identity autograd
+function, which torch refuses (megatron_ext's layers alone are timed there, on GPUs too).
+
     python benchmarks/moe.py [--ep 1 2 4] [--experts 8] [--topk 2] [--hidden 1024] [--ffn 2816]
-                             [--tokens 2048] [--reps 3] [--quick]
+                             [--tokens 2048] [--reps 3] [--variants swiglu gpt-oss group-limited] [--quick]
     python benchmarks/moe.py --device cuda [--json runs/gpu_moe.json]
 """
 
@@ -36,6 +44,7 @@ from common import megatron_core_version, print_table, run_interleaved, summariz
 
 from megatron_ext import parallel_state as ext_ps
 from megatron_ext import tensor_parallel as ext_tp
+from megatron_ext.fusions import quick_gelu as ext_quick_gelu
 from megatron_ext.transformer import TransformerConfig as ExtConfig
 from megatron_ext.transformer.moe import MoELayer as ExtMoELayer
 from tests.distributed import run_distributed
@@ -43,11 +52,27 @@ from tests.distributed import run_distributed
 DTYPE = torch.float32
 
 
-def _fields(args, dispatcher: str, grouped: bool) -> dict[str, Any]:
-    """The layer's config; on a GPU in ``args.dtype``, with ``use_cpu_initialization=False``
-    (Megatron-core then draws its weights on the GPU; megatron_ext draws its experts on the CPU
-    either way)."""
+# The layers timed: SwiGLU experts with top-k softmax routing; gpt-oss's experts (quick GEGLU with
+# the offset and the clamp, biases in the router and the experts); DeepSeek-V3's routing
+# (group-limited sigmoid routing with the expert bias and the scaling factor).
+VARIANTS = {
+    "swiglu": {},
+    # Fused: Megatron-core's quick_gelu is a torch.compile function (a fused kernel keeping only its
+    # input) whichever path; its fused path for the experts is weighted_bias_quick_geglu_impl.
+    "gpt-oss": dict(activation_func="quick_gelu", glu_linear_offset=1.0, activation_func_clamp_value=7.0,
+                    add_bias_linear=True, bias_activation_fusion=True),
+    "group-limited": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                          moe_router_num_groups=4, moe_router_group_topk=2,
+                          moe_router_topk_scaling_factor=2.5),
+}
+
+
+def _fields(args, dispatcher: str, grouped: bool, quick_gelu) -> dict[str, Any]:
+    """The layer's config for ``args.variant`` (``quick_gelu``: the library's own function); on a
+    GPU in ``args.dtype``, with ``use_cpu_initialization=False`` (Megatron-core then draws its
+    weights on the GPU; megatron_ext draws its experts on the CPU either way)."""
     on_gpu = args.device == "cuda"
+    variant = {k: quick_gelu if v == "quick_gelu" else v for k, v in VARIANTS[args.variant].items()}
     return dict(
         num_layers=1, hidden_size=args.hidden, num_attention_heads=8, ffn_hidden_size=args.ffn,
         moe_ffn_hidden_size=args.ffn, num_moe_experts=args.experts, moe_router_topk=args.topk,
@@ -56,12 +81,13 @@ def _fields(args, dispatcher: str, grouped: bool) -> dict[str, Any]:
         add_bias_linear=False, params_dtype=getattr(torch, args.dtype) if on_gpu else DTYPE,
         use_cpu_initialization=not on_gpu,
         moe_aux_loss_coeff=0.0, bias_activation_fusion=False, gradient_accumulation_fusion=False,
-    )
+    ) | variant
 
 
 def _megatron_core_layers(args) -> dict[str, torch.nn.Module]:
     """Megatron-core's MoELayer with SequentialMLP experts, per dispatcher."""
     from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module
@@ -74,7 +100,7 @@ def _megatron_core_layers(args) -> dict[str, torch.nn.Module]:
         1234, **({"inference_rng_tracker": True} if args.device == "cpu" else {}))
     layers = {}
     for dispatcher in ("allgather", "alltoall"):
-        config = TransformerConfig(**_fields(args, dispatcher, False))
+        config = TransformerConfig(**_fields(args, dispatcher, False, quick_gelu))
         spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False).submodules.mlp
         torch.manual_seed(1234)
         layers[dispatcher] = build_module(spec, config=config, layer_number=1)
@@ -87,9 +113,12 @@ def _variants(args, device: torch.device, dtype: torch.dtype):
     variant, its prepare (a fresh input made by an op, and the output's gradient) and its run
     (forward, then the gradient handed to the input's producer). Also returns a function giving
     each layer's largest output difference from megatron_ext's SequentialMLP allgather layer."""
+    # Megatron-core's biased expert MLP fails at ep 1: it adds its second bias in place to the
+    # output of its identity reduction region (an autograd function's input returned as is).
+    biased_at_ep_1 = args.variant == "gpt-oss" and dist.get_world_size() == 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        reference = {} if args.without_megatron_core else _megatron_core_layers(args)
+        reference = {} if args.without_megatron_core or biased_at_ep_1 else _megatron_core_layers(args)
     ext_ps.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size())
     ext_tp.model_parallel_cuda_manual_seed(1234)  # the trackers a GPU initialisation draws from
     ours = {}
@@ -101,7 +130,8 @@ def _variants(args, device: torch.device, dtype: torch.dtype):
         torch.manual_seed(1234)
         # Weights about to be overwritten by Megatron-core's are not drawn (a Mixtral-sized
         # layer's experts are 1.4e9 draws on the CPU).
-        fields = dict(_fields(args, dispatcher, grouped), perform_initialization=grouped or not reference)
+        fields = dict(_fields(args, dispatcher, grouped, ext_quick_gelu),
+                      perform_initialization=grouped or not reference)
         ours[name] = ExtMoELayer(ExtConfig(**fields), layer_number=1)
     if reference:  # the same weights: Megatron-core's (router and SequentialMLP store them alike)
         source = reference["allgather"]
@@ -188,6 +218,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=None, help="tokens per rank")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="cuda only")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                   help="the layers: SwiGLU experts; gpt-oss's experts (clamped quick GEGLU, biases); "
+                   "DeepSeek-V3's group-limited sigmoid routing")
     p.add_argument("--quick", action="store_true", help="tiny shapes, ep 2, one repetition")
     p.add_argument("--without-megatron-core", action="store_true", help="megatron_ext only")
     p.add_argument("--json", default=None)
@@ -200,17 +233,20 @@ def main() -> None:
             raise SystemExit(f"benchmarks/moe.py --device cuda runs on one GPU at ep 1, got --ep {args.ep}")
         if not torch.cuda.is_available():
             raise SystemExit("benchmarks/moe.py --device cuda needs a CUDA GPU")
-        result = run_on_gpu(args)
-        print(f"MoE layer fwd+bwd on {result['device']}, {args.dtype}, E {args.experts} top-{args.topk}, "
-              f"hidden {args.hidden}, ffn {args.ffn} (SwiGLU), {args.tokens} tokens")
-        rows = result["variants"]
-        base = rows.get("Megatron-core allgather")
-        for name, r in rows.items():
-            ratio = f" {r['median_ms'] / base['median_ms']:6.2f}x Megatron-core allgather" if base else ""
-            print(f"  {name:38s} {r['min_ms']:9.2f} {r['median_ms']:9.2f} {r['max_ms']:9.2f} ms "
-                  f"peak extra {r['peak_extra_mib']:9.1f} MiB{ratio}")
-        print(f"  largest output difference to megatron_ext SequentialMLP allgather: "
-              f"{result['max_output_difference']}")
+        results = {}
+        for variant in args.variants:
+            args.variant = variant
+            result = results[variant] = run_on_gpu(args)
+            print(f"MoE layer fwd+bwd on {result['device']}, {args.dtype}, {variant}, E {args.experts} "
+                  f"top-{args.topk}, hidden {args.hidden}, ffn {args.ffn}, {args.tokens} tokens")
+            rows = result["variants"]
+            base = rows.get("Megatron-core allgather")
+            for name, r in rows.items():
+                ratio = f" {r['median_ms'] / base['median_ms']:6.2f}x Megatron-core allgather" if base else ""
+                print(f"  {name:38s} {r['min_ms']:9.2f} {r['median_ms']:9.2f} {r['max_ms']:9.2f} ms "
+                      f"peak extra {r['peak_extra_mib']:9.1f} MiB{ratio}")
+            print(f"  largest output difference to megatron_ext SequentialMLP allgather: "
+                  f"{result['max_output_difference']}")
         path = args.json or "runs/gpu_moe.json"
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
@@ -218,7 +254,7 @@ def main() -> None:
                        "megatron_core": megatron_core_version(),
                        "timing_method": "variants interleaved rep by rep, first rep a warm-up; CUDA events "
                                         "around one forward + backward; min/median/max over reps",
-                       **result}, f, indent=2)
+                       "results": results}, f, indent=2)
         print(f"wrote {path}")
         return
     args.ep = args.ep or [1, 2, 4]
@@ -226,20 +262,25 @@ def main() -> None:
         args.ep, args.experts, args.hidden, args.ffn, args.tokens, args.reps = [2], 4, 16, 24, 32, 1
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")  # freed tensors leave the resident set
     summary, differences = {}, {}
-    for ep in args.ep:
-        per_rank = run_distributed(ep, _worker, args, timeout=3600)
-        summary[str(ep)] = summarize([r["results"] for r in per_rank])
-        differences[str(ep)] = max(
-            (r["max_output_difference"] for r in per_rank), key=lambda d: max(d.values())
-        )
+    for variant in args.variants:
+        args.variant = variant
+        for ep in args.ep:
+            per_rank = run_distributed(ep, _worker, args, timeout=3600)
+            summary.setdefault(variant, {})[str(ep)] = summarize([r["results"] for r in per_rank])
+            differences.setdefault(variant, {})[str(ep)] = max(
+                (r["max_output_difference"] for r in per_rank), key=lambda d: max(d.values())
+            )
     print(
         f"MoE layer fwd+bwd per rank, float32, E {args.experts} top-{args.topk}, hidden {args.hidden}, "
-        f"ffn {args.ffn} (SwiGLU), {args.tokens} tokens per rank, one CPU thread per rank"
+        f"ffn {args.ffn}, {args.tokens} tokens per rank, one CPU thread per rank"
     )
-    for ep, rows in summary.items():
-        baseline = "Megatron-core allgather" if "Megatron-core allgather" in rows else None
-        print_table(f"ep {ep}", rows, baseline)
-        print(f"  largest output difference to megatron_ext SequentialMLP allgather: {differences[ep]}")
+    for variant, per_ep in summary.items():
+        for ep, rows in per_ep.items():
+            baseline = "Megatron-core allgather" if "Megatron-core allgather" in rows else None
+            print_table(f"{variant}, ep {ep}", rows, baseline)
+            print(f"  largest output difference to megatron_ext SequentialMLP allgather: "
+                  f"{differences[variant][ep]}")
+    args.variant = None
     write_json("moe", {"args": vars(args), "summary": summary, "max_output_difference": differences},
                args.json)
 

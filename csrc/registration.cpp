@@ -93,7 +93,9 @@ TORCH_LIBRARY(megatron_ext, m) {
   // ``_backward`` CPU and CUDA kernels. ``rms_norm_forward`` also returns the per-row rstd
   // (float32 for 16-bit inputs) its backward takes; the rotary kernels take the cos and sin
   // tables [s, d_rot] in the input's dtype, which ``rotary_pos_emb`` computes from freqs
-  // [s, 1, 1, d_rot]; ``swiglu``'s input holds (gate, up) as the halves of its last dim.
+  // [s, 1, 1, d_rot]; ``swiglu``'s input holds (gate, up) as the halves of its last dim, and it
+  // computes gate sigmoid(alpha gate) (up + linear_offset) of the halves (clamped by clamp_value:
+  // the gate above, the linear half both ways), SwiGLU with the defaults.
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
   m.def("rms_norm_forward(Tensor input, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def(
@@ -104,9 +106,15 @@ TORCH_LIBRARY(megatron_ext, m) {
   m.def(
       "rotary_pos_emb_backward(Tensor grad_output, Tensor cos, Tensor sin, bool interleaved) -> "
       "Tensor");
-  m.def("swiglu(Tensor input, Tensor? bias) -> Tensor");
-  m.def("swiglu_forward(Tensor input, Tensor? bias) -> Tensor");
-  m.def("swiglu_backward(Tensor grad_output, Tensor input, Tensor? bias) -> Tensor");
+  m.def(
+      "swiglu(Tensor input, Tensor? bias, float alpha=1.0, float linear_offset=0.0, "
+      "float? clamp_value=None) -> Tensor");
+  m.def(
+      "swiglu_forward(Tensor input, Tensor? bias, float alpha=1.0, float linear_offset=0.0, "
+      "float? clamp_value=None) -> Tensor");
+  m.def(
+      "swiglu_backward(Tensor grad_output, Tensor input, Tensor? bias, float alpha=1.0, "
+      "float linear_offset=0.0, float? clamp_value=None) -> Tensor");
 
   // The experts' token permutation (ops/moe.cpp, kernels/moe_permute*). ``moe_sort_by_expert``
   // returns the token and the expert of each permuted row, expert-major (with ``capacity``: that

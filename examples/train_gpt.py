@@ -15,6 +15,7 @@ import glob
 import json
 import math
 import os
+import re
 import sys
 import sysconfig
 import time
@@ -32,6 +33,7 @@ from megatron_ext.distributed import (
     finalize_model_grads,
 )
 from megatron_ext.distributed.distributed_data_parallel import DEFAULT_BUCKET_SIZE_BYTES
+from megatron_ext.fusions.fused_bias_geglu import quick_gelu
 from megatron_ext.models import GPTModel
 from megatron_ext.models.hf import (
     config_from_hf,
@@ -52,6 +54,10 @@ from megatron_ext.training.checkpointing import (
     save_checkpoint,
 )
 from megatron_ext.transformer import TransformerConfig
+from megatron_ext.transformer.multi_token_prediction import MTPLossLoggingHelper
+from megatron_ext.transformer.transformer_config import MLATransformerConfig
+from megatron_ext.transformer.transformer_layer import is_moe_layer
+from megatron_ext.transformer.transformer_config import check_group_limited_routing
 from megatron_ext.transformer.moe.router_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
 from megatron_ext.utils import get_batch_on_this_cp_rank
 
@@ -91,10 +97,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="context-parallel attention: p2p (ring), all_gather (K/V gathered), a2a (Ulysses)")
     p.add_argument(
         "--arch",
-        choices=["gpt", "llama"],
+        choices=["gpt", "llama", "deepseek"],
         default="gpt",
         help="gpt: LayerNorm, biased linears, GeLU, learned positions, tied output layer; llama: "
-        "RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases, untied output layer",
+        "RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases, untied output layer; "
+        "deepseek: llama's, with multi-latent attention and, with --num-experts, DeepSeek-V3's experts "
+        "(sigmoid routing with the expert bias, a dense first layer, one shared expert)",
     )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
@@ -118,6 +126,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--softmax-type", choices=["vanilla", "off-by-one", "learnable"], default="vanilla",
                    help="attention sinks: off-by-one adds a zero logit to every softmax, learnable a "
                         "trained logit per head (Megatron-core's softmax_type)")
+    p.add_argument("--multi-latent-attention", action="store_true",
+                   help="multi-latent attention (DeepSeek-V2/V3's MLA; --arch deepseek has it)")
+    p.add_argument("--q-lora-rank", type=int, default=None,
+                   help="MLA: the rank of the query's latent (default: the query projected in one step)")
+    p.add_argument("--kv-lora-rank", type=int, default=32, help="MLA: the rank of the key/value latent")
+    p.add_argument("--qk-head-dim", type=int, default=None,
+                   help="MLA: a query/key head's channels without rotation (default: --hidden / --heads)")
+    p.add_argument("--qk-pos-emb-head-dim", type=int, default=None,
+                   help="MLA: a query/key head's rotated channels, the key's shared by its heads (default: "
+                        "half of --hidden / --heads)")
+    p.add_argument("--v-head-dim", type=int, default=None,
+                   help="MLA: a value head's channels (default: --hidden / --heads)")
+    p.add_argument("--rope-type", choices=["rope", "yarn"], default="rope",
+                   help="MLA's rotary embedding: rope, or YaRN stretched --rotary-scaling-factor times")
+    p.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="MLA with --rope-type yarn")
+    p.add_argument("--mscale", type=float, default=1.0, help="MLA with --rope-type yarn: YaRN's mscale")
+    p.add_argument("--mscale-all-dim", type=float, default=0.0,
+                   help="MLA with --rope-type yarn: YaRN's mscale_all_dim (also scales the softmax)")
+    p.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="multi-token prediction: this many depths after the decoder, depth k predicting the "
+                        "token k + 1 ahead (its loss logged as mtp_k loss)")
+    p.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="the multi-token prediction losses' mean over the depths joins the backward times "
+                        "this")
     p.add_argument(
         "--vocab-size", type=int, default=256, help=">= 256 (bytes); padded rows are never targets"
     )
@@ -201,8 +233,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--etp", type=int, default=None,
                    help="expert-tensor-parallel size (each expert's MLP split over it; default: --tp)")
     p.add_argument("--moe-grouped-gemm", action="store_true",
-                   help="the experts as GroupedMLP (one grouped GEMM per projection; no biases: "
-                   "--arch llama)")
+                   help="the experts as GroupedMLP (one grouped GEMM per projection)")
     p.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
                    help="coefficient of the load-balancing loss (0: none); the loss is logged with the loss")
     p.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"],
@@ -225,6 +256,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe-expert-capacity-factor", type=float, default=None,
                    help="drop an expert's tokens beyond capacity factor x tokens x topk / experts "
                    "(default: none dropped)")
+    p.add_argument("--moe-layer-freq", default="1",
+                   help="which layers are MoE layers: every N-th (an int), or a python list expression of "
+                   "0/1 per layer, e.g. \"([0]*1+[1]*3)\": one dense layer, then three MoE layers")
+    p.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="group-limited routing: the experts in this many groups (consecutive experts; "
+                   "with --moe-router-group-topk)")
+    p.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="group-limited routing: each token's experts come from its this many best groups")
+    p.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="multiplies the routing weights (default: none)")
+    p.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="a shared expert of this width beside the routed ones in every MoE layer")
+    p.add_argument("--quick-geglu", action="store_true",
+                   help="gated MLPs with quick GELU, x sigmoid(1.702 x), as gpt-oss's experts (instead of "
+                   "the arch's activation)")
+    p.add_argument("--glu-linear-offset", type=float, default=0.0,
+                   help="gated MLPs: act(gate) x (up + this offset); gpt-oss: 1")
+    p.add_argument("--activation-func-clamp-value", type=float, default=None,
+                   help="gated MLPs: the gate clamped to at most this, the linear half to within it; "
+                   "gpt-oss: 7")
+    p.add_argument("--add-bias-linear", action="store_true",
+                   help="biases in every linear layer (attention, MLPs, the router, the experts) with "
+                   "--arch llama, as gpt-oss; --arch gpt has them")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--save", default=None, help="directory to save checkpoints in (also after the last step)")
     p.add_argument("--save-interval", type=int, default=None, help="save every this many steps")
@@ -256,16 +310,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--load-hf",
         default=None,
         help="start from Hugging Face weights: a directory with config.json and safetensors files "
-        "(Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE); the model's shape comes from its "
+        "(Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2, DeepSeek-V3; its "
+        "multi-token prediction layers too, when the files hold them); the model's shape comes from its "
         "config.json, not from --arch --layers --hidden --heads --num-query-groups --ffn-hidden "
         "--vocab-size (nor, for a mixture of experts, --num-experts --moe-router-topk "
         "--moe-ffn-hidden-size)",
     )
     p.add_argument("--export-hf", default=None,
                    help="after training, write the weights as Hugging Face safetensors + config.json to this "
-                        "directory (Llama-shaped models: --arch llama, Mixtral with --num-experts, or "
-                        "--load-hf); it must be new or empty unless --export-hf-overwrite, and never "
-                        "the --load-hf, --save or --load directory")
+                        "directory (Llama-shaped models: --arch llama, Mixtral with --num-experts, "
+                        "--arch deepseek, or --load-hf); it must be new or empty unless "
+                        "--export-hf-overwrite, and never the --load-hf, --save or --load directory")
     p.add_argument("--export-hf-overwrite", action="store_true",
                    help="with --export-hf: replace the model in that directory (its config.json, "
                         "*.safetensors and index are removed first)")
@@ -275,12 +330,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def moe_freq_type(value: str | int | list[int]) -> int | list[int]:
+    """``--moe-layer-freq`` as Megatron-LM reads it: an int, or a python list expression made of
+    digits, commas, brackets, parentheses, + and * only."""
+    if not isinstance(value, str):
+        return value
+    if "[" not in value:
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"--moe-layer-freq {value!r} is not an int or a list expression") from None
+    if re.search(r"[^,\d\[\]()+*]", value):
+        raise ValueError(f"--moe-layer-freq {value!r} may hold only digits , [ ] ( ) + *")
+    try:
+        pattern = eval(value, {"__builtins__": {}})  # noqa: S307  (only the characters above)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"--moe-layer-freq {value!r} does not evaluate: {e}") from None
+    if not isinstance(pattern, list):
+        raise ValueError(f"--moe-layer-freq {value!r} is not a list")
+    return pattern
+
+
 def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Every rank runs this on the same arguments, so every rank raises the same error."""
     check_numbers(args)
     args.hf_config = read_hf_config(args.load_hf) if args.load_hf is not None else None
-    if args.export_hf is not None and args.arch != "llama" and args.load_hf is None:
-        raise ValueError("--export-hf writes Llama-shaped models: use --arch llama or --load-hf")
+    if args.export_hf is not None and args.arch not in ("llama", "deepseek") and args.load_hf is None:
+        raise ValueError("--export-hf writes Llama- or DeepSeek-shaped models: use --arch llama, --arch "
+                         "deepseek or --load-hf")
     check_export_dir(args)
     if args.save is not None:
         check_writable_dir("--save", args.save)
@@ -300,6 +377,16 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
                 )
             args.num_experts, args.moe_router_topk = config.num_moe_experts, config.moe_router_topk
             args.moe_ffn_hidden_size = config.moe_ffn_hidden_size
+            # and so are the stack, the groups and the shared experts
+            args.moe_layer_freq = config.moe_layer_freq
+            args.moe_router_num_groups = config.moe_router_num_groups
+            args.moe_router_group_topk = config.moe_router_group_topk
+            args.moe_router_topk_scaling_factor = config.moe_router_topk_scaling_factor
+            args.moe_shared_expert_intermediate_size = config.moe_shared_expert_intermediate_size
+        if getattr(config, "multi_latent_attention", False):
+            args.multi_latent_attention = True
+            if args.mtp_num_layers is None:  # the files' multi-token prediction layers are kept
+                args.mtp_num_layers = hf_mtp_layers(config.num_layers, hf_tensor_names(args.load_hf))
         if args.seq_len > kwargs["max_sequence_length"]:
             raise ValueError(
                 f"--seq-len {args.seq_len} exceeds the --load-hf model's {kwargs['max_sequence_length']} "
@@ -335,6 +422,9 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         )
     check_context_parallel_args(args)
     check_attention_args(args)
+    check_mla_args(args)
+    apply_deepseek_defaults(args)
+    check_gated_unit_args(args)
     check_moe_args(args, world_size)
     if args.heads % args.tp != 0:
         raise ValueError(f"--heads {args.heads} is not divisible by --tp {args.tp}")
@@ -416,6 +506,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
 def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
     """The mixture-of-experts flags: experts divisible by --ep, top-k within the experts, the expert
     grid (--etp x --ep x --pp) dividing the world, sequence parallelism with --tp > 1."""
+    args.moe_layer_freq = moe_freq_type(args.moe_layer_freq)
     experts = args.num_experts
     if experts is None:
         for flag, value, default in (("--ep", args.ep, 1), ("--etp", args.etp, None),
@@ -430,7 +521,14 @@ def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
                                      ("--moe-router-bias-update-rate",
                                       args.moe_router_bias_update_rate, None),
                                      ("--moe-expert-capacity-factor", args.moe_expert_capacity_factor, None),
-                                     ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size, None)):
+                                     ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size, None),
+                                     ("--moe-layer-freq", args.moe_layer_freq, 1),
+                                     ("--moe-router-num-groups", args.moe_router_num_groups, None),
+                                     ("--moe-router-group-topk", args.moe_router_group_topk, None),
+                                     ("--moe-router-topk-scaling-factor",
+                                      args.moe_router_topk_scaling_factor, None),
+                                     ("--moe-shared-expert-intermediate-size",
+                                      args.moe_shared_expert_intermediate_size, None)):
             if value != default:
                 raise ValueError(f"{flag} {value} needs --num-experts (a mixture-of-experts model)")
         return
@@ -455,8 +553,7 @@ def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(
             "a mixture-of-experts model with --tp > 1 needs --sequence-parallel (as in Megatron-core)"
         )
-    if args.moe_grouped_gemm and args.arch not in ("llama", "hf"):
-        raise ValueError("--moe-grouped-gemm has no biases: use --arch llama")
+    check_moe_layer_args(args)
     if not 0.0 <= args.moe_aux_loss_coeff < FLOAT32_MAX:
         raise ValueError(f"--moe-aux-loss-coeff must be a finite number >= 0, got {args.moe_aux_loss_coeff}")
     z_loss = args.moe_z_loss_coeff
@@ -478,6 +575,64 @@ def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
         )
 
 
+# The TransformerConfig fields of the group-limited routing flags, as the flags name them.
+GROUP_FLAGS = {"moe_router_num_groups": "--moe-router-num-groups",
+               "moe_router_group_topk": "--moe-router-group-topk", "moe_router_topk": "--moe-router-topk",
+               "num_moe_experts": "--num-experts"}
+
+
+def check_moe_layer_args(args: argparse.Namespace) -> None:
+    """Which layers are MoE layers, group-limited routing, the scaling factor, the shared expert."""
+    freq, layers = args.moe_layer_freq, args.layers
+    if isinstance(freq, int) and freq < 1:
+        raise ValueError(f"--moe-layer-freq must be >= 1 or a list of 0/1, got {freq}")
+    if isinstance(freq, list) and (len(freq) != layers or set(freq) - {0, 1} or 1 not in freq):
+        raise ValueError(
+            f"--moe-layer-freq {freq} must list a 0 (dense) or 1 (MoE) for each of the --layers {layers} "
+            "layers, with at least one 1"
+        )
+    try:
+        check_group_limited_routing(args.num_experts, args.moe_router_topk, args.moe_router_num_groups,
+                                    args.moe_router_group_topk)
+    except ValueError as e:
+        message = str(e)
+        for field, flag in GROUP_FLAGS.items():
+            message = message.replace(field, flag)
+        raise ValueError(message) from None
+    factor = args.moe_router_topk_scaling_factor
+    if factor is not None and not 0.0 < factor < FLOAT32_MAX:
+        raise ValueError(f"--moe-router-topk-scaling-factor must be a finite number > 0, got {factor}")
+    shared = args.moe_shared_expert_intermediate_size
+    if shared is not None and (shared < 1 or shared % args.tp != 0):
+        raise ValueError(
+            f"--moe-shared-expert-intermediate-size {shared} must be >= 1 and divisible by --tp {args.tp}"
+        )
+
+
+def check_gated_unit_args(args: argparse.Namespace) -> None:
+    """gpt-oss's MLP flags: a gated MLP (--arch llama or --quick-geglu), a finite offset, a positive
+    finite clamp; not with --load-hf, whose config.json defines the model."""
+    flags = [flag for flag, on in (("--quick-geglu", args.quick_geglu),
+                                   ("--add-bias-linear", args.add_bias_linear),
+                                   ("--glu-linear-offset", args.glu_linear_offset != 0.0),
+                                   ("--activation-func-clamp-value",
+                                    args.activation_func_clamp_value is not None))
+             if on]
+    if flags and args.load_hf is not None:
+        raise ValueError(
+            f"{' '.join(flags)} cannot be combined with --load-hf: its config.json defines the model"
+        )
+    if not math.isfinite(args.glu_linear_offset):
+        raise ValueError(f"--glu-linear-offset must be a finite number, got {args.glu_linear_offset}")
+    clamp = args.activation_func_clamp_value
+    if clamp is not None and not 0.0 < clamp < FLOAT32_MAX:
+        raise ValueError(f"--activation-func-clamp-value must be a finite number > 0, got {clamp}")
+    gated = args.arch == "llama" or args.quick_geglu
+    if not gated and (args.glu_linear_offset != 0.0 or clamp is not None):
+        raise ValueError("--glu-linear-offset and --activation-func-clamp-value shape a gated MLP: use "
+                         "--arch llama or --quick-geglu")
+
+
 def moe_settings(args: argparse.Namespace) -> dict:
     """The TransformerConfig fields of the mixture-of-experts flags (none without --num-experts)."""
     if args.num_experts is None:
@@ -493,24 +648,140 @@ def moe_settings(args: argparse.Namespace) -> dict:
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
-        # The router's settings that a --load-hf model may have its own of: only when given.
+        # The settings that a --load-hf model may have its own of (its dense layers, its shared
+        # expert, its router's): only when given.
         **{field: value for field, value in (
+            ("moe_layer_freq", None if args.moe_layer_freq == 1 else args.moe_layer_freq),
+            ("moe_shared_expert_intermediate_size", args.moe_shared_expert_intermediate_size),
             ("moe_router_load_balancing_type", args.moe_router_load_balancing_type),
             ("moe_router_score_function", args.moe_router_score_function),
             ("moe_router_enable_expert_bias", args.moe_router_enable_expert_bias or None),
             ("moe_router_bias_update_rate", args.moe_router_bias_update_rate),
+            ("moe_router_num_groups", args.moe_router_num_groups),
+            ("moe_router_group_topk", args.moe_router_group_topk),
+            ("moe_router_topk_scaling_factor", args.moe_router_topk_scaling_factor),
         ) if value is not None},
     )
 
 
-def moe_aux_losses(args: argparse.Namespace, num_microbatches: int) -> dict[str, float]:
-    """The step's auxiliary losses (mean over micro-batches and MoE layers), reduced over the ranks
-    as Megatron-core logs them; clears the tracker."""
-    if args.num_experts is None:
+def check_mla_args(args: argparse.Namespace) -> None:
+    """Multi-latent attention's ranks and head dims, and what multi-token prediction needs."""
+    if args.arch == "deepseek":
+        args.multi_latent_attention = True
+    head = args.hidden // args.heads
+    mla_flags = (("--q-lora-rank", args.q_lora_rank, None), ("--qk-head-dim", args.qk_head_dim, None),
+                 ("--qk-pos-emb-head-dim", args.qk_pos_emb_head_dim, None),
+                 ("--v-head-dim", args.v_head_dim, None))
+    if not args.multi_latent_attention:
+        for flag, value, default in mla_flags:
+            if value != default:
+                raise ValueError(f"{flag} {value} needs --multi-latent-attention (or --arch deepseek)")
+    elif args.hf_config is None:
+        if args.num_query_groups not in (None, args.heads):
+            raise ValueError(f"--num-query-groups {args.num_query_groups} with multi-latent attention: every "
+                             "query head has its own key and value")
+        args.qk_head_dim = args.qk_head_dim or head
+        args.v_head_dim = args.v_head_dim or head
+        args.qk_pos_emb_head_dim = args.qk_pos_emb_head_dim or max(2, head // 2 // 2 * 2)
+        for flag, value in (("--q-lora-rank", args.q_lora_rank), ("--kv-lora-rank", args.kv_lora_rank),
+                            ("--qk-head-dim", args.qk_head_dim), ("--v-head-dim", args.v_head_dim),
+                            ("--qk-pos-emb-head-dim", args.qk_pos_emb_head_dim)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if args.qk_pos_emb_head_dim % 2:
+            raise ValueError(f"--qk-pos-emb-head-dim {args.qk_pos_emb_head_dim} must be even: the rotary "
+                             "embedding turns channel pairs")
+        for flag, value in (("--rotary-scaling-factor", args.rotary_scaling_factor),
+                            ("--mscale", args.mscale), ("--mscale-all-dim", args.mscale_all_dim)):
+            if not 0.0 <= value < FLOAT32_MAX:
+                raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
+    depths = args.mtp_num_layers
+    if depths is not None:
+        if depths < 1:
+            raise ValueError(f"--mtp-num-layers must be >= 1, got {depths}")
+        if not 0.0 <= args.mtp_loss_scaling_factor < FLOAT32_MAX:
+            raise ValueError(f"--mtp-loss-scaling-factor must be a finite number >= 0, got "
+                             f"{args.mtp_loss_scaling_factor}")
+        if args.arch == "gpt" and args.pp > 1:
+            raise ValueError(f"--mtp-num-layers with --arch gpt (learned positions) and --pp {args.pp}: the "
+                             "last stage would need its own copy of the position embedding; use --arch llama "
+                             "or deepseek")
+
+
+def hf_mtp_layers(num_layers: int, names: list[str]) -> int | None:
+    """The multi-token prediction layers a DeepSeek-V3 checkpoint holds (after its decoder layers)."""
+    depth = 0
+    while f"model.layers.{num_layers + depth}.eh_proj.weight" in names:
+        depth += 1
+    return depth or None
+
+
+def apply_deepseek_defaults(args: argparse.Namespace) -> None:
+    """--arch deepseek's experts where the flags keep their defaults (DeepSeek-V3's): sigmoid scores
+    with the expert bias, the first layer dense (--moe-layer-freq 1 means this), one shared expert as
+    wide as a routed one."""
+    if args.arch != "deepseek" or args.num_experts is None:
+        return
+    if args.moe_router_score_function is None:
+        args.moe_router_score_function = "sigmoid"
+    if args.moe_router_score_function == "sigmoid":
+        args.moe_router_enable_expert_bias = True
+    if str(args.moe_layer_freq) == "1" and args.layers > 1:
+        args.moe_layer_freq = [0] + [1] * (args.layers - 1)
+    if args.moe_shared_expert_intermediate_size is None:
+        width = args.moe_ffn_hidden_size or args.ffn_hidden or llama_ffn_hidden(args.hidden)
+        args.moe_shared_expert_intermediate_size = width
+
+
+def mla_settings(args: argparse.Namespace) -> dict:
+    """The MLATransformerConfig fields of the multi-latent attention flags (none without them)."""
+    if not args.multi_latent_attention or args.hf_config is not None:
+        return {}
+    return dict(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+                qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim, qk_layernorm=True,
+                rope_type=args.rope_type, rotary_scaling_factor=args.rotary_scaling_factor,
+                mscale=args.mscale, mscale_all_dim=args.mscale_all_dim)
+
+
+def mtp_losses(args: argparse.Namespace, num_microbatches: int, device: torch.device | str = "cpu") -> dict:
+    """The step's multi-token prediction losses (each depth's mean over the micro-batches and the data),
+    known on every rank; clears the tracker."""
+    if args.mtp_num_layers is None:
         return {}
     totals: dict[str, torch.Tensor] = {}
-    track_moe_metrics(1.0 / num_microbatches, 0, total_loss_dict=totals, num_layers=args.layers,
-                      moe_layer_freq=1)
+    MTPLossLoggingHelper.track_mtp_metrics(1.0 / num_microbatches, 0, total_loss_dict=totals)
+    names = [f"mtp_{k + 1} loss" for k in range(args.mtp_num_layers)]
+    values = torch.zeros(len(names), dtype=torch.float64, device=device)
+    if totals:
+        values += torch.stack([totals[name].to(device, torch.float64) for name in names])
+    v_layout = parallel_state.get_pipeline_model_parallel_layout() == "v"
+    src = (parallel_state.get_pipeline_model_parallel_first_rank() if v_layout
+           else parallel_state.get_pipeline_model_parallel_last_rank())
+    with reported("broadcast of the step's multi-token prediction losses",
+                  parallel_state.get_pipeline_model_parallel_group()):
+        dist.broadcast(values, src=src, group=parallel_state.get_pipeline_model_parallel_group())
+    return dict(zip(names, values.tolist()))
+
+
+def moe_aux_losses(
+    args: argparse.Namespace, num_microbatches: int, config: TransformerConfig
+) -> dict[str, float]:
+    """The step's auxiliary losses (mean over micro-batches and the model's MoE layers), reduced over
+    the ranks as Megatron-LM logs them (every tracked name on every rank: a pipeline stage without
+    MoE layers takes part with zeros); clears the tracker."""
+    if args.num_experts is None:
+        return {}
+    kinds, coeffs = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+    kinds, coeffs = (kinds, coeffs) if isinstance(kinds, list) else ([kinds], [coeffs])
+    balance = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+    names = [balance[kind] for kind, coeff in zip(kinds, coeffs) if kind in balance and coeff > 0]
+    names += ["z_loss"] if config.moe_z_loss_coeff else []
+    depths = config.mtp_num_layers or 0
+    pattern = [int(is_moe_layer(config, n)) for n in range(1, config.num_layers + 1)]
+    totals: dict[str, torch.Tensor] = {}
+    track_moe_metrics(1.0 / num_microbatches, 0, total_loss_dict=totals, force_initialize=True,
+                      track_names=names, num_layers=config.num_layers + depths, moe_layer_freq=pattern,
+                      mtp_num_layers=depths or None)
     return {name: float(value) for name, value in totals.items()}
 
 
@@ -837,20 +1108,27 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
             window_attn_skip_freq=args.window_attn_skip_freq,
             softmax_type=args.softmax_type,
         )
+    if args.mtp_num_layers is not None:
+        training.update(mtp_num_layers=args.mtp_num_layers,
+                        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
     if args.hf_config is not None:
         config, model_kwargs = config_from_hf(args.hf_config, **training)
     else:
-        llama = args.arch == "llama"
-        config = TransformerConfig(
+        llama = args.arch in ("llama", "deepseek")
+        activation = torch.nn.functional.silu if llama else torch.nn.functional.gelu
+        config = (MLATransformerConfig if args.multi_latent_attention else TransformerConfig)(
             num_layers=args.layers,
             hidden_size=args.hidden,
             num_attention_heads=args.heads,
             num_query_groups=args.num_query_groups,
             ffn_hidden_size=args.ffn_hidden or (llama_ffn_hidden(args.hidden) if llama else None),
             normalization="RMSNorm" if llama else "LayerNorm",
-            gated_linear_unit=llama,
-            activation_func=torch.nn.functional.silu if llama else torch.nn.functional.gelu,
-            add_bias_linear=not llama,
+            gated_linear_unit=llama or args.quick_geglu,
+            activation_func=quick_gelu if args.quick_geglu else activation,
+            glu_linear_offset=args.glu_linear_offset,
+            activation_func_clamp_value=args.activation_func_clamp_value,
+            add_bias_linear=not llama or args.add_bias_linear,
+            **mla_settings(args),
             **training,
         )
         model_kwargs = dict(vocab_size=args.vocab_size, max_sequence_length=args.seq_len,
@@ -963,8 +1241,9 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
 
         progress = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True)
 
-    losses, tokens_per_s, grad_norms, skipped, aux_losses = [], [], [], 0, []
+    losses, tokens_per_s, grad_norms, skipped, aux_losses, mtp = [], [], [], 0, [], []
     get_moe_layer_wise_logging_tracker().clear()  # nothing tracked by an earlier run in this process
+    MTPLossLoggingHelper.tracker.clear()
     tokens_per_step = args.global_batch_size * args.seq_len
     for chunk in chunks:
         chunk.train()
@@ -999,14 +1278,15 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
         skipped += not update_successful
         grad_norms.append(grad_norm)
         losses.append(global_mean_loss(step_losses, device))
-        aux_losses.append(moe_aux_losses(args, num_microbatches))
+        aux_losses.append(moe_aux_losses(args, num_microbatches, config))
+        mtp.append(mtp_losses(args, num_microbatches, device))
         tokens_per_s.append(tokens_per_step / (time.perf_counter() - start))
         # the norm before clipping; none for a skipped step
         log_event(args, step=step + 1, loss=losses[-1], tokens_per_s=tokens_per_s[-1],
                   grad_norm=grad_norm, skipped=not update_successful,
-                  **aux_losses[-1])
+                  **aux_losses[-1], **mtp[-1])
         if progress is not None:
-            aux = {name: f"{value:.4f}" for name, value in aux_losses[-1].items()}
+            aux = {name: f"{value:.4f}" for name, value in {**aux_losses[-1], **mtp[-1]}.items()}
             progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s[-1]:.0f}", **aux)
             progress.update(1)
         at_interval = args.save_interval is not None and (step + 1) % args.save_interval == 0
@@ -1024,6 +1304,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
         "tokens_per_s": tokens_per_s,
         "grad_norms": grad_norms,
         "aux_losses": aux_losses,
+        "mtp_losses": mtp,
         "skipped_steps": skipped,
     }
 

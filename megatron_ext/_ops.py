@@ -180,17 +180,17 @@ def _swiglu_out(input: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.register_fake("megatron_ext::swiglu")
-def _(input, bias):
+def _(input, bias, alpha=1.0, linear_offset=0.0, clamp_value=None):
     return _swiglu_out(input)
 
 
 @torch.library.register_fake("megatron_ext::swiglu_forward")
-def _(input, bias):
+def _(input, bias, alpha=1.0, linear_offset=0.0, clamp_value=None):
     return _swiglu_out(input)
 
 
 @torch.library.register_fake("megatron_ext::swiglu_backward")
-def _(grad_output, input, bias):
+def _(grad_output, input, bias, alpha=1.0, linear_offset=0.0, clamp_value=None):
     return input.new_empty(input.shape)
 
 

@@ -121,14 +121,16 @@ def test_moe_benchmark_script(tmp_path):
     out = tmp_path / "moe.json"
     _run_script("moe.py", "--quick", "--json", str(out))
     result = json.loads(out.read_text())
-    rows = result["summary"]["2"]
-    assert list(rows) == [
-        "megatron_ext SequentialMLP allgather", "megatron_ext SequentialMLP alltoall",
-        "megatron_ext GroupedMLP alltoall", "Megatron-core allgather", "Megatron-core alltoall",
-    ]
-    assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in rows.values())
-    # The variants start from the same weights and inputs: the same output.
-    assert max(result["max_output_difference"]["2"].values()) < 1e-5
+    assert list(result["summary"]) == ["swiglu", "gpt-oss", "group-limited"]
+    for variant, per_ep in result["summary"].items():
+        rows = per_ep["2"]
+        assert list(rows) == [
+            "megatron_ext SequentialMLP allgather", "megatron_ext SequentialMLP alltoall",
+            "megatron_ext GroupedMLP alltoall", "Megatron-core allgather", "Megatron-core alltoall",
+        ], variant
+        assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in rows.values())
+        # The variants start from the same weights and inputs: the same output.
+        assert max(result["max_output_difference"][variant]["2"].values()) < 1e-5, variant
 
 
 @pytest.mark.slow  # runs the benchmark script end to end

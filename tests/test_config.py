@@ -314,7 +314,7 @@ def test_replace_round_trip():
     "field, value",
     [
         ("fp8", "e4m3"),
-        ("glu_linear_offset", 1.0),
+        ("qk_clip", True),
         ("no_rope_freq", 4),
         ("enable_cuda_graph", True),
         ("tp_comm_overlap", True),

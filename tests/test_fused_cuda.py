@@ -198,6 +198,23 @@ def test_swiglu_kernels_equal_cpu_twin(dtype, with_bias, width):
                  **TOL[dtype])
 
 
+@pytest.mark.parametrize("width", [200, 201])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES])
+def test_clamped_quick_geglu_kernels_equal_cpu_twin(dtype, with_bias, width):
+    """gpt-oss's unit (alpha 1.702, offset 1, clamp 7; y spread past the clamp) and a clamped SiLU
+    with an offset: the GPU kernels' general path against the CPU twin."""
+    y = _randn(17, 3, 2 * width, dtype=dtype, seed=42, scale=6.0)
+    b = _randn(2 * width, dtype=dtype, seed=43) if with_bias else None
+    g = _randn(17, 3, width, dtype=dtype, seed=44)
+    cuda_b = b.cuda() if with_bias else None
+    for unit in ((1.702, 1.0, 7.0), (1.0, -0.5, 2.0), (1.702, 0.0, None)):
+        assert_close(ops.swiglu_forward(y.cuda(), cuda_b, *unit).cpu(), ops.swiglu_forward(y, b, *unit),
+                     **TOL[dtype])
+        assert_close(ops.swiglu_backward(g.cuda(), y.cuda(), cuda_b, *unit).cpu(),
+                     ops.swiglu_backward(g, y, b, *unit), **TOL[dtype])
+
+
 def test_llama_fusions_autograd_on_gpu_equal_cpu():
     from megatron_ext.fusions import bias_swiglu, fused_apply_rotary_pos_emb, fused_rms_norm
 

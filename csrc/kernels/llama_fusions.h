@@ -1,8 +1,9 @@
 #pragma once
-// Arithmetic of the Llama-family fusions (RMSNorm, rotary position embedding, SwiGLU), shared by
-// the CPU loops (kernels/cpu/llama_fusions_kernels.cpp) and the CUDA kernels
-// (llama_fusions_cuda.cu), so that CPU tests exercise the arithmetic the GPU runs. ``acc_t`` is
-// float for 16-bit and float32 tensors, double for float64.
+// Arithmetic of the Llama-family fusions (RMSNorm, rotary position embedding, SwiGLU and its
+// clamped, offset, quick-GELU variants), shared by the CPU loops
+// (kernels/cpu/llama_fusions_kernels.cpp) and the CUDA kernels (llama_fusions_cuda.cu), so that
+// CPU tests exercise the arithmetic the GPU runs. ``acc_t`` is float for 16-bit and float32
+// tensors, double for float64.
 //
 // Each expression is evaluated in the order, and with the roundings, of the torch ops it replaces
 // (torch.nn.functional.rms_norm; Megatron-core's rotary chain of muls, an add and a cat;
@@ -193,6 +194,68 @@ MEGATRON_EXT_HOST_DEVICE SwigluGrads<acc_t> swiglu_grads(acc_t grad, acc_t gate,
   const acc_t grad_silu = mul_rounded(grad, up);
   const acc_t slope = fma_acc(gate, acc_t(1) - sigmoid, acc_t(1));
   return {mul_rounded(mul_rounded(grad_silu, sigmoid), slope), mul_rounded(grad, gate / denom)};
+}
+
+// ---- Gated sigmoid units: act(gate) * (up + linear_offset), act(x) = x sigmoid(alpha x) -------
+// alpha 1 is SiLU (SwiGLU above), 1.702 the quick GELU of gpt-oss's experts. With a clamp value c
+// the gate is first clamped to at most c and the linear half to [-c, c]; as torch's clamp (2.14),
+// the gradient passes strictly within the bounds and is 0 at and beyond them.
+struct GluParams {
+  double alpha;
+  double linear_offset;
+  bool clamped;
+  double clamp_value;
+};
+
+// Whether ``p`` is plain SwiGLU, which the SwiGLU arithmetic above computes.
+MEGATRON_EXT_HOST_DEVICE bool is_plain_swiglu(const GluParams& p) {
+  return p.alpha == 1.0 && p.linear_offset == 0.0 && !p.clamped;
+}
+
+template <typename acc_t>
+MEGATRON_EXT_HOST_DEVICE acc_t glu_gate_clamped(acc_t gate, const GluParams& p) {
+  const acc_t c = static_cast<acc_t>(p.clamp_value);
+  return p.clamped && gate > c ? c : gate;
+}
+
+template <typename acc_t>
+MEGATRON_EXT_HOST_DEVICE acc_t glu_up_clamped(acc_t up, const GluParams& p) {
+  const acc_t c = static_cast<acc_t>(p.clamp_value);
+  if (!p.clamped) return up;
+  return up > c ? c : (up < -c ? -c : up);
+}
+
+// sigmoid(alpha x) = 1 / (1 + exp(-(alpha x))), the product rounded as torch's (alpha * x).
+template <typename acc_t>
+MEGATRON_EXT_HOST_DEVICE acc_t glu_sigmoid(acc_t x, const GluParams& p) {
+  return acc_t(1) / (acc_t(1) + exp_acc_of(-mul_rounded(static_cast<acc_t>(p.alpha), x)));
+}
+
+// (g sigmoid(alpha g)) (u + offset) of the clamped halves.
+template <typename acc_t>
+MEGATRON_EXT_HOST_DEVICE acc_t glu_out(acc_t gate, acc_t up, const GluParams& p) {
+  const acc_t g = glu_gate_clamped(gate, p);
+  const acc_t u = glu_up_clamped(up, p);
+  return mul_rounded(mul_rounded(g, glu_sigmoid(g, p)), u + static_cast<acc_t>(p.linear_offset));
+}
+
+// d/dgate = grad (u + offset) s (1 + alpha g (1 - s)), d/dup = grad g s, each 0 where its clamp
+// bound was reached.
+template <typename acc_t>
+MEGATRON_EXT_HOST_DEVICE SwigluGrads<acc_t> glu_grads(acc_t grad, acc_t gate, acc_t up,
+                                                      const GluParams& p) {
+  const acc_t c = static_cast<acc_t>(p.clamp_value);
+  const bool gate_passes = !p.clamped || gate < c;
+  const bool up_passes = !p.clamped || (up > -c && up < c);
+  const acc_t g = glu_gate_clamped(gate, p);
+  const acc_t u = glu_up_clamped(up, p);
+  const acc_t alpha = static_cast<acc_t>(p.alpha);
+  const acc_t s = glu_sigmoid(g, p);
+  const acc_t slope = fma_acc(mul_rounded(alpha, g), acc_t(1) - s, acc_t(1));
+  const acc_t d_gate = mul_rounded(
+      mul_rounded(mul_rounded(grad, u + static_cast<acc_t>(p.linear_offset)), s), slope);
+  return {gate_passes ? d_gate : acc_t(0),
+          up_passes ? mul_rounded(grad, mul_rounded(g, s)) : acc_t(0)};
 }
 
 }  // namespace megatron_ext::kernels

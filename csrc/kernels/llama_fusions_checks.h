@@ -4,7 +4,10 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <optional>
+
+#include "kernels/llama_fusions.h"
 
 namespace megatron_ext {
 
@@ -135,5 +138,19 @@ inline void check_swiglu_backward_args(const at::Tensor& grad_output, const at::
 }
 
 inline bool has_tensor(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// The gated sigmoid unit's settings: a finite alpha and offset, a clamp value positive and finite
+// (or none).
+inline kernels::GluParams glu_params(const char* op, double alpha, double linear_offset,
+                                     std::optional<double> clamp_value) {
+  TORCH_CHECK_VALUE(std::isfinite(alpha), op, ": alpha must be finite, got ", alpha);
+  TORCH_CHECK_VALUE(std::isfinite(linear_offset), op, ": linear_offset must be finite, got ",
+                    linear_offset);
+  if (clamp_value.has_value()) {
+    TORCH_CHECK_VALUE(std::isfinite(*clamp_value) && *clamp_value > 0, op,
+                      ": clamp_value must be positive and finite (or None), got ", *clamp_value);
+  }
+  return {alpha, linear_offset, clamp_value.has_value(), clamp_value.value_or(0.0)};
+}
 
 }  // namespace megatron_ext

@@ -1,6 +1,6 @@
-// CPU implementations of the RMSNorm, rotary embedding and SwiGLU kernel ops: argument checks,
-// threading over rows with at::parallel_for, and the run-time choice of the instruction-set
-// variant of the row loops (kernels/cpu/llama_fusions_kernels.cpp).
+// CPU implementations of the RMSNorm, rotary embedding and SwiGLU (gated sigmoid unit) kernel ops:
+// argument checks, threading over rows with at::parallel_for, and the run-time choice of the
+// instruction-set variant of the row loops (kernels/cpu/llama_fusions_kernels.cpp).
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 
 #include <ATen/core/Tensor.h>
@@ -152,8 +152,11 @@ at::Tensor rotary_backward_cpu(const at::Tensor& grad_output, const at::Tensor& 
   return rotary_cpu("rotary_pos_emb_backward", grad_output, cos, sin, interleaved, true);
 }
 
-at::Tensor swiglu_forward_cpu(const at::Tensor& input, const std::optional<at::Tensor>& bias) {
+at::Tensor swiglu_forward_cpu(const at::Tensor& input, const std::optional<at::Tensor>& bias,
+                              double alpha, double linear_offset,
+                              std::optional<double> clamp_value) {
   check_swiglu_args("swiglu_forward", input, bias);
+  const GluParams params = glu_params("swiglu_forward", alpha, linear_offset, clamp_value);
   const auto y = input.contiguous();
   const auto b = has_tensor(bias) ? to_acc(*bias) : at::Tensor();
   const int64_t f = y.size(-1) / 2;
@@ -166,14 +169,16 @@ at::Tensor swiglu_forward_cpu(const at::Tensor& input, const std::optional<at::T
   const auto dtype = fusion_dtype(y.scalar_type());
   at::parallel_for(0, rows, row_grain(f), [&](int64_t begin, int64_t end) {
     k.swiglu_forward(dtype, y.const_data_ptr(), b.defined() ? b.const_data_ptr() : nullptr, f,
-                     begin, end, out.mutable_data_ptr());
+                     params, begin, end, out.mutable_data_ptr());
   });
   return out;
 }
 
 at::Tensor swiglu_backward_cpu(const at::Tensor& grad_output, const at::Tensor& input,
-                               const std::optional<at::Tensor>& bias) {
+                               const std::optional<at::Tensor>& bias, double alpha,
+                               double linear_offset, std::optional<double> clamp_value) {
   check_swiglu_backward_args(grad_output, input, bias);
+  const GluParams params = glu_params("swiglu_backward", alpha, linear_offset, clamp_value);
   const auto g = grad_output.contiguous();
   const auto y = input.contiguous();
   const auto b = has_tensor(bias) ? to_acc(*bias) : at::Tensor();
@@ -185,7 +190,7 @@ at::Tensor swiglu_backward_cpu(const at::Tensor& grad_output, const at::Tensor& 
   const auto dtype = fusion_dtype(y.scalar_type());
   at::parallel_for(0, rows, row_grain(f), [&](int64_t begin, int64_t end) {
     k.swiglu_backward(dtype, g.const_data_ptr(), y.const_data_ptr(),
-                      b.defined() ? b.const_data_ptr() : nullptr, f, begin, end,
+                      b.defined() ? b.const_data_ptr() : nullptr, f, params, begin, end,
                       grad_y.mutable_data_ptr());
   });
   return grad_y;

@@ -1,9 +1,9 @@
-// CUDA kernels of RMSNorm, rotary embedding and SwiGLU, the arithmetic of kernels/llama_fusions.h
-// (the CPU twins run the same). RMSNorm takes one block per row (a CUB block reduction for the
-// row's sum) and sums its weight gradient over blocks of rows into a buffer, a group of columns
-// per thread, then over the blocks; rotary embedding and SwiGLU are one grid-stride pass over the
-// output, 16 bytes of elements per step where the widths and alignments allow (an element per step
-// otherwise).
+// CUDA kernels of RMSNorm, rotary embedding and SwiGLU (and its gated sigmoid variants), the
+// arithmetic of kernels/llama_fusions.h (the CPU twins run the same). RMSNorm takes one block per
+// row (a CUB block reduction for the row's sum) and sums its weight gradient over blocks of rows
+// into a buffer, a group of columns per thread, then over the blocks; rotary embedding and SwiGLU
+// are one grid-stride pass over the output, 16 bytes of elements per step where the widths and
+// alignments allow (an element per step otherwise).
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 
 #include <ATen/Dispatch.h>
@@ -393,7 +393,27 @@ at::Tensor rotary_backward_cuda(const at::Tensor& grad_output, const at::Tensor&
   return rotary_cuda("rotary_pos_emb_backward", grad_output, cos, sin, interleaved, true);
 }
 
-// ---- SwiGLU ----------------------------------------------------------------------------------
+// ---- SwiGLU (and the gated sigmoid units of GluParams) -----------------------------------------
+// kPlain: plain SwiGLU's arithmetic (swiglu_out / swiglu_grads); else glu_out / glu_grads of ``p``.
+
+template <bool kPlain, typename acc_t>
+__device__ __forceinline__ acc_t unit_out(acc_t gate, acc_t up, const GluParams& p) {
+  if constexpr (kPlain) {
+    return swiglu_out(gate, up);
+  } else {
+    return glu_out(gate, up, p);
+  }
+}
+
+template <bool kPlain, typename acc_t>
+__device__ __forceinline__ SwigluGrads<acc_t> unit_grads(acc_t grad, acc_t gate, acc_t up,
+                                                         const GluParams& p) {
+  if constexpr (kPlain) {
+    return swiglu_grads(grad, gate, up);
+  } else {
+    return glu_grads(grad, gate, up, p);
+  }
+}
 
 template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ acc_t biased(const scalar_t* y, const scalar_t* bias, int64_t row,
@@ -402,28 +422,28 @@ __device__ __forceinline__ acc_t biased(const scalar_t* y, const scalar_t* bias,
   return bias ? v + static_cast<acc_t>(bias[col]) : v;
 }
 
-template <typename scalar_t, typename acc_t>
+template <bool kPlain, typename scalar_t, typename acc_t>
 __global__ void swiglu_forward_kernel(const scalar_t* __restrict__ y,
                                       const scalar_t* __restrict__ bias, int64_t n, int64_t f,
-                                      scalar_t* __restrict__ out) {
+                                      GluParams p, scalar_t* __restrict__ out) {
   for (int64_t e = global_thread(); e < n; e += grid_threads()) {
     const int64_t row = e / f, j = e % f;
     const acc_t gate = biased<scalar_t, acc_t>(y, bias, row, j, 2 * f);
     const acc_t up = biased<scalar_t, acc_t>(y, bias, row, f + j, 2 * f);
-    out[e] = static_cast<scalar_t>(swiglu_out(gate, up));
+    out[e] = static_cast<scalar_t>(unit_out<kPlain>(gate, up, p));
   }
 }
 
-template <typename scalar_t, typename acc_t>
+template <bool kPlain, typename scalar_t, typename acc_t>
 __global__ void swiglu_backward_kernel(const scalar_t* __restrict__ grad,
                                        const scalar_t* __restrict__ y,
                                        const scalar_t* __restrict__ bias, int64_t n, int64_t f,
-                                       scalar_t* __restrict__ grad_y) {
+                                       GluParams p, scalar_t* __restrict__ grad_y) {
   for (int64_t e = global_thread(); e < n; e += grid_threads()) {
     const int64_t row = e / f, j = e % f;
     const acc_t gate = biased<scalar_t, acc_t>(y, bias, row, j, 2 * f);
     const acc_t up = biased<scalar_t, acc_t>(y, bias, row, f + j, 2 * f);
-    const SwigluGrads<acc_t> grads = swiglu_grads(static_cast<acc_t>(grad[e]), gate, up);
+    const SwigluGrads<acc_t> grads = unit_grads<kPlain>(static_cast<acc_t>(grad[e]), gate, up, p);
     grad_y[row * 2 * f + j] = static_cast<scalar_t>(grads.gate);
     grad_y[row * 2 * f + f + j] = static_cast<scalar_t>(grads.up);
   }
@@ -455,26 +475,26 @@ __device__ __forceinline__ int64_t gate_up_packs(const scalar_t* y, const scalar
   return at;
 }
 
-template <typename scalar_t, typename acc_t>
+template <bool kPlain, typename scalar_t, typename acc_t>
 __global__ void swiglu_forward_pack_kernel(const scalar_t* __restrict__ y,
                                            const scalar_t* __restrict__ bias, int64_t items,
-                                           int64_t f, scalar_t* __restrict__ out) {
+                                           int64_t f, GluParams p, scalar_t* __restrict__ out) {
   constexpr int k = Pack<scalar_t>::kSize;
   for (int64_t e = global_thread(); e < items; e += grid_threads()) {
     acc_t gate[k], up[k];
     gate_up_packs(y, bias, e, f, gate, up);
     Pack<scalar_t> o;
 #pragma unroll
-    for (int j = 0; j < k; ++j) o.v[j] = static_cast<scalar_t>(swiglu_out(gate[j], up[j]));
+    for (int j = 0; j < k; ++j) o.v[j] = static_cast<scalar_t>(unit_out<kPlain>(gate[j], up[j], p));
     as_packs(out)[e] = o;
   }
 }
 
-template <typename scalar_t, typename acc_t>
+template <bool kPlain, typename scalar_t, typename acc_t>
 __global__ void swiglu_backward_pack_kernel(const scalar_t* __restrict__ grad,
                                             const scalar_t* __restrict__ y,
                                             const scalar_t* __restrict__ bias, int64_t items,
-                                            int64_t f, scalar_t* __restrict__ grad_y) {
+                                            int64_t f, GluParams p, scalar_t* __restrict__ grad_y) {
   constexpr int k = Pack<scalar_t>::kSize;
   for (int64_t e = global_thread(); e < items; e += grid_threads()) {
     acc_t gate[k], up[k];
@@ -483,7 +503,8 @@ __global__ void swiglu_backward_pack_kernel(const scalar_t* __restrict__ grad,
     Pack<scalar_t> d_gate, d_up;
 #pragma unroll
     for (int j = 0; j < k; ++j) {
-      const SwigluGrads<acc_t> grads = swiglu_grads(static_cast<acc_t>(g.v[j]), gate[j], up[j]);
+      const SwigluGrads<acc_t> grads =
+          unit_grads<kPlain>(static_cast<acc_t>(g.v[j]), gate[j], up[j], p);
       d_gate.v[j] = static_cast<scalar_t>(grads.gate);
       d_up.v[j] = static_cast<scalar_t>(grads.up);
     }
@@ -492,8 +513,43 @@ __global__ void swiglu_backward_pack_kernel(const scalar_t* __restrict__ grad,
   }
 }
 
-at::Tensor swiglu_forward_cuda(const at::Tensor& input, const std::optional<at::Tensor>& bias) {
+template <bool kPlain, typename scalar_t>
+void launch_swiglu_forward(const scalar_t* yp, const scalar_t* bp, int64_t n, int64_t f,
+                           const GluParams& p, scalar_t* op) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (packs_fit<scalar_t>(f, {yp, bp, op})) {
+    const int64_t items = n / Pack<scalar_t>::kSize;
+    swiglu_forward_pack_kernel<kPlain, scalar_t, acc_t>
+        <<<blocks_for(items), kThreads, 0, stream>>>(yp, bp, items, f, p, op);
+  } else {
+    swiglu_forward_kernel<kPlain, scalar_t, acc_t>
+        <<<blocks_for(n), kThreads, 0, stream>>>(yp, bp, n, f, p, op);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <bool kPlain, typename scalar_t>
+void launch_swiglu_backward(const scalar_t* gp, const scalar_t* yp, const scalar_t* bp, int64_t n,
+                            int64_t f, const GluParams& p, scalar_t* op) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (packs_fit<scalar_t>(f, {gp, yp, bp, op})) {
+    const int64_t items = n / Pack<scalar_t>::kSize;
+    swiglu_backward_pack_kernel<kPlain, scalar_t, acc_t>
+        <<<blocks_for(items), kThreads, 0, stream>>>(gp, yp, bp, items, f, p, op);
+  } else {
+    swiglu_backward_kernel<kPlain, scalar_t, acc_t>
+        <<<blocks_for(n), kThreads, 0, stream>>>(gp, yp, bp, n, f, p, op);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor swiglu_forward_cuda(const at::Tensor& input, const std::optional<at::Tensor>& bias,
+                               double alpha, double linear_offset,
+                               std::optional<double> clamp_value) {
   check_swiglu_args("swiglu_forward", input, bias);
+  const GluParams params = glu_params("swiglu_forward", alpha, linear_offset, clamp_value);
   const c10::cuda::CUDAGuard guard(input.device());
   const auto y = input.contiguous();
   const auto b = has_tensor(bias) ? bias->contiguous() : at::Tensor();
@@ -505,27 +561,23 @@ at::Tensor swiglu_forward_cuda(const at::Tensor& input, const std::optional<at::
   if (n == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, y.scalar_type(), "swiglu_forward_cuda", [&] {
-        using acc_t = at::opmath_type<scalar_t>;
         const scalar_t* yp = y.const_data_ptr<scalar_t>();
         const scalar_t* bp = b.defined() ? b.const_data_ptr<scalar_t>() : nullptr;
         scalar_t* op = out.mutable_data_ptr<scalar_t>();
-        const auto stream = at::cuda::getCurrentCUDAStream();
-        if (packs_fit<scalar_t>(f, {yp, bp, op})) {
-          const int64_t items = n / Pack<scalar_t>::kSize;
-          swiglu_forward_pack_kernel<scalar_t, acc_t>
-              <<<blocks_for(items), kThreads, 0, stream>>>(yp, bp, items, f, op);
+        if (is_plain_swiglu(params)) {
+          launch_swiglu_forward<true>(yp, bp, n, f, params, op);
         } else {
-          swiglu_forward_kernel<scalar_t, acc_t>
-              <<<blocks_for(n), kThreads, 0, stream>>>(yp, bp, n, f, op);
+          launch_swiglu_forward<false>(yp, bp, n, f, params, op);
         }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
   return out;
 }
 
 at::Tensor swiglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input,
-                                const std::optional<at::Tensor>& bias) {
+                                const std::optional<at::Tensor>& bias, double alpha,
+                                double linear_offset, std::optional<double> clamp_value) {
   check_swiglu_backward_args(grad_output, input, bias);
+  const GluParams params = glu_params("swiglu_backward", alpha, linear_offset, clamp_value);
   const c10::cuda::CUDAGuard guard(input.device());
   const auto g = grad_output.contiguous();
   const auto y = input.contiguous();
@@ -536,21 +588,15 @@ at::Tensor swiglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor&
   const int64_t f = y.size(-1) / 2;
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, y.scalar_type(), "swiglu_backward_cuda", [&] {
-        using acc_t = at::opmath_type<scalar_t>;
         const scalar_t* gp = g.const_data_ptr<scalar_t>();
         const scalar_t* yp = y.const_data_ptr<scalar_t>();
         const scalar_t* bp = b.defined() ? b.const_data_ptr<scalar_t>() : nullptr;
         scalar_t* op = grad_y.mutable_data_ptr<scalar_t>();
-        const auto stream = at::cuda::getCurrentCUDAStream();
-        if (packs_fit<scalar_t>(f, {gp, yp, bp, op})) {
-          const int64_t items = n / Pack<scalar_t>::kSize;
-          swiglu_backward_pack_kernel<scalar_t, acc_t>
-              <<<blocks_for(items), kThreads, 0, stream>>>(gp, yp, bp, items, f, op);
+        if (is_plain_swiglu(params)) {
+          launch_swiglu_backward<true>(gp, yp, bp, n, f, params, op);
         } else {
-          swiglu_backward_kernel<scalar_t, acc_t>
-              <<<blocks_for(n), kThreads, 0, stream>>>(gp, yp, bp, n, f, op);
+          launch_swiglu_backward<false>(gp, yp, bp, n, f, params, op);
         }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
   return grad_y;
 }

@@ -3,7 +3,8 @@
 //
 // RMSNorm saves its input and the per-row rstd (float32 for 16-bit inputs); rotary embedding saves
 // only the cos and sin tables (it is linear in its input, so the gradient is the transposed
-// rotation of the output's gradient); SwiGLU saves its input and recomputes silu in backward.
+// rotation of the output's gradient); SwiGLU (and its gated sigmoid variants: alpha, linear
+// offset, clamp) saves its input and recomputes the activation in backward.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 
 #include <ATen/core/Tensor.h>
@@ -57,18 +58,27 @@ at::Tensor rotary_backward_op(const at::Tensor& grad, const at::Tensor& cos, con
   return op.call(grad, cos, sin, interleaved);
 }
 
-at::Tensor swiglu_forward_op(const at::Tensor& input, const std::optional<at::Tensor>& bias) {
+// The gated sigmoid unit's settings as the ops take them: alpha, linear_offset, clamp_value.
+struct GluArgs {
+  double alpha;
+  double linear_offset;
+  std::optional<double> clamp_value;
+};
+
+at::Tensor swiglu_forward_op(const at::Tensor& input, const std::optional<at::Tensor>& bias,
+                             const GluArgs& glu) {
   static const auto op =
-      typed_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&)>("swiglu_forward");
-  return op.call(input, bias);
+      typed_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, double, double,
+                          std::optional<double>)>("swiglu_forward");
+  return op.call(input, bias, glu.alpha, glu.linear_offset, glu.clamp_value);
 }
 
 at::Tensor swiglu_backward_op(const at::Tensor& grad, const at::Tensor& input,
-                              const std::optional<at::Tensor>& bias) {
+                              const std::optional<at::Tensor>& bias, const GluArgs& glu) {
   static const auto op =
-      typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>(
-          "swiglu_backward");
-  return op.call(grad, input, bias);
+      typed_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                          double, double, std::optional<double>)>("swiglu_backward");
+  return op.call(grad, input, bias, glu.alpha, glu.linear_offset, glu.clamp_value);
 }
 
 // cos(freqs) and sin(freqs) as [s, d_rot] tables in ``dtype``: computed in freqs' dtype, then cast,
@@ -120,19 +130,27 @@ struct RotaryFunction : public Function<RotaryFunction> {
 
 struct SwigluFunction : public Function<SwigluFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
-                            const std::optional<at::Tensor>& bias) {
+                            const std::optional<at::Tensor>& bias, double alpha,
+                            double linear_offset, std::optional<double> clamp_value) {
     ctx->save_for_backward({input, bias.value_or(at::Tensor())});
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["linear_offset"] = linear_offset;
+    ctx->saved_data["clamp_value"] = clamp_value;
     at::AutoDispatchBelowADInplaceOrView guard;
-    return swiglu_forward_op(input, bias);
+    return swiglu_forward_op(input, bias, {alpha, linear_offset, clamp_value});
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list result(2);
+    variable_list result(5);  // alpha, linear_offset and clamp_value get none
     if (!grads[0].defined()) return result;
     const auto saved = ctx->get_saved_variables();
     const std::optional<at::Tensor> bias =
         saved[1].defined() ? std::optional<at::Tensor>(saved[1]) : std::nullopt;
-    const auto grad_input = swiglu_backward_op(grads[0], saved[0], bias);
+    const auto& clamp = ctx->saved_data["clamp_value"];
+    const GluArgs glu{ctx->saved_data["alpha"].toDouble(),
+                      ctx->saved_data["linear_offset"].toDouble(),
+                      clamp.isNone() ? std::nullopt : std::optional<double>(clamp.toDouble())};
+    const auto grad_input = swiglu_backward_op(grads[0], saved[0], bias, glu);
     // The bias gradient: the sum over every dim but the last.
     if (bias.has_value() && ctx->needs_input_grad(1)) {
       result[1] = grad_input.reshape({-1, grad_input.size(-1)}).sum(0);
@@ -163,14 +181,19 @@ at::Tensor rotary_no_autograd(const at::Tensor& t, const at::Tensor& freqs, bool
   return rotary_forward_op(t, cos, sin, interleaved);
 }
 
-at::Tensor swiglu_autograd(const at::Tensor& input, const std::optional<at::Tensor>& bias) {
+at::Tensor swiglu_autograd(const at::Tensor& input, const std::optional<at::Tensor>& bias,
+                           double alpha, double linear_offset, std::optional<double> clamp_value) {
   check_swiglu_args("swiglu", input, bias);
-  return SwigluFunction::apply(input, bias);
+  glu_params("swiglu", alpha, linear_offset, clamp_value);
+  return SwigluFunction::apply(input, bias, alpha, linear_offset, clamp_value);
 }
 
-at::Tensor swiglu_no_autograd(const at::Tensor& input, const std::optional<at::Tensor>& bias) {
+at::Tensor swiglu_no_autograd(const at::Tensor& input, const std::optional<at::Tensor>& bias,
+                              double alpha, double linear_offset,
+                              std::optional<double> clamp_value) {
   check_swiglu_args("swiglu", input, bias);
-  return swiglu_forward_op(input, bias);
+  glu_params("swiglu", alpha, linear_offset, clamp_value);
+  return swiglu_forward_op(input, bias, {alpha, linear_offset, clamp_value});
 }
 
 }  // namespace

@@ -6,6 +6,7 @@ from megatron_ext.fusions.fused_bias_dropout import (
     bias_dropout_add_unfused,
     get_bias_dropout_add,
 )
+from megatron_ext.fusions.fused_bias_geglu import quick_gelu, quick_geglu, weighted_bias_quick_geglu_impl
 from megatron_ext.fusions.fused_bias_gelu import bias_gelu, bias_gelu_impl
 from megatron_ext.fusions.fused_bias_swiglu import bias_swiglu, bias_swiglu_impl, swiglu
 from megatron_ext.fusions.fused_rms_norm import fused_rms_norm
@@ -22,5 +23,8 @@ __all__ = [
     "fused_apply_rotary_pos_emb",
     "fused_rms_norm",
     "get_bias_dropout_add",
+    "quick_geglu",
+    "quick_gelu",
     "swiglu",
+    "weighted_bias_quick_geglu_impl",
 ]

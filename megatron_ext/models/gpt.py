@@ -12,6 +12,12 @@ from megatron_ext.dist_checkpointing.rank_shards import make_tp_sharded_tensor_f
 from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict
 from megatron_ext.tensor_parallel.utils import comm_device
 from megatron_ext.transformer import ParallelTransformer, TransformerConfig
+from megatron_ext.transformer.multi_token_prediction import (
+    MTPLossAutoScaler,
+    MTPLossLoggingHelper,
+    MultiTokenPredictionBlock,
+    roll_tensor,
+)
 from megatron_ext.transformer.rotary import RotaryEmbedding
 from megatron_ext.transformer.utils import initialization_seed
 
@@ -134,6 +140,7 @@ class GPTModel(torch.nn.Module):
         rope_scaling: bool = False,
         rope_scaling_factor: float = 8.0,
         seq_len_interpolation_factor: float | None = None,
+        mtp_block_spec=None,
     ):
         super().__init__()
         if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
@@ -153,13 +160,17 @@ class GPTModel(torch.nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         seed = torch.initial_seed() if init_seed is None else init_seed
+        # Multi-token prediction on the chunk that computes the loss (Megatron-core's placement).
+        self.mtp_process = getattr(config, "mtp_num_layers", None) is not None and self.post_process
+        _check_mtp_layout(config, position_embedding_type, mtp_block_spec)
 
-        if self.pre_process:
+        if self.pre_process or self.mtp_process:
             with initialization_seed(seed, 0):
                 self.embedding = GPTEmbedding(
                     config, vocab_size, max_sequence_length, position_embedding_type
                 )
-        if position_embedding_type == "rope":
+        # Multi-latent attention rotates in each layer (its own angles, Megatron-core's MLA).
+        if position_embedding_type == "rope" and not getattr(config, "multi_latent_attention", False):
             # Every stage rotates its own layers' queries and keys.
             self.rotary_pos_emb = RotaryEmbedding(
                 config.kv_channels,
@@ -173,8 +184,11 @@ class GPTModel(torch.nn.Module):
         self.decoder = ParallelTransformer(
             config, self.pre_process, self.post_process, init_seed=seed, vp_stage=vp_stage
         )
+        if self.mtp_process:
+            self.mtp = MultiTokenPredictionBlock(config, vp_stage=vp_stage, init_seed=seed)
         if self.post_process:
-            tied_here = self.pre_process and share_embeddings_and_output_weights
+            # The output layer reads the embedding (or its copy on this stage) when tied.
+            tied_here = (self.pre_process or self.mtp_process) and share_embeddings_and_output_weights
             with initialization_seed(seed, config.num_layers + 1):
                 self.output_layer = tensor_parallel.ColumnParallelLinear(
                     config.hidden_size,
@@ -188,8 +202,12 @@ class GPTModel(torch.nn.Module):
         self._setup_tied_output_weight(seed)
 
     def _setup_tied_output_weight(self, seed: int) -> None:
-        """Makes the last stage's copy of the word embedding equal to the first stage's."""
-        if not self.share_embeddings_and_output_weights:
+        """Makes the last stage's copy of the word embedding (the tied output weight, or the
+        embedding multi-token prediction reads) equal to the first stage's."""
+        mtp = getattr(self.config, "mtp_num_layers", None) is not None
+        if mtp and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            _check_embedding_copy_reachable(self)
+        if not self.share_embeddings_and_output_weights and not mtp:
             return
         if self.pre_process and self.post_process:
             return  # one stage: the output layer reads the embedding weight itself
@@ -222,8 +240,9 @@ class GPTModel(torch.nn.Module):
             weight.data.copy_(data)
 
     def shared_embedding_or_output_weight(self) -> torch.nn.Parameter | None:
-        """The word-embedding matrix on the first stage, its copy on the last, else None."""
-        if self.pre_process:
+        """The word-embedding matrix on the first stage, its copy on the last (the tied output
+        weight, or multi-token prediction's embedding), else None."""
+        if self.pre_process or self.mtp_process:
             return self.embedding.word_embeddings.weight
         if self.post_process and self.share_embeddings_and_output_weights:
             return self.output_layer.weight
@@ -251,31 +270,12 @@ class GPTModel(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         packed_seq_params=None,
+        loss_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``loss_mask`` (``[b, s]``, default all ones) weighs the tokens of the multi-token
+        prediction losses, as in Megatron-core (the main loss is returned per token, unweighted)."""
         hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
-        rotary_pos_emb = None
-        if self.position_embedding_type == "rope" and packed_seq_params is not None:
-            # Every packed sequence from position 0: the angles of the longest one's positions, of
-            # which each layer takes a sequence's own (on every cp rank: chunks of each sequence).
-            device = input_ids.device if self.pre_process else self.decoder.input_tensor.device
-            rotary_pos_emb = self.rotary_pos_emb(packed_rotary_len(packed_seq_params), device=device,
-                                                 packed_seq=True)
-        elif self.position_embedding_type == "rope":
-            if self.pre_process:
-                seq_len, device = input_ids.size(1), input_ids.device
-            else:
-                received = self.decoder.input_tensor
-                if received is None:
-                    raise RuntimeError(
-                        "GPTModel: no input (on a later pipeline stage call set_input_tensor first)"
-                    )
-                seq_len, device = received.size(0), received.device
-                if self.config.sequence_parallel:
-                    seq_len *= parallel_state.get_tensor_model_parallel_world_size()
-            # The angles of the whole sequence, of which the embedding keeps this cp rank's chunks.
-            cp_group = self.rotary_pos_emb.cp_group
-            seq_len *= cp_group.size() if cp_group is not None else 1
-            rotary_pos_emb = self.rotary_pos_emb(seq_len, device=device)
+        rotary_pos_emb = self._rotary_angles(input_ids, packed_seq_params)
         hidden = self.decoder(hidden, attention_mask, rotary_pos_emb, packed_seq_params)
         if not self.post_process:
             return hidden
@@ -285,6 +285,43 @@ class GPTModel(torch.nn.Module):
         if labels is None:
             logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, vocab (/ tp if parallel_output)]
             return logits.transpose(0, 1).contiguous()
+        if self.mtp_process:
+            hidden = self._attach_mtp_losses(
+                hidden, input_ids, position_ids, labels, loss_mask, weight,
+                (attention_mask, rotary_pos_emb, packed_seq_params),
+            )
+        return self._language_model_loss(hidden, labels, weight)
+
+    def _rotary_angles(self, input_ids: torch.Tensor | None, packed_seq_params) -> torch.Tensor | None:
+        """The rotary angles every layer of this stage reads (None without a model-wide rotary
+        embedding: learned or no positions, or multi-latent attention's own per layer)."""
+        if not hasattr(self, "rotary_pos_emb"):
+            return None
+        if packed_seq_params is not None:
+            # Every packed sequence from position 0: the angles of the longest one's positions, of
+            # which each layer takes a sequence's own (on every cp rank: chunks of each sequence).
+            device = input_ids.device if self.pre_process else self.decoder.input_tensor.device
+            return self.rotary_pos_emb(packed_rotary_len(packed_seq_params), device=device, packed_seq=True)
+        if self.pre_process:
+            seq_len, device = input_ids.size(1), input_ids.device
+        else:
+            received = self.decoder.input_tensor
+            if received is None:
+                raise RuntimeError(
+                    "GPTModel: no input (on a later pipeline stage call set_input_tensor first)"
+                )
+            seq_len, device = received.size(0), received.device
+            if self.config.sequence_parallel:
+                seq_len *= parallel_state.get_tensor_model_parallel_world_size()
+        # The angles of the whole sequence, of which the embedding keeps this cp rank's chunks.
+        cp_group = self.rotary_pos_emb.cp_group
+        seq_len *= cp_group.size() if cp_group is not None else 1
+        return self.rotary_pos_emb(seq_len, device=device)
+
+    def _language_model_loss(
+        self, hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The per-token loss ``[b, s]`` of ``labels`` under the output layer's logits of ``hidden``."""
         if self.config.fused_output_cross_entropy:
             group = self.output_layer.tp_group
             if self.config.sequence_parallel:
@@ -308,17 +345,109 @@ class GPTModel(torch.nn.Module):
         )
         return loss.transpose(0, 1).contiguous()  # [b, s]
 
+    def _attach_mtp_losses(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
+        labels: torch.Tensor, loss_mask: torch.Tensor | None, weight: torch.Tensor | None, layer_args: tuple,
+    ) -> torch.Tensor:
+        """Runs the multi-token prediction depths and attaches their losses to ``hidden`` (Megatron-core's
+        ``_postprocess``): depth k's loss is the mean, over the tokens ``loss_mask`` keeps k + 1 places
+        ahead, of the cross-entropy of the labels k + 1 places ahead, times ``mtp_loss_scaling_factor /
+        mtp_num_layers`` (per token with ``calculate_per_token_loss``: the sum). Over a context-parallel
+        group each rank's share is its sum over the group's token count, times cp (its share of the
+        data-parallel average over dp x cp); Megatron-core divides by each rank's own count, which differs
+        between ranks by the masked end positions, so its loss there is not the serial one."""
+        if input_ids is None:
+            raise RuntimeError(
+                "GPTModel: multi-token prediction embeds the input tokens on the last pipeline stage; pass "
+                "input_ids there too"
+            )
+        config = self.config
+        if position_ids is None:
+            position_ids = torch.zeros_like(input_ids)
+        depths = self.mtp(input_ids, position_ids, hidden, *layer_args, embedding=self.embedding)
+        cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+        cp = cp_group.size() if cp_group is not None else 1
+        packed_seq_params = layer_args[2]
+        mask = loss_mask
+        if mask is None:
+            mask = torch.ones(labels.shape, dtype=torch.float64, device=labels.device)
+        factor = config.mtp_loss_scaling_factor / config.mtp_num_layers
+        per_token = bool(getattr(config, "calculate_per_token_loss", False))
+        for depth, depth_hidden in enumerate(depths):
+            labels, _ = roll_tensor(labels, -1, -1, cp_group, packed_seq_params)
+            mask, count = roll_tensor(mask, -1, -1, cp_group, packed_seq_params)
+            total = (self._language_model_loss(depth_hidden, labels, weight) * mask).sum()
+            count = count.detach().to(torch.float64)
+            if cp > 1:
+                count = count.clone()
+                with reported("all-reduce of the multi-token prediction token count", cp_group, tensor=count):
+                    dist.all_reduce(count, group=cp_group)
+            mean = total * cp / count.clamp(min=1).to(total.dtype)
+            if self.training:
+                MTPLossLoggingHelper.save_loss_to_tracker(
+                    mean, depth, config.mtp_num_layers,
+                    avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+                )
+            hidden = MTPLossAutoScaler.apply(hidden, factor * (total if per_token else mean))
+        return hidden
+
+
+def _check_mtp_layout(config: TransformerConfig, position_embedding_type: str, mtp_block_spec) -> None:
+    """What multi-token prediction needs of the model (the same on every rank)."""
+    if mtp_block_spec is not None:
+        raise TypeError(
+            "GPTModel builds its multi-token prediction block from config.mtp_num_layers (each depth's layer "
+            f"like the decoder's last); module specs are not supported, got mtp_block_spec={mtp_block_spec!r}"
+        )
+    if getattr(config, "mtp_num_layers", None) is None:
+        return
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if position_embedding_type == "learned_absolute" and pp > 1:
+        raise ValueError(
+            "multi-token prediction (mtp_num_layers) with learned absolute positions needs the position "
+            "embedding on the last pipeline stage, where nothing keeps a copy equal to the first "
+            "stage's: use position_embedding_type 'rope' or 'none', or pipeline_model_parallel_size 1"
+        )
+
+
+def _check_embedding_copy_reachable(model: GPTModel) -> None:
+    """Multi-token prediction on the last pipeline stage reads a copy of the word embedding that the
+    embedding group keeps equal to the first stage's: every rank learns whether the stage holding
+    it is in that group, and all raise the same error if not."""
+    group = parallel_state.get_pipeline_model_parallel_group()
+    missing = model.mtp_process and not parallel_state.is_rank_in_embedding_group(
+        ignore_virtual=False, vp_stage=model.vp_stage)
+    flag = torch.tensor([float(missing)], device=comm_device(group))
+    with reported("all-reduce of the multi-token prediction layout check", group, tensor=flag):
+        dist.all_reduce(flag, group=group)
+    if flag.item() > 0:
+        raise RuntimeError(
+            "multi-token prediction (mtp_num_layers) runs on the last pipeline stage, which is not in the "
+            "embedding group (get_embedding_ranks of initialize_model_parallel): its copy of the word "
+            "embedding could not be kept equal to the first stage's; keep the last stage in that group"
+        )
+
 
 def gpt_sharded_state_dict(
     model: torch.nn.Module, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
 ) -> ShardedStateDict:
-    """``GPTModel.sharded_state_dict``: embedding, decoder (``block_sharded_state_dict``), output
-    layer. The last stage's copy of a tied word embedding is a non-main replica of the first
-    stage's ``embedding.word_embeddings.weight`` (loaded, not saved), as in Megatron-core."""
+    """``GPTModel.sharded_state_dict``: embedding, decoder (``block_sharded_state_dict``),
+    multi-token prediction depths (``mtp.layers.<k>.``), output layer. The last stage's copy of the
+    word embedding (a tied output weight, or multi-token prediction's embedding) is a non-main
+    replica of the first stage's ``embedding.word_embeddings.weight`` (loaded, not saved), as in
+    Megatron-core."""
     if sharded_offsets:
         raise ValueError(f"GPTModel takes no sharded_offsets, got {sharded_offsets}")
-    out = module_sharded_state_dict(model, prefix, skip=("decoder", "output_layer"))
+    out = module_sharded_state_dict(model, prefix, skip=("decoder", "output_layer", "mtp"))
     out.update(model.decoder.sharded_state_dict(f"{prefix}decoder.", (), metadata))
+    replica = (1, 0, parallel_state.get_data_parallel_rank(with_context_parallel=True))
+    if getattr(model, "mtp_process", False):
+        out.update(model.mtp.sharded_state_dict(f"{prefix}mtp.", (), metadata))
+        if not model.pre_process:
+            weight, key = model.embedding.word_embeddings.weight, prefix + TIED_EMBEDDING_NAME
+            out[key] = make_tp_sharded_tensor_for_checkpoint(
+                weight, key, weight.partition_dim % weight.dim(), replica_id=replica
+            )
     output_layer = getattr(model, "output_layer", None)
     if output_layer is None:
         return out
@@ -330,6 +459,6 @@ def gpt_sharded_state_dict(
             weight,
             prefix + TIED_EMBEDDING_NAME,
             weight.partition_dim % weight.dim(),
-            replica_id=(1, 0, parallel_state.get_data_parallel_rank(with_context_parallel=True)),
+            replica_id=replica,
         )
     return out

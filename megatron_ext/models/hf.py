@@ -57,6 +57,29 @@ _LAYER_NAMES = {  # megatron_ext name inside a layer -> Hugging Face name inside
     "mlp.dense_4h_to_h.bias": "mlp.down_proj.bias",
     "mlp.shared_experts.dense_4h_to_h.weight": "mlp.shared_expert.down_proj.weight",
     "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
+    # multi-latent attention (DeepSeek-V2/V3)
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_latent_norm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_latent_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
+}
+# A multi-token prediction depth's own tensors (DeepSeek-V3's files: the depth is layer
+# num_hidden_layers + k, its final norm ``shared_head.norm``) besides its transformer layer's.
+_MTP_NAMES = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "shared_head.norm.weight",
+}
+# The copies of the embedding and output weight the files keep with each depth.
+_MTP_COPIES = {
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "shared_head.head.weight": "lm_head.weight",
 }
 _FUSED = {  # fused megatron_ext tensors and the Hugging Face tensors they hold, in order
     "self_attention.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -86,6 +109,17 @@ def _expert_names(prefix: str, block: str, expert: int) -> tuple[str, str, str]:
     return tuple(f"{prefix}{block}.experts.{expert}.{p}.weight" for p in _EXPERT_NAMES[block])
 
 
+def _layer_of(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module | None, str]:
+    """The transformer layer a parameter ``name`` of GPTModel ``model`` lies in (a decoder layer or
+    a multi-token prediction depth's) and its name inside it; ``(None, name)`` for others."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        return model.decoder.layers[int(parts[2])], ".".join(parts[3:])
+    if parts[:2] == ["mtp", "layers"] and parts[3] == "transformer_layer":
+        return model.mtp.layers[int(parts[2])].transformer_layer, ".".join(parts[4:])
+    return None, name
+
+
 def _hf_sources(name: str, model: torch.nn.Module, block: str | None = None) -> tuple[str, ...]:
     """The Hugging Face tensors behind the megatron_ext parameter ``name`` of GPTModel ``model``
     (the routed experts aside: ``_load_experts``, ``_export_experts``); ``block`` names a MoE
@@ -93,19 +127,37 @@ def _hf_sources(name: str, model: torch.nn.Module, block: str | None = None) -> 
     if name in _GLOBAL_NAMES:
         return (_GLOBAL_NAMES[name],)
     parts = name.split(".")
-    if parts[:2] != ["decoder", "layers"]:
+    if parts[:2] == ["mtp", "layers"] and parts[3] in ("enorm", "hnorm", "eh_proj", "final_layernorm"):
+        depth = model.config.num_layers + int(parts[2])
+        return (f"model.layers.{depth}.{_MTP_NAMES['.'.join(parts[3:])]}",)
+    layer, inner = _layer_of(model, name)
+    if layer is None:
         raise KeyError(f"no Hugging Face tensor for {name!r}")
-    layer = model.decoder.layers[int(parts[2])]
     prefix = f"model.layers.{layer.layer_number - 1}."
-    inner = ".".join(parts[3:])
     if inner == "mlp.router.weight":
         return (f"{prefix}{block or _moe_block(model.config)}.gate.weight",)
     module, _, kind = inner.rpartition(".")
     if module in _FUSED:
-        return tuple(f"{prefix}{source}.{kind}" for source in _FUSED[module])
-    if inner not in _LAYER_NAMES:
+        names = tuple(f"{prefix}{source}.{kind}" for source in _FUSED[module])
+    elif inner in _LAYER_NAMES:
+        names = (prefix + _LAYER_NAMES[inner],)
+    else:
         raise KeyError(f"no Hugging Face tensor for {name!r}")
-    return (prefix + _LAYER_NAMES[inner],)
+    if _is_deepseek(model.config):  # DeepSeek's shared experts: ``mlp.shared_experts.*``
+        names = tuple(n.replace(".mlp.shared_expert.", ".mlp.shared_experts.") for n in names)
+    return names
+
+
+def _is_deepseek(config) -> bool:
+    return bool(getattr(config, "multi_latent_attention", False))
+
+
+def _transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers and its multi-token prediction depths' layers."""
+    if not getattr(model, "mtp_process", False):
+        return list(model.decoder.layers)
+    mtp = [depth.transformer_layer for depth in model.mtp.layers]
+    return list(model.decoder.layers) + mtp
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config) -> torch.Tensor:
@@ -288,11 +340,14 @@ def _load(chunks: list[torch.nn.Module], source: _TensorSource) -> None:
     used: set[str] = set()
     layers: set[int] = set()
     for model in chunks:
-        layers.update(layer.layer_number - 1 for layer in model.decoder.layers)
         config = model.config
-        for layer in model.decoder.layers:
+        if getattr(model, "mtp_process", False):
+            _check_mtp_tensors(model, source, used)
+        for layer in _transformer_layers(model):
+            layers.add(layer.layer_number - 1)
             if isinstance(layer.mlp, MoELayer):
                 _load_experts(layer, source, used)
+                _load_expert_bias(layer, source, used)
         for name, param in model.named_parameters():
             if ".mlp.experts." in name:
                 if not name.endswith(_EXPERT_WEIGHTS):
@@ -301,7 +356,7 @@ def _load(chunks: list[torch.nn.Module], source: _TensorSource) -> None:
             if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
                 hf_names = ("model.embed_tokens.weight",)
             elif name.endswith(".mlp.router.weight"):
-                hf_names = (_router_name(source, model.decoder.layers[int(name.split(".")[2])]),)
+                hf_names = (_router_name(source, _layer_of(model, name)[0]),)
             else:
                 hf_names = _hf_sources(name, model)
             missing = [n for n in hf_names if n not in source]
@@ -328,6 +383,45 @@ def _load(chunks: list[torch.nn.Module], source: _TensorSource) -> None:
     if unused:
         raise ValueError(f"tensors the model has no place for, e.g. {unused[:3]}: the model was not built "
                          "from this checkpoint's config")
+
+
+def _check_mtp_tensors(model: torch.nn.Module, source: _TensorSource, used: set[str]) -> None:
+    """The multi-token prediction depths are in the files (DeepSeek-V3's layers ``num_hidden_layers
+    + k``), with their copies of the embedding and output weight equal to the model's own."""
+    first = f"model.layers.{model.config.num_layers}.eh_proj.weight"
+    if first not in source:
+        raise KeyError(
+            f"the Hugging Face state dict has no multi-token prediction layers ({first!r}): transformers' "
+            "models hold none; build the model with mtp_num_layers=None, or load a checkpoint that has them"
+        )
+    for depth in range(model.config.mtp_num_layers):
+        for copy, main in _MTP_COPIES.items():
+            name = f"model.layers.{model.config.num_layers + depth}.{copy}"
+            if name not in source:
+                continue
+            main = main if main in source else "model.embed_tokens.weight"  # a tied output weight
+            if not torch.equal(source[name], source[main]):
+                raise ValueError(f"{name} differs from {main}: multi-token prediction shares the model's own")
+            used.add(name)
+
+
+def _load_expert_bias(layer: torch.nn.Module, source: _TensorSource, used: set[str]) -> None:
+    """A router's expert bias (Megatron-core's ``expert_bias``) from DeepSeek-V3's
+    ``mlp.gate.e_score_correction_bias``."""
+    router = layer.mlp.router
+    if router.expert_bias is None:
+        return
+    name = f"model.layers.{layer.layer_number - 1}.mlp.gate.e_score_correction_bias"
+    if name not in source:
+        raise KeyError(f"the Hugging Face state dict has no {name!r} (for the router's expert bias)")
+    bias = source[name]
+    if bias.shape != router.expert_bias.shape:
+        raise ValueError(
+            f"{name} has shape {tuple(bias.shape)}, the router's expert bias "
+            f"{tuple(router.expert_bias.shape)}: the model was not built from this config"
+        )
+    router.expert_bias.copy_(bias)
+    used.add(name)
 
 
 def _router_name(source: _TensorSource, layer: torch.nn.Module) -> str:
@@ -445,9 +539,12 @@ def export_hf_state_dict(model_chunks, vocab_size: int | None = None) -> dict[st
     for model in chunks:
         config = model.config
         tied = model.share_embeddings_and_output_weights
-        for layer in model.decoder.layers:
+        for layer in _transformer_layers(model):
             if isinstance(layer.mlp, MoELayer):
                 local.update(_export_experts(layer))
+                if layer.mlp.router.expert_bias is not None:
+                    name = f"model.layers.{layer.layer_number - 1}.mlp.gate.e_score_correction_bias"
+                    local[name] = layer.mlp.router.expert_bias.detach().cpu().clone()
         for name, param in _parameters(model):
             if ".mlp.experts." in name:
                 continue
@@ -473,14 +570,22 @@ def export_hf_state_dict(model_chunks, vocab_size: int | None = None) -> dict[st
         out.update(part)
     if tied:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    config = chunks[0].config
+    for depth in range(getattr(config, "mtp_num_layers", None) or 0):  # DeepSeek-V3's copies per depth
+        for copy, main in _MTP_COPIES.items():
+            out[f"model.layers.{config.num_layers + depth}.{copy}"] = out[main].clone()
     return dict(sorted(out.items(), key=lambda item: _hf_order(item[0])))
 
 
 _LAYER_ORDER = (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
-    "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "block_sparse_moe.gate", "mlp.gate",
-    "experts", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
-    "mlp.shared_expert_gate", "input_layernorm", "post_attention_layernorm",
+    "embed_tokens", "enorm", "hnorm", "eh_proj", "self_attn.q_proj", "self_attn.q_a_proj",
+    "self_attn.q_a_layernorm", "self_attn.q_b_proj", "self_attn.k_proj", "self_attn.v_proj",
+    "self_attn.kv_a_proj_with_mqa", "self_attn.kv_a_layernorm", "self_attn.kv_b_proj", "self_attn.o_proj",
+    "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+    "block_sparse_moe.gate", "mlp.gate", "experts", "mlp.shared_expert.gate_proj",
+    "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj", "mlp.shared_expert_gate",
+    "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj",
+    "input_layernorm", "post_attention_layernorm", "shared_head.norm", "shared_head.head",
 )
 
 

@@ -112,6 +112,7 @@ def get_megatron_optimizer(
         optimizer.model_parallel_group = groups["mp_group"]
         optimizer.data_parallel_group = groups["dp_cp_group"]
         optimizer.tp_group = getattr(pg_collection, "tp", None)
+        optimizer.expt_tp_group = getattr(pg_collection, "expt_tp", None)
     return optimizer
 
 

@@ -81,6 +81,7 @@ class MegatronOptimizer:
         self.model_parallel_group: dist.ProcessGroup | None = None
         self.data_parallel_group: dist.ProcessGroup | None = None
         self.tp_group: dist.ProcessGroup | None = None
+        self.expt_tp_group: dist.ProcessGroup | None = None
         self._slots = slots
         # Mixture-of-experts models: the experts' gradient norm is reduced over the expert groups
         # (decided from the model's config, the same on every rank).
@@ -131,17 +132,20 @@ class MegatronOptimizer:
         return [s.main for s in self._slots]
 
     def get_main_grads_for_grad_norm(self, expert: bool = False) -> list[torch.Tensor]:
-        """Main gradients counted once across ranks: without tensor-parallel duplicates and the
-        last stage's copy of the tied embedding; those of the dense parameters, or with
-        ``expert`` of the expert parameters (``allreduce=False``)."""
+        """Main gradients counted once across ranks: without tensor-parallel duplicates (expert
+        ones: over the expert-tensor-parallel group) and the last stage's copy of the tied
+        embedding; those of the dense parameters, or with ``expert`` of the expert parameters
+        (``allreduce=False``)."""
         alone = not dist.is_initialized()  # no tensor-parallel copies to skip
+        tp_group = None if alone else (
+            default_group("expt_tp", self.expt_tp_group, False) if expert else self.tp_group)
         return [
             s.main.grad
             for s in self._slots
             if s.main.grad is not None
             and getattr(s.model_param, "allreduce", True) != expert
             and not getattr(s.model_param, "shared", False)
-            and (alone or param_is_not_tensor_parallel_duplicate(s.model_param, self.tp_group))
+            and (alone or param_is_not_tensor_parallel_duplicate(s.model_param, tp_group))
         ]
 
     def get_expert_grad_stats_parallel_group(self) -> list[dist.ProcessGroup]:

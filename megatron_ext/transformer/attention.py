@@ -167,8 +167,8 @@ class ParallelAttention(torch.nn.Module):
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
             cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
-            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.config, cu_seqlens, cp_group)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb, self.config, cu_seqlens, cp_group)
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.config, cu_seqlens, cp_group=cp_group)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, self.config, cu_seqlens, cp_group=cp_group)
         s, b = query.shape[:2]
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
         if self.training and selectively_recomputed(self.config, "core_attn"):

@@ -111,12 +111,19 @@ def apply_rotary_pos_emb(
     freqs: torch.Tensor,
     config,
     cu_seqlens: torch.Tensor | None = None,
+    mscale: float = 1.0,
     cp_group: torch.distributed.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Rotates ``t`` (``[s, b, heads, d]``) by ``freqs`` (``[>= s, 1, 1, dim]``, from
     ``RotaryEmbedding``), channels ``dim ..`` passing through; ``config.rotary_interleaved`` picks
     the channel pairing. With ``config.apply_rope_fusion`` one kernel does it
-    (``fusions.fused_apply_rotary_pos_emb``, the same numbers).
+    (``fusions.fused_apply_rotary_pos_emb``, the same numbers). ``mscale`` multiplies the cosines
+    and sines (YaRN's attention factor, ``transformer.yarn_rotary``).
+
+    With ``config.multi_latent_attention`` the rotated channels are DeepSeek's interleaved pairs
+    ``(x0, x1), (x2, x3), ..``: they are first laid out as ``x0 x2 .. | x1 x3 ..`` and then rotated
+    as halves, as Megatron-core's MLA does (queries and keys alike, so their products are those of
+    the interleaved rotation).
 
     With ``cu_seqlens`` (a packed row, ``t`` ``[t, 1, heads, d]`` or ``[t, heads, d]``: this
     context-parallel rank's rows of it) every sequence is rotated from position 0 on, by the rows
@@ -132,15 +139,26 @@ def apply_rotary_pos_emb(
             )
         freqs = freqs.index_select(0, positions.to(freqs.device))
         if t.dim() == 3:
-            return apply_rotary_pos_emb(t.unsqueeze(1), freqs, config).squeeze(1)
+            return apply_rotary_pos_emb(t.unsqueeze(1), freqs, config, mscale=mscale).squeeze(1)
     interleaved = bool(getattr(config, "rotary_interleaved", False))
     dim = freqs.shape[-1]
     if dim > t.shape[-1]:
         raise ValueError(f"rotary embeddings of {dim} channels for heads of {t.shape[-1]} channels")
     freqs = freqs[: t.shape[0]]
-    if getattr(config, "apply_rope_fusion", False):
+    fused = bool(getattr(config, "apply_rope_fusion", False))
+    mla = bool(getattr(config, "multi_latent_attention", False))
+    if fused and not mla and mscale == 1.0:
         return fused_apply_rotary_pos_emb(t, freqs, interleaved)
     rotated, passed = t[..., :dim], t[..., dim:]
-    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
-    rotated = rotated * cos + _rotate_half(rotated, interleaved) * sin
+    if mla:
+        rotated = torch.cat((rotated[..., 0::2], rotated[..., 1::2]), dim=-1)
+    if fused:  # the rotation is linear: the factor can follow it
+        rotated = fused_apply_rotary_pos_emb(rotated, freqs, interleaved)
+        rotated = rotated * mscale if mscale != 1.0 else rotated
+    else:
+        cos, sin = freqs.cos(), freqs.sin()
+        if mscale != 1.0:
+            cos, sin = cos * mscale, sin * mscale
+        cos, sin = cos.to(t.dtype), sin.to(t.dtype)
+        rotated = rotated * cos + _rotate_half(rotated, interleaved) * sin
     return torch.cat((rotated, passed), dim=-1) if passed.shape[-1] else rotated

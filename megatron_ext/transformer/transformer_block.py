@@ -179,7 +179,8 @@ class ParallelTransformer(torch.nn.Module):
     ) -> dict:
         """Megatron's checkpointing API: the layers by global layer number, stacked along a leading
         layer axis (``decoder.layers.<name>``) or, with ``metadata["non_homogeneous_layers"]`` or
-        ``["singleton_local_shards"]``, one key per layer (``layers.<N>.<name>``)."""
+        ``["singleton_local_shards"]`` or dense and MoE layers mixed (``moe_layer_freq``), one
+        key per layer (``layers.<N>.<name>``)."""
         return block_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def forward(
@@ -225,9 +226,15 @@ class ParallelTransformer(torch.nn.Module):
         return hidden_states
 
 
-def _per_layer_keys(metadata: dict | None) -> bool:
+def _per_layer_keys(config: TransformerConfig, metadata: dict | None) -> bool:
+    """One key per layer where asked, or where the layers differ: dense and mixture-of-experts
+    layers mixed by ``moe_layer_freq`` (an int above 1 or any list, as Megatron-core decides)."""
     metadata = metadata or {}
-    return bool(metadata.get("non_homogeneous_layers") or metadata.get("singleton_local_shards"))
+    freq = getattr(config, "moe_layer_freq", 1)
+    mixed = getattr(config, "num_moe_experts", None) is not None and (
+        isinstance(freq, (list, tuple)) or (isinstance(freq, int) and freq > 1)
+    )
+    return bool(mixed or metadata.get("non_homogeneous_layers") or metadata.get("singleton_local_shards"))
 
 
 def block_sharded_state_dict(
@@ -242,7 +249,7 @@ def block_sharded_state_dict(
     for local_index, layer in enumerate(block.layers):
         number = layer.layer_number - 1
         state_prefix = f"{prefix}layers.{local_index}."
-        if _per_layer_keys(metadata):
+        if _per_layer_keys(block.config, metadata):
             sharded_prefix, offsets = f"{prefix}layers.{number}.", ()
         else:
             sharded_prefix, offsets = f"{prefix}layers.", ((0, number, num_layers),)

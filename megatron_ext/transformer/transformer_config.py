@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from megatron_ext.model_parallel_config import ModelParallelConfig, refuse_unimplemented
 from megatron_ext.transformer.context_parallel import check_context_parallel_config
+from megatron_ext.transformer.mla_config import check_mla_config, check_mtp_config
 from megatron_ext.transformer.utils import check_attention_variants
 
 
@@ -55,19 +56,15 @@ def scaled_init_method_normal(
 
 # Fields whose feature the transformer does not implement, each with that feature.
 _UNIMPLEMENTED = {
-    "mtp_num_layers": "multi-token prediction",
     "pipeline_model_parallel_layout": "custom pipeline layouts",
     "softmax_scale": "a custom attention softmax scale",
     "fp32_residual_connection": "fp32 residual connections",
     "layernorm_zero_centered_gamma": "zero-centred LayerNorm gamma",
     "activation_func_fp8_input_store": "FP8 activation storage",
-    "glu_linear_offset": "an offset on the linear half of the gated linear unit",
-    "activation_func_clamp_value": "activation clamping",
     "qk_l2_norm": "query/key L2 normalisation",
     "qk_clip": "query/key clipping",
     "log_max_attention_logit": "attention-logit logging",
     "attention_output_gate": "gated attention",
-    "multi_latent_attention": "multi-latent attention",
     "no_rope_freq": "rotary embeddings skipped in some layers",
     "experimental_attention_variant": "experimental attention variants",
     "linear_attention_freq": "linear attention",
@@ -105,6 +102,53 @@ _UNIMPLEMENTED = {
 
 
 MOE_DISPATCHERS = ("allgather", "alltoall")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_group_limited_routing(num_experts: int, topk: int, num_groups: Any, group_topk: Any) -> None:
+    """ValueError unless ``num_groups`` groups of ``num_experts / num_groups`` consecutive experts,
+    ``group_topk`` of them chosen per token, can give each token ``topk`` experts and a score to
+    every group (the sum of its ``topk // group_topk`` best experts' scores). Megatron-core's
+    rules (groups divide the experts, no more chosen groups than groups, group_topk needs
+    num_groups), and two of its silent failures refused: a ``topk`` beyond the experts of the
+    chosen groups, and one below ``group_topk`` (every group would score 0)."""
+    if group_topk is None and num_groups is None:
+        return
+    if group_topk is None:
+        raise ValueError(
+            f"moe_router_num_groups ({num_groups!r}) needs moe_router_group_topk (the groups chosen per "
+            "token): group-limited routing takes both"
+        )
+    if num_groups is None:
+        raise ValueError(
+            f"moe_router_group_topk ({group_topk!r}) needs moe_router_num_groups: group-limited routing "
+            "takes both"
+        )
+    for name, value in (("moe_router_num_groups", num_groups), ("moe_router_group_topk", group_topk)):
+        if not _positive_int(value):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if num_experts % num_groups:
+        raise ValueError(
+            f"num_moe_experts ({num_experts}) must be divisible by moe_router_num_groups ({num_groups})"
+        )
+    if group_topk > num_groups:
+        raise ValueError(
+            f"moe_router_group_topk ({group_topk}) must not exceed moe_router_num_groups ({num_groups})"
+        )
+    per_group = num_experts // num_groups
+    if topk > group_topk * per_group:
+        raise ValueError(
+            f"moe_router_topk ({topk}) is not reachable with moe_router_group_topk ({group_topk}) groups "
+            f"of {per_group} experts: at most {group_topk * per_group} experts are in the chosen groups"
+        )
+    if topk < group_topk:
+        raise ValueError(
+            f"moe_router_topk ({topk}) must be at least moe_router_group_topk ({group_topk}): a group's "
+            "score sums its moe_router_topk // moe_router_group_topk best experts"
+        )
 
 
 def check_moe_config(config: Any, ep: int | None = None) -> None:
@@ -170,6 +214,9 @@ def check_moe_config(config: Any, ep: int | None = None) -> None:
     shared = config.moe_shared_expert_intermediate_size
     if shared is not None and (not isinstance(shared, int) or shared < 1):
         raise ValueError(f"moe_shared_expert_intermediate_size must be a positive integer, got {shared!r}")
+    check_group_limited_routing(
+        experts, topk, config.moe_router_num_groups, config.moe_router_group_topk
+    )
 
 
 @dataclass
@@ -357,9 +404,9 @@ class TransformerConfig(ModelParallelConfig):
     # [s, b, vocab / tp] logits; same losses and gradients. Only the loss path (labels given).
     fused_output_cross_entropy: bool = False
 
-    # The modules selective recomputation can recompute here ("mla_up_proj" names a Megatron-core
-    # feature, multi-latent attention, that megatron_ext does not have).
-    SELECTIVE_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts")
+    # The modules selective recomputation can recompute here.
+    SELECTIVE_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts",
+                                   "mla_up_proj")
     _MEGATRON_CORE_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
                                         "shared_experts")
 
@@ -422,6 +469,11 @@ class TransformerConfig(ModelParallelConfig):
                     "TransformerConfig.recompute_modules: 'moe_act' needs moe_grouped_gemm=True (the "
                     "experts' activation is recomputed in GroupedMLP)"
                 )
+            if "mla_up_proj" in self.recompute_modules and not self.multi_latent_attention:
+                raise ValueError(
+                    "TransformerConfig.recompute_modules: 'mla_up_proj' is only supported with "
+                    "multi_latent_attention"
+                )
             if ("shared_experts" in self.recompute_modules and self.moe_shared_expert_overlap
                     and self.moe_shared_expert_intermediate_size is not None):
                 raise ValueError(
@@ -439,6 +491,42 @@ class TransformerConfig(ModelParallelConfig):
             self.recompute_granularity = "selective"
             if "moe" not in self.recompute_modules:
                 self.recompute_modules = [*self.recompute_modules, "moe"]
+
+    def _check_gated_unit(self) -> None:
+        """``glu_linear_offset`` (finite) and ``activation_func_clamp_value`` (positive and finite,
+        or None) shape the gated linear unit: set without ``gated_linear_unit`` they would do
+        nothing (Megatron-core ignores them there), so they raise."""
+        offset, clamp = self.glu_linear_offset, self.activation_func_clamp_value
+        if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
+            raise ValueError(f"TransformerConfig.glu_linear_offset must be a finite number, got {offset!r}")
+        if clamp is not None and (
+            isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not 0 < clamp < math.inf
+        ):
+            raise ValueError(
+                "TransformerConfig.activation_func_clamp_value must be a positive finite number or None, "
+                f"got {clamp!r}"
+            )
+        if not self.gated_linear_unit and (offset != 0.0 or clamp is not None):
+            raise ValueError(
+                f"TransformerConfig.glu_linear_offset ({offset}) and activation_func_clamp_value ({clamp}) "
+                "shape the gated linear unit: they need gated_linear_unit=True"
+            )
+
+    def _translate_topk_limited_devices(self) -> None:
+        """Megatron-core's deprecated ``moe_router_topk_limited_devices`` d: device-limited routing,
+        ``moe_router_group_topk`` d of ``expert_model_parallel_size`` groups."""
+        devices = self.moe_router_topk_limited_devices
+        if not devices:
+            return
+        if self.moe_router_group_topk:
+            raise ValueError(
+                "moe_router_topk_limited_devices is deprecated and replaced by moe_router_group_topk "
+                "and moe_router_num_groups: set only those"
+            )
+        warnings.warn("moe_router_topk_limited_devices is deprecated: use moe_router_group_topk and "
+                      "moe_router_num_groups")
+        self.moe_router_group_topk = devices
+        self.moe_router_num_groups = self.expert_model_parallel_size
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -492,7 +580,10 @@ class TransformerConfig(ModelParallelConfig):
             )
         check_context_parallel_config(self)
         check_attention_variants(self)
+        check_mla_config(self)
+        check_mtp_config(self)
         if self.num_moe_experts is not None:
+            self._translate_topk_limited_devices()
             if self.moe_ffn_hidden_size is None:
                 self.moe_ffn_hidden_size = self.ffn_hidden_size
             check_moe_config(self)
@@ -515,6 +606,7 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(
                 f"TransformerConfig.activation_func must be callable, got {self.activation_func!r}"
             )
+        self._check_gated_unit()
         self._check_recompute()
         backend = getattr(self.attention_backend, "name", self.attention_backend)
         if backend not in AttnBackend.__members__:
@@ -545,3 +637,34 @@ class TransformerConfig(ModelParallelConfig):
                 "init_method"
             )
         self.embedding_init_method = self.init_method
+
+
+@dataclass
+class MLATransformerConfig(TransformerConfig):
+    """Megatron-core's configuration of multi-latent attention (DeepSeek-V2/V3): its fields, defaults
+    and order on top of ``TransformerConfig``'s (``transformer.multi_latent_attention``).
+
+    ``q_lora_rank`` (None: the query is projected from the hidden state in one step, as in
+    DeepSeek-V2-Lite), ``kv_lora_rank``: the ranks of the compressed query and key/value latents;
+    ``qk_head_dim`` + ``qk_pos_emb_head_dim``: a query/key head (its rotated part shared by all heads
+    of a key), ``v_head_dim``: a value head. ``rope_type`` ``"rope"`` or ``"yarn"`` (YaRN with
+    ``rotary_scaling_factor``, ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``,
+    ``mscale``, ``mscale_all_dim``; the softmax scale carries ``mscale_all_dim``'s factor squared)."""
+
+    multi_latent_attention: bool = True
+    q_lora_rank: int | None = 512
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    normalization: str = "RMSNorm"
+    rope_type: str = "yarn"
+    rotary_base: float = 10000
+    rotary_percent: float = 1.0
+    rotary_scaling_factor: float = 40
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32
+    beta_slow: float = 1
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    cache_mla_latents: bool = False

@@ -10,6 +10,7 @@ from megatron_ext.tensor_parallel.sharded_state import renamed_key, renamed_shar
 from megatron_ext.transformer.attention import ATTENTION_KEYS, ParallelAttention
 from megatron_ext.transformer.mlp import MLP_KEYS, ParallelMLP
 from megatron_ext.transformer.moe.moe_layer import MoELayer
+from megatron_ext.transformer.multi_latent_attention import MLA_KEYS, MLASelfAttention
 from megatron_ext.transformer.transformer_config import TransformerConfig
 from megatron_ext.transformer.utils import layer_norm, selectively_recomputed
 
@@ -25,14 +26,24 @@ LAYER_KEYS = {
 
 # A mixture-of-experts layer stores its second norm on its own, as Megatron-core's MoE specs do.
 MOE_LAYER_KEYS = {**LAYER_KEYS, "post_attention_layernorm.": "pre_mlp_layernorm."}
+# A multi-latent attention layer stores its first norm on its own too (its first linears are the
+# down projections), and each latent norm with the up projection it feeds.
+MLA_LAYER_KEYS = {
+    "post_attention_layernorm.": "mlp.linear_fc1.layer_norm_",
+    **{f"self_attention.{k}": f"self_attention.{v}" for k, v in MLA_KEYS.items()},
+    **{f"mlp.{k}": f"mlp.{v}" for k, v in MLP_KEYS.items()},
+}
+MLA_MOE_LAYER_KEYS = {**MLA_LAYER_KEYS, "post_attention_layernorm.": "pre_mlp_layernorm."}
 
 
 def is_moe_layer(config: TransformerConfig, layer_number: int) -> bool:
     """Whether layer ``layer_number`` (1-based, global) is a mixture-of-experts layer:
     ``moe_layer_freq`` k makes every k-th layer one (layers 1, k + 1, ...), a list of 0/1 is the
-    pattern itself (Megatron-core's rule)."""
+    pattern itself (Megatron-core's rule). The multi-token prediction layers (numbers past
+    ``num_layers``) are built like the last layer, as Megatron-core's MTP spec builds them."""
     if getattr(config, "num_moe_experts", None) is None:
         return False
+    layer_number = min(layer_number, config.num_layers)
     freq = config.moe_layer_freq
     if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
         return (layer_number - 1) % freq == 0
@@ -84,7 +95,8 @@ class ParallelTransformerLayer(torch.nn.Module):
         self.config = config
         self.layer_number = layer_number
         self.input_layernorm = layer_norm(config, config.hidden_size)
-        self.self_attention = ParallelAttention(config, layer_number)
+        mla = bool(getattr(config, "multi_latent_attention", False))
+        self.self_attention = (MLASelfAttention if mla else ParallelAttention)(config, layer_number)
         self.post_attention_layernorm = layer_norm(config, config.hidden_size)
         if is_moe_layer(config, layer_number):
             self.mlp = MoELayer(config, layer_number=layer_number)
@@ -96,12 +108,14 @@ class ParallelTransformerLayer(torch.nn.Module):
     ) -> dict:
         """Megatron's checkpointing API: each tensor as a ShardedTensor (``sharded_offsets``: the
         layer axis a block prepends) under Megatron-core's keys (``LAYER_KEYS``; a mixture-of-experts
-        layer's: ``MOE_LAYER_KEYS`` and the ``MoELayer``'s own)."""
+        layer's: ``MOE_LAYER_KEYS`` and the ``MoELayer``'s own; a multi-latent attention layer's:
+        ``MLA_LAYER_KEYS`` / ``MLA_MOE_LAYER_KEYS``)."""
+        mla = isinstance(self.self_attention, MLASelfAttention)
         if not isinstance(self.mlp, MoELayer):
-            return renamed_sharded_state_dict(self, prefix, sharded_offsets, LAYER_KEYS, metadata)
-        out = renamed_sharded_state_dict(
-            self, prefix, sharded_offsets, MOE_LAYER_KEYS, metadata, skip=("mlp",)
-        )
+            keys = MLA_LAYER_KEYS if mla else LAYER_KEYS
+            return renamed_sharded_state_dict(self, prefix, sharded_offsets, keys, metadata)
+        keys = MLA_MOE_LAYER_KEYS if mla else MOE_LAYER_KEYS
+        out = renamed_sharded_state_dict(self, prefix, sharded_offsets, keys, metadata, skip=("mlp",))
         out.update(self.mlp.sharded_state_dict(f"{prefix}mlp.", sharded_offsets, metadata))
         return out
 

@@ -1,9 +1,10 @@
-// CPU loops of RMSNorm, rotary embedding and SwiGLU. This file is compiled as is (baseline
-// instruction set, namespace DEFAULT) and again by setup.py with CPU_CAPABILITY=AVX2 and AVX512
-// and the matching -m flags, as ATen compiles its kernels. Vector lanes run the arithmetic of
-// kernels/llama_fusions.h operation for operation (at::vec::Vectorized), remainders run the header
-// itself. A row is brought into the accumulation type once (16-bit values converted to float into
-// a buffer the loop owns) and its results rounded back once.
+// CPU loops of RMSNorm, rotary embedding and SwiGLU (and its gated-sigmoid variants). This file is
+// compiled as is (baseline instruction set, namespace DEFAULT) and again by setup.py with
+// CPU_CAPABILITY=AVX2 and AVX512 and the matching -m flags, as ATen compiles its kernels. Vector
+// lanes run the arithmetic of kernels/llama_fusions.h operation for operation
+// (at::vec::Vectorized), remainders run the header itself. A row is brought into the accumulation
+// type once (16-bit values converted to float into a buffer the loop owns) and its results rounded
+// back once.
 #ifndef CPU_CAPABILITY
 #define CPU_CAPABILITY DEFAULT
 #endif
@@ -350,6 +351,103 @@ void swiglu_backward_rows(const void* grad_ptr, const void* y_ptr, const void* b
   }
 }
 
+// ---- Gated sigmoid units (offset, clamp, quick GELU) -----------------------------------------
+
+// The gate (clamped above) and the linear half (clamped both ways), when ``p`` clamps.
+template <typename acc_t>
+void clamp_halves(at::vec::Vectorized<acc_t>& g, at::vec::Vectorized<acc_t>& u,
+                  const GluParams& p) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  if (!p.clamped) return;
+  const Vec hi(static_cast<acc_t>(p.clamp_value)), lo(static_cast<acc_t>(-p.clamp_value));
+  g = at::vec::minimum(g, hi);
+  u = at::vec::clamp(u, lo, hi);
+}
+
+template <typename scalar_t>
+void glu_forward_rows(const void* y_ptr, const void* bias_ptr, int64_t f, const GluParams& p,
+                      int64_t begin, int64_t end, void* out_ptr) {
+  using acc_t = acc_type<scalar_t>;
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr int64_t L = Vec::size();
+  const auto* y = static_cast<const scalar_t*>(y_ptr);
+  const auto* bias = static_cast<const acc_t*>(bias_ptr);
+  auto* out = static_cast<scalar_t*>(out_ptr);
+  alignas(64) acc_t gate_buffer[kSwigluBlock], up_buffer[kSwigluBlock], out_buffer[kSwigluBlock];
+  const Vec one(1), alpha(static_cast<acc_t>(p.alpha)), offset(static_cast<acc_t>(p.linear_offset));
+  for (int64_t i = begin; i < end; ++i) {
+    for (int64_t c = 0; c < f; c += kSwigluBlock) {
+      const int64_t n = std::min(kSwigluBlock, f - c);
+      const scalar_t* row = y + i * 2 * f + c;
+      const acc_t* gate = biased_row(row, bias ? bias + c : nullptr, gate_buffer, n);
+      const acc_t* up = biased_row(row + f, bias ? bias + f + c : nullptr, up_buffer, n);
+      acc_t* o = acc_out(out + i * f + c, out_buffer);
+      const int64_t nv = n - n % L;
+      for (int64_t j = 0; j < nv; j += L) {
+        Vec g = Vec::loadu(gate + j), u = Vec::loadu(up + j);
+        clamp_halves(g, u, p);
+        const Vec s = one / (one + (alpha * g).neg().exp());
+        ((g * s) * (u + offset)).store(o + j);
+      }
+      for (int64_t j = nv; j < n; ++j) o[j] = glu_out(gate[j], up[j], p);
+      store_row(o, out + i * f + c, n);
+    }
+  }
+}
+
+template <typename scalar_t>
+void glu_backward_rows(const void* grad_ptr, const void* y_ptr, const void* bias_ptr, int64_t f,
+                       const GluParams& p, int64_t begin, int64_t end, void* grad_y_ptr) {
+  using acc_t = acc_type<scalar_t>;
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr int64_t L = Vec::size();
+  const auto* grad = static_cast<const scalar_t*>(grad_ptr);
+  const auto* y = static_cast<const scalar_t*>(y_ptr);
+  const auto* bias = static_cast<const acc_t*>(bias_ptr);
+  auto* grad_y = static_cast<scalar_t*>(grad_y_ptr);
+  alignas(64) acc_t gate_buffer[kSwigluBlock], up_buffer[kSwigluBlock], grad_buffer[kSwigluBlock];
+  alignas(64) acc_t gate_out_buffer[kSwigluBlock], up_out_buffer[kSwigluBlock];
+  const Vec one(1), alpha(static_cast<acc_t>(p.alpha)), offset(static_cast<acc_t>(p.linear_offset));
+  const Vec hi(static_cast<acc_t>(p.clamp_value)), lo(static_cast<acc_t>(-p.clamp_value));
+  for (int64_t i = begin; i < end; ++i) {
+    for (int64_t c = 0; c < f; c += kSwigluBlock) {
+      const int64_t n = std::min(kSwigluBlock, f - c);
+      const scalar_t* row = y + i * 2 * f + c;
+      const acc_t* gate = biased_row(row, bias ? bias + c : nullptr, gate_buffer, n);
+      const acc_t* up = biased_row(row + f, bias ? bias + f + c : nullptr, up_buffer, n);
+      const acc_t* gr = acc_row(grad + i * f + c, grad_buffer, n);
+      scalar_t* grad_row = grad_y + i * 2 * f + c;
+      acc_t* og = acc_out(grad_row, gate_out_buffer);
+      acc_t* ou = acc_out(grad_row + f, up_out_buffer);
+      const int64_t nv = n - n % L;
+      for (int64_t j = 0; j < nv; j += L) {
+        Vec g = Vec::loadu(gate + j), u = Vec::loadu(up + j);
+        const Vec gj = Vec::loadu(gr + j);
+        // All bits set where the gradient passes the clamp (comparisons give such lane masks).
+        const Vec gate_passes = g < hi, up_passes = (u > lo) & (u < hi);
+        clamp_halves(g, u, p);
+        const Vec s = one / (one + (alpha * g).neg().exp());
+        const Vec slope = at::vec::fmadd(alpha * g, one - s, one);  // fma_acc's lanes
+        Vec d_gate = ((gj * (u + offset)) * s) * slope;
+        Vec d_up = gj * (g * s);
+        if (p.clamped) {
+          d_gate = d_gate & gate_passes;
+          d_up = d_up & up_passes;
+        }
+        d_gate.store(og + j);
+        d_up.store(ou + j);
+      }
+      for (int64_t j = nv; j < n; ++j) {
+        const SwigluGrads<acc_t> grads = glu_grads(gr[j], gate[j], up[j], p);
+        og[j] = grads.gate;
+        ou[j] = grads.up;
+      }
+      store_row(og, grad_row, n);
+      store_row(ou, grad_row + f, n);
+    }
+  }
+}
+
 // ---- dtype dispatch ------------------------------------------------------------------------
 
 #define MEGATRON_EXT_FUSION_DISPATCH(dtype, fn, ...) \
@@ -382,14 +480,21 @@ void rotary(FusionDtype dtype, const void* input, const void* cos, const void* s
                                out)
 }
 
-void swiglu_forward(FusionDtype dtype, const void* y, const void* bias, int64_t f, int64_t begin,
-                    int64_t end, void* out) {
-  MEGATRON_EXT_FUSION_DISPATCH(dtype, swiglu_forward_rows, y, bias, f, begin, end, out)
+void swiglu_forward(FusionDtype dtype, const void* y, const void* bias, int64_t f,
+                    const GluParams& params, int64_t begin, int64_t end, void* out) {
+  if (is_plain_swiglu(params)) {
+    MEGATRON_EXT_FUSION_DISPATCH(dtype, swiglu_forward_rows, y, bias, f, begin, end, out)
+  }
+  MEGATRON_EXT_FUSION_DISPATCH(dtype, glu_forward_rows, y, bias, f, params, begin, end, out)
 }
 
 void swiglu_backward(FusionDtype dtype, const void* grad, const void* y, const void* bias,
-                     int64_t f, int64_t begin, int64_t end, void* grad_y) {
-  MEGATRON_EXT_FUSION_DISPATCH(dtype, swiglu_backward_rows, grad, y, bias, f, begin, end, grad_y)
+                     int64_t f, const GluParams& params, int64_t begin, int64_t end, void* grad_y) {
+  if (is_plain_swiglu(params)) {
+    MEGATRON_EXT_FUSION_DISPATCH(dtype, swiglu_backward_rows, grad, y, bias, f, begin, end, grad_y)
+  }
+  MEGATRON_EXT_FUSION_DISPATCH(dtype, glu_backward_rows, grad, y, bias, f, params, begin, end,
+                               grad_y)
 }
 
 #undef MEGATRON_EXT_FUSION_DISPATCH

@@ -28,12 +28,13 @@ struct LlamaFusionCpuKernels {
   void (*rotary)(FusionDtype dtype, const void* input, const void* cos, const void* sin,
                  const RotaryLayout& layout, bool backward, int64_t begin, int64_t end, void* out);
   // Rows [begin, end) of y [rows, 2f] plus bias [2f] (acc; null when there is none):
-  // out [rows, f] = silu(gate) up.
+  // out [rows, f] = silu(gate) up, or the gated sigmoid unit ``params`` describes.
   void (*swiglu_forward)(FusionDtype dtype, const void* y, const void* bias, int64_t f,
-                         int64_t begin, int64_t end, void* out);
+                         const GluParams& params, int64_t begin, int64_t end, void* out);
   // Rows [begin, end): grad_y [rows, 2f] from grad [rows, f].
   void (*swiglu_backward)(FusionDtype dtype, const void* grad, const void* y, const void* bias,
-                          int64_t f, int64_t begin, int64_t end, void* grad_y);
+                          int64_t f, const GluParams& params, int64_t begin, int64_t end,
+                          void* grad_y);
 };
 
 namespace DEFAULT {

@@ -24,21 +24,22 @@ from megatron_ext import tensor_parallel
 from megatron_ext.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron_ext.resolve import group_rank, group_size
 from megatron_ext.tensor_parallel.layers import _initialize_affine_weight_cpu
+from megatron_ext.transformer.mlp import check_fusable_glu, fused_glu, glu
 from megatron_ext.transformer.moe.grouped_gemm_util import ops
 from megatron_ext.transformer.moe.router import moe_process_groups
 from megatron_ext.transformer.utils import selectively_recomputed
 
 
-def _activation(config: Any, gated: bool):
-    act = config.activation_func
-
-    def apply(x: torch.Tensor) -> torch.Tensor:
-        if gated:
-            gate, up = x.chunk(2, dim=-1)
-            return act(gate) * up
-        return act(x)
-
-    return apply
+def _activation(config: Any, gated: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """fc1's output (its bias added) -> the activation: the gated unit of the dense MLP (with
+    ``glu_linear_offset`` and ``activation_func_clamp_value``; one kernel under
+    ``bias_activation_fusion``), or ``activation_func``."""
+    if not gated:
+        return config.activation_func
+    if getattr(config, "bias_activation_fusion", False):
+        check_fusable_glu(config)
+        return partial(fused_glu, config)
+    return partial(glu, config)
 
 
 def _mark_expert(param: torch.Tensor) -> None:
@@ -123,13 +124,33 @@ class _ExpertLinear(torch.nn.Module):
                 _mark_expert(self.bias)
 
 
+def _add_output_bias(
+    out: torch.Tensor, bias: torch.Tensor, probs: torch.Tensor, etp_group: Any, etp_rank: int,
+    sizes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out + probs * bias`` per row (each expert's bias, its rows ``sizes`` when ``bias`` stacks
+    several experts' rows, times the row's router weight), counted once in the sum of the
+    expert-tensor-parallel ranks' partial outputs that the combine takes: added on etp rank 0 (0
+    times the bias elsewhere). Every rank holds the bias and gets its whole gradient (summed over
+    the etp ranks in the backward), so the copies stay equal."""
+    if group_size(etp_group) > 1:
+        bias = tensor_parallel.copy_to_tensor_model_parallel_region(bias, etp_group)
+        if etp_rank != 0:
+            probs = torch.zeros_like(probs)
+    if sizes is not None:
+        bias = bias.repeat_interleave(sizes, dim=0, output_size=probs.shape[0])
+    return torch.addcmul(out, probs.unsqueeze(-1).to(out.dtype), bias)
+
+
 class ExpertMLP(torch.nn.Module):
     """One expert: ``linear_fc1`` then the activation, times the router weight, then
-    ``linear_fc2``. ``linear_fc2``'s bias (replicated over expert-tensor-parallel ranks, added on
-    rank 0 only) is weighted by the router weight too, so the layer computes
-    ``sum_e p_e * expert_e(x)``."""
+    ``linear_fc2``. ``linear_fc2``'s bias (replicated over expert-tensor-parallel ranks) is
+    weighted by the router weight too, so the layer computes ``sum_e p_e * expert_e(x)`` (as
+    Megatron-core's TEGroupedMLP and Hugging Face's gpt-oss)."""
 
-    def __init__(self, config: Any, w1: torch.Tensor, w2: torch.Tensor, gated: bool, etp_rank: int) -> None:
+    def __init__(
+        self, config: Any, w1: torch.Tensor, w2: torch.Tensor, gated: bool, etp_group: Any, etp_rank: int
+    ) -> None:
         super().__init__()
         bias = bool(getattr(config, "add_bias_linear", False))
         stride = 2 if gated else 1
@@ -138,14 +159,14 @@ class ExpertMLP(torch.nn.Module):
         )
         self.linear_fc2 = _ExpertLinear(w2, torch.zeros(w2.shape[0], dtype=w2.dtype) if bias else None, 1, 1)
         self.activation = _activation(config, gated)
-        self.add_output_bias = etp_rank == 0
+        self.etp_group, self.etp_rank = etp_group, etp_rank
 
     def forward(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         h = torch.nn.functional.linear(hidden_states, self.linear_fc1.weight, self.linear_fc1.bias)
         h = (self.activation(h) * probs.unsqueeze(-1)).to(hidden_states.dtype)
         out = torch.nn.functional.linear(h, self.linear_fc2.weight)
-        if self.linear_fc2.bias is not None and self.add_output_bias:
-            out = out + probs.unsqueeze(-1).to(out.dtype) * self.linear_fc2.bias
+        if self.linear_fc2.bias is not None:
+            out = _add_output_bias(out, self.linear_fc2.bias, probs, self.etp_group, self.etp_rank)
         return out
 
 
@@ -170,13 +191,21 @@ class SequentialMLP(torch.nn.Module):
         self.dp_group = getattr(groups, "expt_dp", None)
         weights = _ExpertWeights(config, num_local_experts, groups)
         self.local_experts = torch.nn.ModuleList(
-            ExpertMLP(config, weights.w1[i].clone(), weights.w2[i].clone(), weights.gated, weights.etp_rank)
+            ExpertMLP(
+                config, weights.w1[i].clone(), weights.w2[i].clone(), weights.gated, self.tp_group,
+                weights.etp_rank,
+            )
             for i in range(num_local_experts)
         )
 
     def expert_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each local expert's ``(W1 [ffn*g/etp, h], W2 [h, ffn/etp])`` (the parameters)."""
         return [(e.linear_fc1.weight, e.linear_fc2.weight) for e in self.local_experts]
+
+    def expert_biases(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each local expert's ``(b1 [ffn*g/etp], b2 [h])``; none without ``add_bias_linear``."""
+        experts = [e for e in self.local_experts if e.linear_fc1.bias is not None]
+        return [(e.linear_fc1.bias, e.linear_fc2.bias) for e in experts]
 
     def forward(
         self,
@@ -194,13 +223,14 @@ class SequentialMLP(torch.nn.Module):
 class GroupedMLP(torch.nn.Module):
     """The local experts' weights stacked: ``weight1`` [h, experts * ffn*g/etp] and ``weight2``
     [experts * ffn/etp, h] (Megatron-core's layout), each projection one grouped GEMM
-    (``grouped_gemm_util.ops.gmm``). No biases, as in Megatron-core."""
+    (``grouped_gemm_util.ops.gmm``). With ``add_bias_linear`` (Megatron-core's GroupedMLP has
+    none; its TEGroupedMLP has), ``bias1`` [experts, ffn*g/etp] (split like fc1's rows) and
+    ``bias2`` [experts, h] (weighted by the router, as ``ExpertMLP``'s), stored in checkpoints
+    under the same keys as ``SequentialMLP``'s biases."""
 
     def __init__(self, num_local_experts: int, config: Any, pg_collection: Any = None) -> None:
         super().__init__()
         _check_ffn(config)
-        if getattr(config, "add_bias_linear", False):
-            raise ValueError("GroupedMLP (moe_grouped_gemm=True) has no biases: set add_bias_linear=False")
         self.config = config
         self.num_local_experts = num_local_experts
         groups = self.groups = moe_process_groups(pg_collection)
@@ -213,6 +243,16 @@ class GroupedMLP(torch.nn.Module):
         self.weight2 = torch.nn.Parameter(weights.w2.transpose(1, 2).reshape(-1, h).contiguous())
         _set_parallel(self.weight1, 1, 2 if weights.gated else 1)
         _set_parallel(self.weight2, 0, 1)
+        self.etp_rank = weights.etp_rank
+        if getattr(config, "add_bias_linear", False):
+            dtype = config.params_dtype
+            self.bias1 = torch.nn.Parameter(torch.zeros(num_local_experts, weights.w1.shape[1], dtype=dtype))
+            self.bias2 = torch.nn.Parameter(torch.zeros(num_local_experts, h, dtype=dtype))
+            _set_parallel(self.bias1, 1, 2 if weights.gated else 1)
+            _mark_expert(self.bias2)
+        else:
+            self.register_parameter("bias1", None)
+            self.register_parameter("bias2", None)
         self.activation = _activation(config, weights.gated)
 
     def expert_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -222,6 +262,13 @@ class GroupedMLP(torch.nn.Module):
         w1 = self.weight1.view(n, h, -1).transpose(1, 2)
         w2 = self.weight2.view(n, -1, h).transpose(1, 2)
         return [(w1[e], w2[e]) for e in range(n)]
+
+    def expert_biases(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each local expert's ``(b1 [ffn*g/etp], b2 [h])``, views of ``bias1`` and ``bias2``; none
+        without ``add_bias_linear``."""
+        if self.bias1 is None:
+            return []
+        return [(self.bias1[e], self.bias2[e]) for e in range(self.num_local_experts)]
 
     def forward(
         self,
@@ -234,14 +281,20 @@ class GroupedMLP(torch.nn.Module):
         w2 = self.weight2.view(n, -1, h)
         sizes = tokens_per_expert.to(torch.int64).cpu()
         fc1 = ops.gmm(permuted_local_hidden_states, w1, sizes, trans_b=False)
+        rows = sizes.to(fc1.device)  # each expert's bias repeated over its rows
+        if self.bias1 is not None:
+            fc1 = fc1 + self.bias1.repeat_interleave(rows, dim=0, output_size=fc1.shape[0])
         if not (self.training and selectively_recomputed(self.config, "moe_act")):
-            return ops.gmm(self._weighted_activation(fc1, permuted_probs), w2, sizes, trans_b=False), None
-        # recompute_modules "moe_act": the activation's output is freed once the second GEMM has
-        # it, and recomputed from fc1 when that GEMM's backward needs it.
-        checkpoint = tensor_parallel.CheckpointWithoutOutput()
-        act = checkpoint.checkpoint(self._weighted_activation, fc1, permuted_probs)
-        out = ops.gmm(act, w2, sizes, trans_b=False)
-        checkpoint.discard_output_and_register_recompute(out)
+            out = ops.gmm(self._weighted_activation(fc1, permuted_probs), w2, sizes, trans_b=False)
+        else:
+            # recompute_modules "moe_act": the activation's output is freed once the second GEMM
+            # has it, and recomputed from fc1 when that GEMM's backward needs it.
+            checkpoint = tensor_parallel.CheckpointWithoutOutput()
+            act = checkpoint.checkpoint(self._weighted_activation, fc1, permuted_probs)
+            out = ops.gmm(act, w2, sizes, trans_b=False)
+            checkpoint.discard_output_and_register_recompute(out)
+        if self.bias2 is not None:
+            out = _add_output_bias(out, self.bias2, permuted_probs, self.tp_group, self.etp_rank, rows)
         return out, None
 
     def _weighted_activation(self, fc1: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -294,69 +347,49 @@ def experts_sharded_state_dict(
 ) -> dict:
     """The experts stored by global expert index under Megatron-core's keys
     (``<prefix>linear_fc1.weight`` [*layers, E, ffn*g, h], ``linear_fc2.weight`` [*layers, E, h,
-    ffn], and the biases), whatever ep, etp and the implementation: a checkpoint loads at another
-    ep or etp, and a SequentialMLP's into a GroupedMLP. Replicas: the expert-data-parallel ranks."""
+    ffn], ``linear_fc1.bias`` [*layers, E, ffn*g], ``linear_fc2.bias`` [*layers, E, h]), whatever
+    ep, etp and the implementation: a checkpoint loads at another ep or etp, and a SequentialMLP's
+    into a GroupedMLP. Replicas: the expert-data-parallel ranks (and for fc2's bias the etp ranks)."""
     groups, config = experts.groups, experts.config
     etp_group, ep_group, edp_group = (getattr(groups, n, None) for n in ("expt_tp", "ep", "expt_dp"))
-    etp, etp_rank = group_size(etp_group), group_rank(etp_group)
+    etp, etp_rank, edp_rank = group_size(etp_group), group_rank(etp_group), group_rank(edp_group)
     n = experts.num_local_experts
     total, first = n * group_size(ep_group), group_rank(ep_group) * n
-    replica_id = (0, 0, group_rank(edp_group))
-    stride = 2 if getattr(config, "gated_linear_unit", False) else 1
+    glu_stride = 2 if getattr(config, "gated_linear_unit", False) else 1
     out = {}
 
-    def add(state_key: str, name: str, data: torch.Tensor, pieces_of, assemble, first_expert, count, dim, s):
+    def add(state_key: str, name: str, data: torch.Tensor, pieces_of, assemble, first_expert: int,
+            dim: int, stride: int, replicated: bool = False) -> None:
+        """``data``'s experts (``pieces_of(data)``, one tensor each) as shards of the global
+        tensor: split over etp along ``dim`` (with ``stride``), or ``replicated`` over etp."""
+        split = (0, 1) if replicated else (etp_rank, etp)
         build = partial(
-            _expert_build, pieces_of, first_expert, total, dim, s, etp_rank, etp, tuple(sharded_offsets)
+            _expert_build, pieces_of, first_expert, total, dim, stride, *split, tuple(sharded_offsets)
         )
-        del count
+        replica_id = (0, etp_rank if replicated else 0, edp_rank)
         out[state_key] = ShardedTensorFactory(
-            f"{prefix}{name}", data, build, partial(_expert_merge, assemble, dim, s), replica_id
+            f"{prefix}{name}", data, build, partial(_expert_merge, assemble, dim, stride), replica_id
         )
 
     if isinstance(experts, GroupedMLP):
         h = config.hidden_size
-        add(
-            f"{prefix}weight1",
-            "linear_fc1.weight",
-            experts.weight1,
+        rows, stack = (lambda t: list(t)), torch.stack
+        add(f"{prefix}weight1", "linear_fc1.weight", experts.weight1,
             lambda w: [p.T for p in w.view(n, h, -1)],
-            lambda ps: torch.stack([p.T for p in ps]).contiguous().view(h, -1),
-            first,
-            n,
-            0,
-            stride,
-        )
-        add(
-            f"{prefix}weight2",
-            "linear_fc2.weight",
-            experts.weight2,
+            lambda ps: torch.stack([p.T for p in ps]).contiguous().view(h, -1), first, 0, glu_stride)
+        add(f"{prefix}weight2", "linear_fc2.weight", experts.weight2,
             lambda w: [p.T for p in w.view(n, -1, h)],
-            lambda ps: torch.stack([p.T for p in ps]).contiguous().view(-1, h),
-            first,
-            n,
-            1,
-            1,
-        )
+            lambda ps: torch.stack([p.T for p in ps]).contiguous().view(-1, h), first, 1, 1)
+        if experts.bias1 is not None:
+            add(f"{prefix}bias1", "linear_fc1.bias", experts.bias1, rows, stack, first, 0, glu_stride)
+            add(f"{prefix}bias2", "linear_fc2.bias", experts.bias2, rows, stack, first, 0, 1, replicated=True)
         return out
+    # name -> (dim of the etp split, its stride, replicated over etp)
+    layout = {"linear_fc1.weight": (0, glu_stride, False), "linear_fc1.bias": (0, glu_stride, False),
+              "linear_fc2.weight": (1, 1, False), "linear_fc2.bias": (0, 1, True)}
     for i, expert in enumerate(experts.local_experts):
-        local = f"{prefix}local_experts.{i}."
         for name, param in expert.named_parameters():
-            if param.dim() == 2:
-                dim, s = (0, stride) if name.startswith("linear_fc1") else (1, 1)
-            else:  # fc1's bias is split like its rows, fc2's replicated over etp
-                dim, s = (0, stride) if name.startswith("linear_fc1") else (0, 1)
-            if param.dim() == 1 and name.startswith("linear_fc2"):
-                build = partial(
-                    _expert_build, lambda t: [t], first + i, total, 0, 1, 0, 1, tuple(sharded_offsets)
-                )
-                out[local + name] = ShardedTensorFactory(
-                    f"{prefix}{name}",
-                    param,
-                    build,
-                    partial(_expert_merge, lambda ps: ps[0], 0, 1),
-                    (0, etp_rank, group_rank(edp_group)),
-                )
-                continue
-            add(local + name, name, param, lambda t: [t], lambda ps: ps[0], first + i, 1, dim, s)
+            dim, stride, replicated = layout[name]
+            add(f"{prefix}local_experts.{i}.{name}", name, param, lambda t: [t], lambda ps: ps[0], first + i,
+                dim, stride, replicated)
     return out

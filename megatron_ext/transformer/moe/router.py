@@ -46,7 +46,10 @@ class TopKRouter(torch.nn.Module):
     loss are summed over the tensor × context-parallel group: each rank's loss is its share of the
     loss of all those tokens. With ``moe_router_enable_expert_bias`` the (sigmoid) routing adds
     ``expert_bias``, a float32 buffer that ``finalize_model_grads`` moves after each step from the
-    tokens counted in ``local_tokens_per_expert``.
+    tokens counted in ``local_tokens_per_expert``. With ``moe_router_num_groups`` and
+    ``moe_router_group_topk`` each token's experts come from its best groups of experts
+    (``router_utils.group_limited_topk``): arithmetic on the token's own scores, so it needs no
+    communication under any parallelism.
     """
 
     def __init__(self, config: Any, pg_collection: Any = None) -> None:
@@ -179,6 +182,8 @@ class TopKRouter(torch.nn.Module):
             logits,
             self.topk,
             use_pre_softmax=self.config.moe_router_pre_softmax,
+            num_groups=self.config.moe_router_num_groups,
+            group_topk=self.config.moe_router_group_topk,
             scaling_factor=self.config.moe_router_topk_scaling_factor,
             score_function=self.score_function,
             expert_bias=self.expert_bias,

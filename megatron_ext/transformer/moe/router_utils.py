@@ -17,6 +17,7 @@ from megatron_ext import parallel_state
 from megatron_ext.distributed.finalize_model_grads import updated_expert_bias
 from megatron_ext.pipeline_parallel.aux_loss import MoEAuxLossAutoScaler  # noqa: F401  (Megatron-core's home)
 from megatron_ext.resolve import default_group, group_size
+from megatron_ext.transformer.transformer_config import check_group_limited_routing
 
 
 def _softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -65,6 +66,26 @@ def get_capacity(
     return max(capacity, min_capacity) if min_capacity is not None else capacity
 
 
+def group_limited_topk(
+    scores: torch.Tensor,
+    topk: int,
+    num_tokens: int,
+    num_experts: int,
+    num_groups: int,
+    group_topk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, indices)`` of each token's ``topk`` best ``scores`` [num_tokens, num_experts]
+    among the experts of its ``group_topk`` best groups: the experts form ``num_groups`` groups of
+    consecutive indices, and a group scores the sum of its ``topk // group_topk`` best scores
+    (DeepSeek's device- and node-limited routing)."""
+    per_group = num_experts // num_groups
+    best_in_group = scores.view(num_tokens, num_groups, per_group).topk(topk // group_topk, dim=-1).values
+    chosen_groups = best_in_group.sum(dim=-1).topk(group_topk, dim=-1, sorted=False).indices
+    allowed = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=scores.device)
+    allowed = allowed.scatter(1, chosen_groups, True).repeat_interleave(per_group, dim=1)
+    return scores.masked_fill(~allowed, float("-inf")).topk(topk, dim=-1)
+
+
 def topk_routing_with_score_function(
     logits: torch.Tensor,
     topk: int,
@@ -82,25 +103,35 @@ def topk_routing_with_score_function(
 
     softmax: top-k of the logits then a softmax over the k (or, ``use_pre_softmax``, top-k of
     the softmax); sigmoid: top-k of ``sigmoid(logits) (+ expert_bias)``, the k sigmoid scores
-    normalised to sum 1 when k > 1. ``scaling_factor`` multiplies the weights."""
+    (without the bias) normalised to sum 1 when k > 1. ``scaling_factor`` multiplies the weights.
+    With ``group_topk`` the top-k is ``group_limited_topk`` of the values the plain top-k would
+    take (the logits, the softmax, or the sigmoid scores plus the expert bias)."""
     if logits.dim() != 2:
         raise ValueError(f"topk_routing_with_score_function: logits must be 2-D, got {tuple(logits.shape)}")
-    if group_topk or router_replay is not None:
-        raise NotImplementedError("group-limited routing and routing replay are not supported")
+    if router_replay is not None:
+        raise NotImplementedError("routing replay is not supported")
+    num_tokens, num_experts = logits.shape
+    if group_topk:
+        check_group_limited_routing(num_experts, topk, num_groups, group_topk)
+
+    def choose(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if group_topk:
+            return group_limited_topk(values, topk, num_tokens, num_experts, num_groups, group_topk)
+        return torch.topk(values, k=topk, dim=1)
+
     if score_function == "softmax":
         if use_pre_softmax:
-            scores = _softmax(logits).type_as(logits)
-            probs, top_indices = torch.topk(scores, k=topk, dim=1)
+            probs, top_indices = choose(_softmax(logits).type_as(logits))
         else:
-            top_logits, top_indices = torch.topk(logits, k=topk, dim=1)
+            top_logits, top_indices = choose(logits)
             probs = _softmax(top_logits).type_as(logits)
     elif score_function == "sigmoid":
         scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32))).type_as(logits)
         if expert_bias is not None:
-            _, top_indices = torch.topk(scores + expert_bias, k=topk, dim=1)
+            _, top_indices = choose(scores + expert_bias)
             scores = torch.gather(scores, dim=1, index=top_indices)
         else:
-            scores, top_indices = torch.topk(scores, k=topk, dim=1)
+            scores, top_indices = choose(scores)
         probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if topk > 1 else scores
     else:
         raise ValueError(f"score_function must be 'softmax' or 'sigmoid', got {score_function!r}")
@@ -267,11 +298,22 @@ def track_moe_metrics(
     pg_collection: Any = None,
 ) -> None:
     """Reduces the tracked losses over the ranks, adds each one's mean over the MoE layers (times
-    ``loss_scale``) to ``total_loss_dict`` and the writers, then clears the tracker."""
+    ``loss_scale``) to ``total_loss_dict`` and the writers, then clears the tracker.
+
+    ``force_initialize`` with ``track_names`` makes the entries a rank has not tracked (a pipeline
+    stage of dense layers only), so that every rank reduces the same ones: reduced as the routers
+    reduce theirs (over the tensor × context-parallel group, then averaged over data-parallel
+    ranks), every rank logs the same values (Megatron-core's such entries skip that reduction, and
+    only its last stage logs right)."""
     tracker = get_moe_layer_wise_logging_tracker()
     if force_initialize and track_names is not None:
+        reduce_group = (
+            default_group("tp_cp") if pg_collection is None and parallel_state.model_parallel_is_initialized()
+            else getattr(pg_collection, "tp_cp", None)
+        )
         for key in track_names:
-            tracker.setdefault(key, {"values": torch.zeros(num_layers or 1, dtype=torch.float64)})
+            tracker.setdefault(key, {"values": torch.zeros(num_layers or 1, dtype=torch.float64),
+                                     "reduce_group": reduce_group})
     reduce_aux_losses_tracker_across_ranks(track_names, pg_collection=pg_collection)
     if moe_layer_freq is None:
         num_moe_layers = num_layers
