@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         lines = enumerate(f, 1)
         pool = None
         if args.workers > 1:
-            pool = multiprocessing.get_context("spawn").Pool(args.workers, initializer=encoder.initializer)
+            pool = multiprocessing.Pool(args.workers, initializer=encoder.initializer)
             encoded = pool.imap(encoder.encode, lines, CHUNK)
         else:
             encoded = map(encoder.encode, lines)
