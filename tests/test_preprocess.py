@@ -42,8 +42,20 @@ def test_preprocess_output_read_by_megatron_core(tmp_path, tokenizer_dir):
     outputs = []
     for source, workers in ((jsonl, 1), (jsonl, 2), (text, 2)):
         prefix = tmp_path / f"out_{source.suffix[1:]}_{workers}" / "corpus"
-        result = preprocess.main(["--input", str(source), "--output-prefix", str(prefix), "--tokenizer",
-                                  str(tokenizer_dir), "--append-eod", "--workers", str(workers), "--no-progress"])
+        result = preprocess.main(
+            [
+                "--input",
+                str(source),
+                "--output-prefix",
+                str(prefix),
+                "--tokenizer",
+                str(tokenizer_dir),
+                "--append-eod",
+                "--workers",
+                str(workers),
+                "--no-progress",
+            ]
+        )
         assert result["documents"] == len(lines) and result["tokens"] == sum(map(len, want))
         assert result["dtype"] == "uint16" and result["prefixes"] == [f"{prefix}_text_document"]
         ds = mc_indexed.IndexedDataset(result["prefixes"][0])
@@ -57,8 +69,18 @@ def test_preprocess_output_read_by_megatron_core(tmp_path, tokenizer_dir):
     # a JSON list of texts is a document of several sequences, as in Megatron-LM's tool
     listed = tmp_path / "listed.jsonl"
     listed.write_text(json.dumps({"text": ["w1 w2", "w3"]}) + "\n")
-    result = preprocess.main(["--input", str(listed), "--output-prefix", str(tmp_path / "listed"), "--tokenizer",
-                              str(tokenizer_dir), "--append-eod", "--no-progress"])
+    result = preprocess.main(
+        [
+            "--input",
+            str(listed),
+            "--output-prefix",
+            str(tmp_path / "listed"),
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--append-eod",
+            "--no-progress",
+        ]
+    )
     ds = IndexedDataset(result["prefixes"][0])
     assert ds.document_indices.tolist() == [0, 2] and [ds[0].tolist(), ds[1].tolist()] == [[4, 5], [6, 1]]
 
@@ -70,20 +92,41 @@ def test_preprocess_bad_inputs(tmp_path, tokenizer_dir):
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text(json.dumps({"text": "w1"}) + "\n{not json\n")
     cases = [
-        (["--input", str(good), "--tokenizer", str(tmp_path / "empty_dir")],
-         "holds no tokenizer: expected one of tokenizer.json"),
+        (
+            ["--input", str(good), "--tokenizer", str(tmp_path / "empty_dir")],
+            "holds no tokenizer: expected one of tokenizer.json",
+        ),
         (["--input", str(good), "--tokenizer", str(tmp_path / "nowhere")], "does not exist"),
         (["--input", str(tmp_path / "missing.jsonl"), "--tokenizer", str(tokenizer_dir)], "no such file"),
-        (["--input", str(bad_json), "--tokenizer", str(tokenizer_dir)],
-         "line 2: expected a JSON object with the keys ['text']"),
-        (["--input", str(good), "--tokenizer", str(tokenizer_dir), "--workers", "0"], "--workers must be >= 1"),
+        (
+            ["--input", str(bad_json), "--tokenizer", str(tokenizer_dir)],
+            "line 2: expected a JSON object with the keys ['text']",
+        ),
+        (
+            ["--input", str(good), "--tokenizer", str(tokenizer_dir), "--workers", "0"],
+            "--workers must be >= 1",
+        ),
     ]
     for argv, message in cases:
         with pytest.raises(ValueError) as error:
             preprocess.main(argv + ["--output-prefix", str(tmp_path / "out"), "--no-progress"])
         assert message in str(error.value), (argv, str(error.value))
     # the command line: one line on stderr, exit status 2
-    done = subprocess.run([sys.executable, "-m", "megatron_ext.datasets.preprocess", "--input", str(good),
-                           "--tokenizer", str(tmp_path / "empty_dir"), "--output-prefix", str(tmp_path / "o")],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_ext.datasets.preprocess",
+            "--input",
+            str(good),
+            "--tokenizer",
+            str(tmp_path / "empty_dir"),
+            "--output-prefix",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert done.returncode == 2 and done.stderr.startswith("error: ") and "holds no tokenizer" in done.stderr

@@ -85,10 +85,10 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: in
 
 
 def split_sizes(steps: int, global_batch_size: int, eval_interval: int | None, eval_iters: int) -> list:
-    """The samples asked of the train, valid and test splits (Megatron-LM's counts; the test split is
-    built one epoch long, as nothing reads it)."""
+    """The samples asked of the train, valid and test splits: Megatron-LM's counts for train and
+    valid, none of the test split (nothing reads it)."""
     evaluations = steps // eval_interval + 1 if eval_interval else 0
-    return [steps * global_batch_size, evaluations * eval_iters * global_batch_size, None]
+    return [steps * global_batch_size, evaluations * eval_iters * global_batch_size, 0]
 
 
 def build_datasets(
