@@ -129,8 +129,11 @@ def main(argv: list[str] | None = None) -> dict:
     }
     progress = None
     if not args.no_progress:
-        from tqdm import tqdm
-
+        try:
+            from tqdm import tqdm
+        except ImportError:  # no progress bar without tqdm; the summary line still comes
+            tqdm = None
+    if not args.no_progress and tqdm is not None:
         progress = tqdm(
             total=os.path.getsize(args.input),
             unit="B",
