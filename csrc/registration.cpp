@@ -10,6 +10,7 @@
 
 #include <string>
 
+#include "datasets/helpers.h"
 #include "kernels/cpu_capability.h"
 #include "kernels/cross_entropy_checks.h"
 #include "megatron_ext_build_config.h"
@@ -237,4 +238,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("CROSS_ENTROPY_ROW_STATS") = static_cast<int64_t>(megatron_ext::kernels::kNumRowStats);
   m.attr("CROSS_ENTROPY_TARGET_ELSEWHERE") = megatron_ext::kernels::kTargetElsewhere;
   m.attr("CROSS_ENTROPY_IGNORED_TOKEN") = megatron_ext::kernels::kIgnoredToken;
+
+  // The index builders of megatron_ext.datasets (csrc/datasets/helpers.cpp).
+  megatron_ext::datasets::register_helpers(m);
 }

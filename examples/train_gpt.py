@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import glob
 import json
 import math
@@ -44,6 +45,7 @@ from megatron_ext.models.hf import (
     load_hf_state_dict,
 )
 from megatron_ext.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron_ext.training import gpt_data
 from megatron_ext.pipeline_parallel import get_forward_backward_func
 from megatron_ext.tensor_parallel.utils import comm_device
 from megatron_ext.training.checkpointing import (
@@ -151,7 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the multi-token prediction losses' mean over the depths joins the backward times "
                         "this")
     p.add_argument(
-        "--vocab-size", type=int, default=256, help=">= 256 (bytes); padded rows are never targets"
+        "--vocab-size", type=int, default=None,
+        help=">= 256 (bytes; the default) or the tokenizer's vocabulary; padded rows are never targets"
     )
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=16)
@@ -208,8 +211,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--weight-decay", type=float, default=0.0, help="AdamW weight decay (not on biases/LayerNorms)"
     )
     p.add_argument(
-        "--data", default=None, help="a text file (byte-level); default: Python's standard library sources"
+        "--data", default=None, help="a text file (byte-level, or tokenized with --load-hf's tokenizer); "
+        "default: Python's standard library sources"
     )
+    p.add_argument("--data-path", nargs="+", default=None,
+                   help="[W1] PREFIX1 [W2 PREFIX2 ...]: tokenized .bin/.idx corpora, blended by weight "
+                   "(python -m megatron_ext.datasets.preprocess writes them); needs --tokenizer or --load-hf")
+    p.add_argument("--split", default="969,30,1",
+                   help="with --data-path: the train,valid,test shares of each corpus's documents")
+    p.add_argument("--tokenizer", default=None,
+                   help="a Hugging Face tokenizer directory: its vocabulary sizes the model (default with "
+                   "--load-hf: the model directory's tokenizer)")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="with --tokenizer: the model's vocabulary is the tokenizer's rounded up to a "
+                   "multiple "
+                   "of this x --tp")
+    p.add_argument("--data-cache-path", default=None,
+                   help="where the dataset index caches go (default: "
+                   "PREFIX's directory/cache/GPTDataset_indices)")
+    p.add_argument("--eval-interval", type=int, default=None,
+                   help="with --data-path: the validation loss every this many steps")
+    p.add_argument("--eval-iters", type=int, default=10,
+                   help="global batches of the validation split per evaluation")
     p.add_argument(
         "--log-json",
         default=None,
@@ -471,9 +494,11 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
             f"--schedule zb-v needs at least 2 x --pp - 1 = {2 * args.pp - 1} micro-batches per step, "
             f"got --global-batch-size / (--micro-batch-size x dp) = {num_microbatches}"
         )
-    if args.vocab_size < BYTE_VOCAB or args.vocab_size % args.tp != 0:
+    check_data_args(args)
+    if args.vocab_size % args.tp != 0 or (args.tokens is None and args.vocab_size < BYTE_VOCAB):
         raise ValueError(
-            f"--vocab-size {args.vocab_size} must be >= {BYTE_VOCAB} and divisible by --tp {args.tp}"
+            f"--vocab-size {args.vocab_size} must be >= {args.tokens or BYTE_VOCAB} and divisible by "
+            f"--tp {args.tp}"
         )
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 cannot be combined")
@@ -501,6 +526,59 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--keep-last {args.keep_last} needs --save and must be >= 1")
     check_checkpoint_paths(args)
     resolve_timeout(args)
+
+
+def tokenizer_dir(args: argparse.Namespace) -> str | None:
+    """--tokenizer, or the --load-hf directory when it holds a tokenizer; None: byte-level."""
+    if args.tokenizer is not None:
+        return args.tokenizer
+    if args.load_hf is not None and any(os.path.isfile(os.path.join(args.load_hf, name))
+                                        for name in gpt_data.TOKENIZER_FILES):
+        return args.load_hf
+    return None
+
+
+def check_data_args(args: argparse.Namespace) -> None:
+    """--data-path's blend and split, the tokenizer and the vocabulary it sizes, the evaluation
+    flags; fills in --vocab-size."""
+    if args.data is not None and args.data_path is not None:
+        raise ValueError("--data (a text file) and --data-path (tokenized corpora) exclude each other")
+    if args.data_path is not None:
+        if tokenizer_dir(args) is None:
+            raise ValueError("--data-path needs the corpus's tokenizer: --tokenizer DIR, or --load-hf "
+                             "with one")
+        prefixes, weights = gpt_data.parse_blend(args.data_path, args.split)
+        if gpt_data.split_share(args.split, "train") == 0:
+            raise ValueError(f"--split {args.split!r} leaves no documents to train on")
+        for prefix in prefixes:
+            missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
+            if missing:
+                raise ValueError(f"--data-path {prefix!r}: no {' or '.join(missing)} (a tokenized corpus "
+                                 "is a "
+                                 "PREFIX.bin and a PREFIX.idx file)")
+    if args.eval_interval is not None:
+        if args.data_path is None:
+            raise ValueError("--eval-interval needs --data-path (its validation split)")
+        if args.eval_interval < 1 or args.eval_iters < 1:
+            raise ValueError(f"--eval-interval {args.eval_interval} and --eval-iters {args.eval_iters} "
+                             "must be >= 1")
+        if gpt_data.split_share(args.split, "valid") == 0:
+            raise ValueError(f"--eval-interval needs a validation share in --split {args.split!r}")
+    directory = tokenizer_dir(args)
+    tokens = gpt_data.HuggingFaceTokenizer(directory).vocab_size if directory is not None else None
+    if args.make_vocab_size_divisible_by < 1:
+        raise ValueError(
+            f"--make-vocab-size-divisible-by must be >= 1, got {args.make_vocab_size_divisible_by}")
+    if args.hf_config is not None:  # the model's vocabulary is the Hugging Face config's
+        if tokens is not None and tokens > args.vocab_size:
+            raise ValueError(f"the tokenizer in {directory!r} has {tokens} tokens, more than the --load-hf "
+                             f"model's vocabulary of {args.vocab_size}")
+    elif args.vocab_size is None:
+        args.vocab_size = BYTE_VOCAB if tokens is None else gpt_data.padded_vocab_size(
+            tokens, args.make_vocab_size_divisible_by, args.tp)
+    elif tokens is not None and args.vocab_size < tokens:
+        raise ValueError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {tokens} tokens")
+    args.tokens = tokens  # the vocabulary the data's ids must lie in (None: bytes)
 
 
 def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
@@ -991,9 +1069,10 @@ def device_of(args: argparse.Namespace) -> torch.device:
     return comm_device(dist.group.WORLD)
 
 
-def load_corpus(path: str | None, min_bytes: int) -> torch.Tensor:
-    """The training text as byte ids. Default: the standard library's top-level sources, in
-    name order, which every machine with this Python has."""
+def load_corpus(path: str | None, min_bytes: int, tokenizer: str | None = None) -> torch.Tensor:
+    """The training text as byte ids, or as the token ids of ``tokenizer`` (a directory). Default:
+    the standard library's top-level sources, in name order, which every machine with this Python
+    has."""
     if path is not None:
         with open(path, "rb") as f:
             data = f.read()
@@ -1006,6 +1085,12 @@ def load_corpus(path: str | None, min_bytes: int) -> torch.Tensor:
             if size >= DEFAULT_CORPUS_BYTES:
                 break
         data = b"".join(chunks)[:DEFAULT_CORPUS_BYTES]
+    if tokenizer is not None:
+        ids = gpt_data.HuggingFaceTokenizer(tokenizer).tokenize(data.decode("utf-8", errors="replace"))
+        if len(ids) < min_bytes:
+            raise ValueError(
+                f"the corpus has {len(ids)} tokens; at least {min_bytes} are needed (--seq-len + 2)")
+        return torch.tensor(ids, dtype=torch.long)
     if len(data) < min_bytes:
         raise ValueError(f"the corpus has {len(data)} bytes; at least {min_bytes} are needed (--seq-len + 2)")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
@@ -1031,16 +1116,21 @@ def step_microbatches(corpus: torch.Tensor, step: int, args: argparse.Namespace,
     ]
 
 
-def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The mean over the micro-batch's tokens. With context parallelism each rank holds part of each
-    sequence: its sum over the token count summed over the cp ranks (the schedule multiplies by cp and
-    DDP averages over dp x cp), and the reported loss is the sum over cp."""
+def loss_func(loss_mask: torch.Tensor | None,
+              output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The mean over the micro-batch's tokens (those of ``loss_mask``, where given). With context
+    parallelism each rank holds part of each sequence: its sum over the token count summed over the cp
+    ranks (the schedule multiplies by cp and DDP averages over dp x cp), and the reported loss is the
+    sum over cp."""
     output = output.float() if output.dtype != torch.float64 else output
     cp_group = parallel_state.get_context_parallel_group()
+    if loss_mask is not None:
+        output = output * loss_mask.to(output.dtype)
+    count = torch.tensor(output.numel() if loss_mask is None else loss_mask.sum().item(), dtype=output.dtype)
     if cp_group.size() == 1:
-        loss = output.mean()
+        loss = output.mean() if loss_mask is None else output.sum() / count.clamp(min=1)
         return loss, {"lm loss": loss.detach()}
-    totals = torch.stack([output.detach().sum(), torch.tensor(output.numel(), dtype=output.dtype)])
+    totals = torch.stack([output.detach().sum(), count.to(output.device)])
     with reported("all-reduce of the loss over the context-parallel group", cp_group):
         dist.all_reduce(totals, group=cp_group)
     return output.sum() / totals[1], {"lm loss": totals[0] / totals[1]}
@@ -1050,10 +1140,11 @@ def forward_step(data_iterator, model: DistributedDataParallel):
     batch = next(data_iterator) if data_iterator is not None else None
     if batch is None:
         return model(None, None), loss_func
-    tokens, labels = batch["tokens"], batch["labels"]
+    tokens = batch["tokens"]
     position_ids = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
-    batch = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "position_ids": position_ids})
-    return model(batch["tokens"], batch["position_ids"], labels=batch["labels"]), loss_func
+    batch = get_batch_on_this_cp_rank({**batch, "position_ids": position_ids})
+    return (model(batch["tokens"], batch["position_ids"], labels=batch["labels"]),
+            functools.partial(loss_func, batch.get("loss_mask")))
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:
@@ -1165,7 +1256,9 @@ def train(args: argparse.Namespace) -> dict:
     """Runs the training loop in an initialised process group; returns the log (every rank)."""
     world_size = dist.get_world_size()
     check_args(args, world_size)
-    corpus = load_corpus(args.data, args.seq_len + 2)
+    corpus = None
+    if args.data_path is None:  # --data-path's datasets are built once the groups exist
+        corpus = load_corpus(args.data, args.seq_len + 2, tokenizer_dir(args))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
@@ -1180,12 +1273,51 @@ def train(args: argparse.Namespace) -> dict:
     if args.schedule == "zb-v":
         parallel_state.set_pipeline_model_parallel_layout("v")
     try:
+        if args.data_path is not None:
+            sizes = gpt_data.split_sizes(args.steps, args.global_batch_size, args.eval_interval,
+                                         args.eval_iters)
+            tokenizer = gpt_data.HuggingFaceTokenizer(tokenizer_dir(args))
+            corpus = gpt_data.build_datasets(args.data_path, args.split, tokenizer, args.seq_len, args.seed,
+                                             sizes, args.data_cache_path)
         return _train_loop(args, corpus)
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
+def microbatches_of(data, first_sample: int, args: argparse.Namespace, device: torch.device,
+                    what: str) -> list:
+    """This data-parallel rank's micro-batches of the global batch at ``first_sample`` of a tokenized
+    split, every rank refusing token ids beyond the model's vocabulary."""
+    microbatches = gpt_data.global_batch_microbatches(
+        data, first_sample, args.global_batch_size, args.micro_batch_size,
+        parallel_state.get_data_parallel_rank(), args.dp, device)
+    gpt_data.check_token_ids(microbatches, args.tokens, what, device)
+    return microbatches
+
+
+def evaluate(args: argparse.Namespace, evaluation: int, valid, model, chunks: list, forward_backward,
+             num_microbatches: int, needs_data: list[bool], device: torch.device) -> float:
+    """The mean loss of --eval-iters global batches of the validation split, evaluation
+    ``evaluation`` reading the ones after those of the evaluations before it."""
+    for chunk in chunks:
+        chunk.eval()
+    losses = []
+    with torch.no_grad():
+        for iteration in range(args.eval_iters):
+            first = (evaluation * args.eval_iters + iteration) * args.global_batch_size
+            microbatches = microbatches_of(valid, first, args, device, "the validation split")
+            iterators = [iter(microbatches) if needed else None for needed in needs_data]
+            step_losses = forward_backward(
+                forward_step_func=forward_step, data_iterator=iterators[0] if len(chunks) == 1 else iterators,
+                model=model, num_microbatches=num_microbatches, seq_length=args.seq_len,
+                micro_batch_size=args.micro_batch_size, forward_only=True)
+            losses.append(global_mean_loss(step_losses, device))
+    for chunk in chunks:
+        chunk.train()
+    return sum(losses) / len(losses)
+
+
+def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list) -> dict:
     device = device_of(args)
     # Gradients accumulate in float32 main_grad buffers (16-bit runs) and are averaged over the
     # data-parallel group (reduce-scattered for the distributed optimizer) in buckets that start
@@ -1241,7 +1373,8 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
 
         progress = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True)
 
-    losses, tokens_per_s, grad_norms, skipped, aux_losses, mtp = [], [], [], 0, [], []
+    losses, tokens_per_s, grad_norms, skipped, aux_losses, mtp, val_losses = [], [], [], 0, [], [], []
+    datasets = corpus if args.data_path is not None else None
     get_moe_layer_wise_logging_tracker().clear()  # nothing tracked by an earlier run in this process
     MTPLossLoggingHelper.tracker.clear()
     tokens_per_step = args.global_batch_size * args.seq_len
@@ -1249,7 +1382,12 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
         chunk.train()
     for step in range(start_step, args.steps):
         start = time.perf_counter()
-        microbatches = step_microbatches(corpus, step, args, device)
+        # step k reads the samples [k x G, (k + 1) x G): the data position is the step
+        if datasets is not None:
+            microbatches = microbatches_of(datasets[0], step * args.global_batch_size, args, device,
+                                           "the train split")
+        else:
+            microbatches = step_microbatches(corpus, step, args, device)
         optimizer.zero_grad(set_to_none=True)
         iterators = [iter(microbatches) if needed else None for needed in needs_data]
         step_losses = forward_backward(
@@ -1285,8 +1423,16 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
         log_event(args, step=step + 1, loss=losses[-1], tokens_per_s=tokens_per_s[-1],
                   grad_norm=grad_norm, skipped=not update_successful,
                   **aux_losses[-1], **mtp[-1])
+        if args.eval_interval is not None and (step + 1) % args.eval_interval == 0:
+            val = evaluate(args, (step + 1) // args.eval_interval - 1, datasets[1], model, chunks,
+                           forward_backward, num_microbatches, needs_data, device)
+            val_losses.append((step + 1, val))
+            log_event(args, event="eval", step=step + 1, val_loss=val, val_ppl=math.exp(min(val, 700.0)))
         if progress is not None:
             aux = {name: f"{value:.4f}" for name, value in {**aux_losses[-1], **mtp[-1]}.items()}
+            if val_losses:
+                val = val_losses[-1][1]
+                aux.update(val_loss=f"{val:.4f}", val_ppl=f"{math.exp(min(val, 700.0)):.1f}")
             progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s[-1]:.0f}", **aux)
             progress.update(1)
         at_interval = args.save_interval is not None and (step + 1) % args.save_interval == 0
@@ -1305,6 +1451,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor) -> dict:
         "grad_norms": grad_norms,
         "aux_losses": aux_losses,
         "mtp_losses": mtp,
+        "val_losses": val_losses,
         "skipped_steps": skipped,
     }
 
@@ -1422,9 +1569,13 @@ def write_outputs(log: dict, args: argparse.Namespace) -> None:
 
         os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(range(log["start_step"] + 1, log["start_step"] + len(log["losses"]) + 1), log["losses"])
+        ax.plot(range(log["start_step"] + 1, log["start_step"] + len(log["losses"]) + 1), log["losses"],
+                label="train")
+        if log["val_losses"]:
+            ax.plot(*zip(*log["val_losses"]), "o-", label="validation")
+            ax.legend()
         ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats / byte)")
+        ax.set_ylabel(f"loss (nats / {'byte' if args.tokens is None else 'token'})")
         c = log["config"]
         ax.set_title(
             f"GPT {c['layers']}x{c['hidden']}, tp {c['tp']} pp {c['pp']} dp {c['dp']}, {c['schedule']}"
@@ -1441,7 +1592,10 @@ def summary(log: dict, args: argparse.Namespace) -> str:
     return (
         f"loss {log['losses'][0]:.4f} -> {log['losses'][-1]:.4f} over steps "
         f"{log['start_step'] + 1}-{args.steps}, "
-        f"{sum(timed) / len(timed):.0f} tokens/s" + (f"; loss curve: {args.plot}" if args.plot else "")
+        f"{sum(timed) / len(timed):.0f} tokens/s"
+        + (f", validation loss {log['val_losses'][-1][1]:.4f} at step {log['val_losses'][-1][0]}"
+           if log["val_losses"] else "")
+        + (f"; loss curve: {args.plot}" if args.plot else "")
     )
 
 

@@ -178,3 +178,37 @@ def checkpoint_run(layout, *extra) -> dict:
     """What examples/train_gpt.py's ``train`` returns for ``checkpoint_args(*layout, *extra)``."""
     train_gpt = load_train_gpt()
     return train_gpt.train(checkpoint_args(train_gpt, *layout, *extra))
+
+
+# The words of the small tokenizer tests build (no tokenizer can be downloaded here).
+TOKENIZER_WORDS = [f"w{i}" for i in range(297)]
+
+
+def make_tokenizer_dir(path) -> pathlib.Path:
+    """A word-level Hugging Face tokenizer of TOKENIZER_WORDS plus <unk>, <eos> and <pad> (300 ids),
+    saved as tokenizer.json and tokenizer_config.json in ``path``; needs the ``tokenizers`` package."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<eos>": 1, "<pad>": 2, **{w: i + 3 for i, w in enumerate(TOKENIZER_WORDS)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return path
+
+
+def random_text(seed: int, documents: int, max_words: int = 60) -> list[str]:
+    """``documents`` lines of random TOKENIZER_WORDS."""
+    g = torch.Generator().manual_seed(seed)
+    lines = []
+    for _ in range(documents):
+        n = int(torch.randint(1, max_words, (1,), generator=g))
+        ids = torch.randint(0, len(TOKENIZER_WORDS), (n,), generator=g).tolist()
+        lines.append(" ".join(TOKENIZER_WORDS[i] for i in ids))
+    return lines

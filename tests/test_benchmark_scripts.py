@@ -278,3 +278,23 @@ def test_gpu_step_benchmark_script_on_cpu(tmp_path):
     assert len(table) == 5 and table[-1].count("|") == 8
     assert list(tiny["recompute"]) == ["none", "selective-all", "full"]
     assert all(m["step_s"] > 0 and m["peak_extra_gib"] >= 0 for m in tiny["recompute"].values())
+
+
+@pytest.mark.slow  # runs the benchmark script end to end
+def test_datasets_benchmark_script(tmp_path):
+    pytest.importorskip("tokenizers")
+    out = tmp_path / "datasets.json"
+    _run_script("datasets.py", "--without-megatron-core", "--tokens", "300000", "--seq-len", "128",
+                "--documents", "60", "--workers", "1", "--reps", "1", "--dir", str(tmp_path / "data"),
+                "--json", str(out))
+    result = json.loads(out.read_text())
+    assert result["corpus"]["tokens"] == 300000 and result["corpus"]["bytes"] >= 2 * 300000
+    for phase in ("build_cold", "build_warm"):
+        assert list(result[phase]) == ["megatron_ext"]
+        s = result[phase]["megatron_ext"]
+        assert 0 < s["min_s"] <= s["median_s"] <= s["max_s"]
+    pre = result["preprocess"]
+    assert list(pre["variants"]) == ["megatron_ext 1 worker"] and pre["tokens"] > 60
+    s = pre["variants"]["megatron_ext 1 worker"]
+    assert abs(s["tokens_per_s"] - pre["tokens"] / s["median_s"]) < 1e-6 * s["tokens_per_s"]
+    assert not (tmp_path / "data").exists()  # the corpora are removed

@@ -1,0 +1,107 @@
+"""A Hugging Face tokenizer read from a local directory, with the attributes the datasets and the
+preprocessing tool use (``vocab_size``, ``eod``, ``pad``, ``tokenize``, ``detokenize``,
+``unique_identifiers``).
+
+A directory with a ``tokenizer.json`` is read with the ``tokenizers`` library (its special tokens
+from ``tokenizer_config.json``); any other goes through ``transformers.AutoTokenizer``. Both are
+imported when a tokenizer is loaded, never when megatron_ext is."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+
+# A tokenizer's files: one of these makes a directory a tokenizer directory.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def _token_content(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class HuggingFaceTokenizer:
+    """The tokenizer of ``path`` (a model or tokenizer directory). ``eod`` is its end-of-sequence
+    token (what ends each document); texts are encoded without added special tokens, as
+    Megatron-core's Hugging Face tokenizer does by default."""
+
+    def __init__(self, path: str) -> None:
+        if not os.path.isdir(path):
+            raise ValueError(f"the tokenizer directory {path!r} does not exist")
+        if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+            raise ValueError(
+                f"{path!r} holds no tokenizer: expected one of {', '.join(TOKENIZER_FILES)} (a Hugging "
+                "Face model or tokenizer directory)"
+            )
+        self.path = path
+        config_file = os.path.join(path, "tokenizer_config.json")
+        config = {}
+        if os.path.isfile(config_file):
+            with open(config_file) as f:
+                config = json.load(f)
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            from tokenizers import Tokenizer
+
+            self._fast = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+            self._auto = None
+            eos = _token_content(config.get("eos_token"))
+            pad = _token_content(config.get("pad_token"))
+            self._eod = self._fast.token_to_id(eos) if eos is not None else None
+            self._pad = self._fast.token_to_id(pad) if pad is not None else None
+            self._vocab_size = self._fast.get_vocab_size(with_added_tokens=True)
+        else:
+            from transformers import AutoTokenizer
+
+            try:
+                self._auto = AutoTokenizer.from_pretrained(path)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
+            self._fast = None
+            self._eod, self._pad = self._auto.eos_token_id, self._auto.pad_token_id
+            self._vocab_size = len(self._auto)
+        if self._eod is None:
+            raise ValueError(
+                f"the tokenizer in {path!r} has no end-of-sequence token (eos_token in "
+                "tokenizer_config.json): "
+                "documents need one to end with"
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        """The number of token ids, added tokens included."""
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def eos(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> int | None:
+        return self._pad
+
+    def tokenize(self, text: str) -> list[int]:
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=False).ids
+        return self._auto(text, add_special_tokens=False).input_ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast.decode(list(ids), skip_special_tokens=False)
+        return self._auto.decode(list(ids))
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        """What identifies the tokenizer in a dataset's cache key."""
+        return OrderedDict(
+            [
+                ("class", f"{type(self).__module__}.{type(self).__qualname__}"),
+                ("tokenizer_path", [os.path.abspath(self.path)]),
+            ]
+        )

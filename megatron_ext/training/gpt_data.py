@@ -1,0 +1,162 @@
+"""The training run's tokenized data: Megatron's blended GPT datasets over ``.bin``/``.idx``
+corpora, read as global batches in order of consumed samples, as Megatron-LM's pretraining
+sampler reads them.
+
+Global batch k of a run holds the samples [k x G, (k + 1) x G) of the train split (G the global
+batch size), so the data position is the number of consumed samples, which checkpoints keep.
+Micro-batch m of data-parallel rank d holds the samples ``m x (b x dp) + d x b + [0, b)`` of it
+(b the micro-batch size). Evaluation e reads the validation samples [e x K x G, (e + 1) x K x G)
+for K evaluation iterations, continuing through the split as Megatron-LM's does."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.comm_errors import reported
+from megatron_ext.datasets import (
+    BlendedMegatronDatasetBuilder,
+    GPTDataset,
+    GPTDatasetConfig,
+    HuggingFaceTokenizer,
+    Split,
+    get_blend_from_list,
+)
+from megatron_ext.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+from megatron_ext.datasets.tokenizer import TOKENIZER_FILES
+from megatron_ext.datasets.utils import check_blend_weights
+
+__all__ = [
+    "HuggingFaceTokenizer",
+    "TOKENIZER_FILES",
+    "build_datasets",
+    "check_token_ids",
+    "global_batch_microbatches",
+    "padded_vocab_size",
+    "parse_blend",
+    "split_share",
+    "split_sizes",
+]
+
+
+def parse_blend(data_path: list[str], split: str) -> tuple[list[str], list[float] | None]:
+    """The (prefixes, weights) of ``[W1] PREFIX1 [W2 PREFIX2 ...]``, checked with ``split``:
+    ValueError for weights that are not positive or do not pair with prefixes, or a split that
+    does not sum to a positive number."""
+    if len(data_path) % 2 == 0:
+        # pairs: every other entry must be a weight (a prefix list of even length has no numbers)
+        numbers = [_is_number(entry) for entry in data_path[0::2]]
+        if any(numbers) and not all(numbers):
+            raise ValueError(
+                f"--data-path {' '.join(data_path)}: weights and prefixes must alternate, "
+                "W1 PREFIX1 W2 PREFIX2 ..."
+            )
+    elif len(data_path) > 1 and _is_number(data_path[0]):
+        raise ValueError(
+            f"--data-path {' '.join(data_path)}: {len(data_path)} entries cannot pair every weight "
+            "with a prefix (W1 PREFIX1 W2 PREFIX2 ...)"
+        )
+    prefixes, weights = get_blend_from_list(data_path)
+    check_blend_weights(prefixes, weights, "--data-path blend")
+    parse_and_normalize_split(split)
+    return prefixes, weights
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def split_share(split: str, name: str) -> float:
+    """The share of the documents that ``split`` gives to the split ``name`` (train, valid, test)."""
+    return parse_and_normalize_split(split)[Split[name].value]
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) -> int:
+    """Megatron-LM's model vocabulary: the tokenizer's, rounded up to a multiple of
+    ``make_vocab_size_divisible_by`` x tp."""
+    multiple = make_vocab_size_divisible_by * tp
+    return math.ceil(vocab_size / multiple) * multiple
+
+
+def split_sizes(steps: int, global_batch_size: int, eval_interval: int | None, eval_iters: int) -> list:
+    """The samples asked of the train, valid and test splits: Megatron-LM's counts for train and
+    valid, none of the test split (nothing reads it)."""
+    evaluations = steps // eval_interval + 1 if eval_interval else 0
+    return [steps * global_batch_size, evaluations * eval_iters * global_batch_size, 0]
+
+
+def build_datasets(
+    data_path: list[str],
+    split: str,
+    tokenizer: HuggingFaceTokenizer,
+    seq_len: int,
+    seed: int,
+    sizes: list,
+    path_to_cache: str | None = None,
+) -> list:
+    """The train, valid and test datasets (None for an empty split) of the blend ``data_path``
+    (``[W1] PREFIX1 [W2 PREFIX2 ...]``)."""
+    blend = get_blend_from_list(data_path)
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_len,
+        blend=blend,
+        split=split,
+        path_to_cache=path_to_cache,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+
+
+def global_batch_microbatches(
+    dataset,
+    first_sample: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    device: torch.device | str = "cpu",
+) -> list[dict]:
+    """This data-parallel rank's micro-batches of the global batch that starts at sample
+    ``first_sample``: dicts of ``tokens``, ``labels`` and ``loss_mask`` ([b, s] each)."""
+    if first_sample + global_batch_size > len(dataset):
+        raise ValueError(
+            f"the dataset holds {len(dataset)} samples; the global batch of samples [{first_sample}, "
+            f"{first_sample + global_batch_size}) runs past it"
+        )
+    stride = micro_batch_size * dp_size
+    out = []
+    for start in range(first_sample + dp_rank * micro_batch_size, first_sample + global_batch_size, stride):
+        samples = [dataset[i] for i in range(start, start + micro_batch_size)]
+        out.append(
+            {
+                key: torch.stack([s[key] for s in samples]).to(device)
+                for key in ("tokens", "labels", "loss_mask")
+            }
+        )
+    return out
+
+
+def check_token_ids(microbatches: list[dict], vocab_size: int, what: str, device: torch.device | str) -> None:
+    """Raises ValueError on every rank when any rank's batch holds a token id outside
+    [0, vocab_size): a corpus tokenized for another vocabulary."""
+    local = max((int(mb[key].max()) for mb in microbatches for key in ("tokens", "labels")), default=-1)
+    largest = torch.tensor([local], dtype=torch.int64, device=device)
+    with reported("all-reduce of the largest token id", None):
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    if int(largest) >= vocab_size:
+        raise ValueError(
+            f"{what} holds token id {int(largest)}, outside the model's vocabulary of {vocab_size} tokens: "
+            "the "
+            "corpus was tokenized with another tokenizer (--tokenizer / --load-hf must match --data-path)"
+        )

@@ -1,0 +1,267 @@
+"""megatron_ext.datasets on its own (no Megatron-core): bad corpora, blends and splits each get
+one clear error, on every rank; the packed SFT rows checked value by value."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections import OrderedDict
+
+import numpy
+import pytest
+import torch
+
+from megatron_ext.datasets import (
+    BlendedMegatronDatasetBuilder,
+    GPTDataset,
+    GPTDatasetConfig,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    SFTDataset,
+    Split,
+    get_blend_from_list,
+)
+from megatron_ext.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+from tests.distributed import run_distributed
+
+
+class CharTokenizer:
+    """Token id = character code (a..z are 97..122); EOD 0, pad 1."""
+
+    vocab_size, eod, pad = 128, 0, 1
+    unique_identifiers = OrderedDict([("class", "CharTokenizer")])
+
+    def tokenize(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def write_corpus(prefix: str, documents: list[list[int]], dtype=numpy.uint16) -> None:
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    for doc in documents:
+        builder.add_item(torch.tensor(doc))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+
+
+def config(prefixes, split="90,10,0", weights=None, **kwargs) -> GPTDatasetConfig:
+    return GPTDatasetConfig(
+        random_seed=1,
+        sequence_length=8,
+        blend=(prefixes, weights),
+        split=split,
+        tokenizer=CharTokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        **kwargs,
+    )
+
+
+def corrupt(
+    prefix: str, suffix: str, offset: int, data: bytes | None = None, size: int | None = None
+) -> None:
+    path = prefix + suffix
+    raw = bytearray(open(path, "rb").read())
+    if data is not None:
+        raw[offset : offset + len(data)] = data
+    if size is not None:
+        raw = raw[:size]
+    open(path, "wb").write(bytes(raw))
+
+
+def test_bad_corpora_each_get_one_clear_error(tmp_path):
+    docs = [list(range(2, 2 + n)) + [0] for n in (5, 9, 3, 12)]
+    cases = {
+        "missing .bin": (lambda p: os.remove(p + ".bin"), r"is missing '.*missing_bin\.bin'"),
+        "missing .idx": (lambda p: os.remove(p + ".idx"), r"is missing '.*missing_idx\.idx'"),
+        "truncated .bin": (
+            lambda p: corrupt(p, ".bin", 0, size=20),
+            r"\.bin' is truncated: 20 bytes, but its "
+            r"index places tokens up to byte 66",
+        ),
+        "truncated .idx": (
+            lambda p: corrupt(p, ".idx", 0, size=60),
+            r"is truncated: 60 bytes, but its header "
+            r"announces 4 sequences and 5 document indices \(122 bytes\)",
+        ),
+        "tiny .idx": (
+            lambda p: corrupt(p, ".idx", 0, size=10),
+            r"is truncated: 10 bytes, shorter than its "
+            r"34-byte header",
+        ),
+        "magic": (
+            lambda p: corrupt(p, ".idx", 0, b"NOTANIDX\x00"),
+            r"is not a Megatron index file: it starts "
+            r"with b'NOTANIDX\\x00', expected b'MMIDIDX\\x00\\x00'",
+        ),
+        "version": (
+            lambda p: corrupt(p, ".idx", 9, struct.pack("<Q", 2)),
+            r"has version 2; only version 1 exists",
+        ),
+        "dtype code": (
+            lambda p: corrupt(p, ".idx", 17, struct.pack("<B", 9)),
+            r"has token dtype code 9; "
+            r"expected one of \[1, 2, 3, 4, 5, 6, 7, 8\]",
+        ),
+        "documents": (
+            lambda p: corrupt(p, ".idx", 34 + 4 * 12 + 4 * 8, struct.pack("<q", 3)),
+            r"its document indices \[0, \.\.\., 3\] must run from 0 to its sequence count 4",
+        ),
+    }
+    for name, (damage, message) in cases.items():
+        prefix = str(tmp_path / name.replace(" ", "_").replace(".", ""))
+        write_corpus(prefix, docs)
+        damage(prefix)
+        for mmap in (True, False):
+            with pytest.raises(ValueError, match=message):
+                IndexedDataset(prefix, mmap=mmap)
+    # the intact corpus reads back, also without memory maps
+    write_corpus(str(tmp_path / "good"), docs)
+    ds = IndexedDataset(str(tmp_path / "good"), mmap=False)
+    assert [ds[i].tolist() for i in range(4)] == docs and ds.get(1, 2, 3).tolist() == [4, 5, 6]
+    # ids the dtype cannot hold are refused when written, not wrapped around
+    with pytest.raises(ValueError, match=r"token ids in \[0, 70000\] do not fit the dataset's dtype uint16"):
+        write_corpus(str(tmp_path / "wide"), [[0, 70000]])
+
+
+def test_bad_blends_and_splits(tmp_path):
+    write_corpus(str(tmp_path / "a"), [[2, 3, 0]] * 20)
+    a = str(tmp_path / "a")
+    for split, message in (
+        ("0,0,0", r"split '0,0,0' sums to 0; the weights must sum to a positive number"),
+        ("-1,2", r"split '-1,2' must be up to 3 comma-separated numbers >= 0"),
+        ("1,2,3,4", r"must be up to 3 comma-separated numbers"),
+        ("", r"must be up to 3"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_and_normalize_split(split)
+    assert parse_and_normalize_split("969,30,1") == [0.969, 0.03, 0.001]
+    with pytest.raises(ValueError, match=r"the blend weight -0.5 of '.*a' must be a finite number > 0"):
+        config([a, a], weights=[1.0, -0.5])
+    with pytest.raises(ValueError, match=r"the blend has 1 weights for 2 prefixes; they must pair up"):
+        config([a, a], weights=[1.0])
+    with pytest.raises(
+        ValueError, match=r"mixes weights and prefixes: \['b'\] stand where weights are expected"
+    ):
+        get_blend_from_list(["1", "a", "b", "c"])
+    assert get_blend_from_list(["30", "a", "70", "b"]) == (["a", "b"], [30.0, 70.0])
+    assert get_blend_from_list(["a", "b"]) == (["a", "b"], None)
+    with pytest.raises(ValueError, match="split must be provided when blend is not None"):
+        config([a], split=None)
+
+
+def test_a_split_without_documents_asked_for_samples_raises(tmp_path):
+    # 20 documents, 1% valid: round(0.99 x 20) = round(20) leaves the validation split empty.
+    # (Megatron-core 0.16.1 loops forever in GPTDataset._get_num_epochs here.)
+    write_corpus(str(tmp_path / "a"), [[2, 3, 4, 0]] * 20)
+    builder = BlendedMegatronDatasetBuilder(
+        GPTDataset, [10, 5, None], lambda: True, config([str(tmp_path / "a")], split="99,1,0")
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"the valid split of '.*a' holds 0 documents and no tokens, yet 5 "
+        r"samples are asked of it: widen its share of the split '99,1,0'",
+    ):
+        builder.build()
+    # asking nothing of it is fine
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        GPTDataset, [10, None, None], lambda: True, config([str(tmp_path / "a")], split="99,1,0")
+    ).build()
+    assert len(train) == (2 * 80 - 1) // 8 and len(valid) == 0 and test is None  # 10 samples need 2 epochs
+
+
+def _build_on_every_rank(prefix: str, split: str, sizes: list) -> str:
+    """Builds the datasets on this rank; returns the error it raised, or 'built'."""
+    cfg = config([prefix], split=split, path_to_cache=os.path.join(os.path.dirname(prefix), "cache"))
+    try:
+        datasets = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, cfg).build()
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return f"built {len(datasets[0])}"
+
+
+def test_errors_reach_every_rank(tmp_path):
+    write_corpus(str(tmp_path / "a"), [[2, 3, 4, 0]] * 20)
+    prefix = str(tmp_path / "a")
+    empty_split = run_distributed(2, _build_on_every_rank, prefix, "99,1,0", [10, 5, None])
+    assert (
+        empty_split[0].startswith("ValueError: the valid split of") and "holds 0 documents" in empty_split[0]
+    )
+    assert empty_split[1] == empty_split[0] + " (raised on rank 0 while it built the datasets)"
+    missing = run_distributed(2, _build_on_every_rank, str(tmp_path / "b"), "9,1,0", [10, 5, None])
+    assert missing[0] == missing[1] and "is missing" in missing[0]
+    assert (
+        run_distributed(2, _build_on_every_rank, prefix, "9,1,0", [10, 5, None]) == ["built 17"] * 2
+    )  # 18 documents of 4 tokens, 2 epochs
+
+
+def sft_dataset(tmp_path, records, seq_len, cp=None, seed=3) -> SFTDataset:
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_len,
+        blend=([str(path)], None),
+        split="1,0,0",
+        tokenizer=CharTokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        context_parallel_size=cp,
+    )
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        SFTDataset, [None, None, None], lambda: True, cfg
+    ).build()
+    assert valid is None and test is None
+    return train
+
+
+def test_sft_rows_pack_sequences_with_the_loss_on_responses(tmp_path):
+    records = [
+        {"prompt": "ab", "response": "cd"},
+        {"prompt": "e", "response": "fgh"},
+        {"prompt": "ijk", "response": "l"},
+    ]
+    ds = sft_dataset(tmp_path, records, seq_len=12)
+    a, b, c = (ds.dataset[i] for i in range(3))
+    assert a == ([97, 98], [99, 100])
+    # the records in the seeded order; each sequence is prompt + response + EOD (5, 5, 5 tokens):
+    # two fit a row of 12 + 1 tokens, the third starts the next row
+    order = numpy.random.RandomState(3).permutation(3).tolist()
+    assert ds.rows == [order[:2], order[2:]] and len(ds) == 2
+    sequences = {i: ds.dataset[i][0] + ds.dataset[i][1] + [0] for i in range(3)}
+    response = {i: len(ds.dataset[i][1]) + 1 for i in range(3)}
+    row = ds[0]
+    first, second = (sequences[i] for i in order[:2])
+    pack = first + second + [1] * 3  # 10 tokens, padded to 13 with the pad id
+    assert row["tokens"].tolist() == pack[:-1] and row["labels"].tolist() == pack[1:]
+    assert row["position_ids"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]  # restart; padding continues
+    assert row["cu_seqlens"].dtype == torch.int32 and row["cu_seqlens"].tolist() == [0, 5, 12]
+    assert int(row["max_seqlen"]) == 7
+    # a label counts where it is a response token or the EOD of the same sequence
+    want = [0.0] * 12
+    for start, i in ((0, order[0]), (5, order[1])):
+        for k in range(5 - response[i], 5):
+            want[start + k - 1] = 1.0
+    assert row["loss_mask"].tolist() == want
+    assert (
+        row["tokens"].dtype == row["labels"].dtype == torch.int64 and row["loss_mask"].dtype == torch.float32
+    )
+    # context parallelism: each sequence padded to a multiple of 2 x cp = 4 tokens (5 -> 8)
+    ds = sft_dataset(tmp_path, records, seq_len=15, cp=2)
+    assert [len(r) for r in ds.rows] == [2, 1]
+    row = ds[0]
+    assert row["cu_seqlens"].tolist() == [0, 8, 15]
+    assert row["position_ids"].tolist() == list(range(8)) + list(range(7))
+    # a sequence longer than a row is cut to the row
+    ds = sft_dataset(tmp_path, [{"prompt": "abcdef", "response": "ghijklmnop"}], seq_len=8)
+    row = ds[0]
+    assert row["tokens"].tolist() == list(range(97, 105)) and row["labels"].tolist() == list(range(98, 106))
+    assert row["cu_seqlens"].tolist() == [0, 8] and row["loss_mask"].tolist() == [0.0] * 5 + [1.0] * 3
+    with pytest.raises(
+        ValueError, match=r"sft\.jsonl:1: expected a JSON object with 'prompt' and 'response'"
+    ):
+        sft_dataset(tmp_path, [{"question": "a"}], seq_len=8)
+    assert Split.train.value == 0
