@@ -186,7 +186,7 @@ def bind_te_general_gemm() -> None:
 class Run:
     """One training run: the model's shape and the parallel layout."""
 
-    arch: str = "gpt"  # or "llama"
+    arch: str = "gpt"  # or "llama", or "mla" (llama's with multi-latent attention, YaRN)
     tp: int = 1
     pp: int = 1
     vp: int | None = None
@@ -237,22 +237,43 @@ def config_fields(run: Run) -> dict[str, Any]:
             expert_model_parallel_size=run.ep, moe_token_dispatcher_type=run.dispatcher,
             moe_grouped_gemm=False, moe_aux_loss_coeff=run.aux_loss_coeff, moe_z_loss_coeff=run.z_loss_coeff,
         )
-    if run.arch == "llama":
+    if run.arch in ("llama", "mla"):
         fields.update(
-            normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-            num_query_groups=run.query_groups, add_bias_linear=False,
+            normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
             ffn_hidden_size=run.ffn or 2 * run.hidden,
+        )
+    if run.arch == "llama":
+        fields.update(num_query_groups=run.query_groups)
+    elif run.arch == "mla":
+        head = run.hidden // run.heads
+        fields.update(
+            q_lora_rank=run.hidden // 2, kv_lora_rank=run.hidden // 4, qk_head_dim=head,
+            qk_pos_emb_head_dim=head // 2, v_head_dim=head + 2, qk_layernorm=True, rope_type="yarn",
+            rotary_scaling_factor=4.0, original_max_position_embeddings=run.seq // 2, mscale=1.0,
+            mscale_all_dim=1.0,
         )
     elif run.arch == "gpt":
         fields.update(ffn_hidden_size=run.ffn or 4 * run.hidden)
-    else:
-        raise ValueError(f"arch must be 'gpt' or 'llama', got {run.arch!r}")
+    elif run.arch != "llama":
+        raise ValueError(f"arch must be 'gpt', 'llama' or 'mla', got {run.arch!r}")
     return fields
 
 
 def transformer_config(run: Run, stack: str = "megatron.core") -> Any:
-    module = importlib.import_module(f"{stack}.transformer")
-    return module.TransformerConfig(**config_fields(run))
+    module = importlib.import_module(f"{stack}.transformer.transformer_config")
+    cls = module.MLATransformerConfig if run.arch == "mla" else module.TransformerConfig
+    return cls(**config_fields(run))
+
+
+def mla_without_te() -> None:
+    """Without TransformerEngine, Megatron-core's ``extensions.transformer_engine`` still imports
+    (its classes built over a ``MagicMock``), so its multi-latent attention believes TE is there and
+    calls ``isinstance`` with a mock, a TypeError: told here that TE is absent, as it is."""
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
+
+    if not transformer_engine.HAVE_TE:
+        multi_latent_attention.HAVE_TE = False
 
 
 def _use_torch_norm_with_sequence_parallel() -> None:
@@ -274,7 +295,7 @@ def build_model(run: Run, config: Any, stack: str = "megatron.core") -> list[tor
     ps = importlib.import_module(f"{stack}.parallel_state")
     kwargs = dict(
         share_embeddings_and_output_weights=run.arch == "gpt",
-        position_embedding_type="rope" if run.arch == "llama" else "learned_absolute",
+        position_embedding_type="rope" if run.arch in ("llama", "mla") else "learned_absolute",
     )
     if stack == "megatron.core":
         from megatron.core.models.gpt import GPTModel
@@ -285,9 +306,14 @@ def build_model(run: Run, config: Any, stack: str = "megatron.core") -> list[tor
             bind_te_general_gemm()
         spec = get_gpt_layer_local_spec(
             num_experts=run.num_experts, moe_grouped_gemm=False,
-            normalization="RMSNorm" if run.arch == "llama" else None,
+            normalization="RMSNorm" if run.arch in ("llama", "mla") else None,
+            multi_latent_attention=run.arch == "mla", qk_layernorm=run.arch == "mla",
         )
-        if run.cp > 1:  # Megatron-core's own DotProductAttention refuses context parallelism
+        # Megatron-core's own DotProductAttention refuses context parallelism, and takes no
+        # k_channels / v_channels, which its multi-latent attention passes (its issue 1589).
+        if run.arch == "mla":
+            mla_without_te()
+        if run.cp > 1 or run.arch == "mla":
             from megatron_ext.transformer.context_parallel import ContextParallelDotProductAttention
 
             spec.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention
@@ -307,21 +333,25 @@ def build_model(run: Run, config: Any, stack: str = "megatron.core") -> list[tor
     return chunks
 
 
-# Megatron-core's parameter names -> megatron_ext's (Megatron's earlier names).
+# Megatron-core's parameter names -> megatron_ext's (Megatron's earlier names; multi-latent
+# attention keeps Megatron-core's but for its latent norms).
 _EXT_NAMES = {
     ".linear_qkv.": ".query_key_value.", ".linear_proj.": ".dense.",
     ".pre_mlp_layernorm.": ".post_attention_layernorm.", ".linear_fc1.": ".dense_h_to_4h.",
     ".linear_fc2.": ".dense_4h_to_h.",
 }
+_MLA_NAMES = {".q_layernorm.": ".q_latent_norm.", ".kv_layernorm.": ".kv_latent_norm."}
 
 
 def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
     """Copies a Megatron-core GPTModel's parameters into a megatron_ext GPTModel of the same shape
     and layout (this rank's shards; the QKV and gated fc1 layouts are the same)."""
     target_params = dict(target.named_parameters())
+    mla = bool(getattr(target.config, "multi_latent_attention", False))
+    renames = {**_EXT_NAMES, **_MLA_NAMES, ".linear_proj.": ".linear_proj."} if mla else _EXT_NAMES
     names = []
     for name, param in source.named_parameters():
-        for old, new in _EXT_NAMES.items():
+        for old, new in renames.items():
             name = name.replace(old, new)
         names.append(name)
         with torch.no_grad():

@@ -33,7 +33,9 @@ from benchmarks.megatron_core_gpt import (  # noqa: E402
     MEGATRON_CORE_FALLBACKS,
     Run,
     cpu_patches,
+    setup,
     train,
+    train_step,
     use_megatron_ext,
 )
 from tests.distributed import run_distributed  # noqa: E402
@@ -111,6 +113,7 @@ def _train_on_megatron_ext() -> dict:
     at_cp1 = {name + " at cp 1": dataclasses.replace(run, cp=1) for name, run in CP_RUNS.items()}
     cp_runs = {**CP_RUNS, **at_cp1}
     out["context parallel"] = {name: train(run) for name, run in cp_runs.items()}
+    out["mla"] = {name: _train_mla_pair(run) for name, run in MLA_RUNS.items()}
     return out
 
 
@@ -192,3 +195,47 @@ def test_megatron_core_gpt_model_trains_with_context_parallelism_on_megatron_ext
                     msg=lambda m: f"{name} rank {rank} {param}: {m}",
                 )
         assert last_stages == 4 // run.pp, name
+
+
+# Multi-latent attention: Megatron-core's own GPTModel with get_gpt_layer_local_spec(
+# multi_latent_attention=True) (its MLASelfAttention, YarnRotaryEmbedding, column-parallel down
+# projections) and megatron_ext's ContextParallelDotProductAttention as its core_attention (its local
+# DotProductAttention takes no k_channels / v_channels: it does not build), trained on megatron_ext,
+# against megatron_ext's own GPTModel with MLA from the same weights, step by step in one process.
+MLA_RUNS = {
+    "mla dp4": Run(arch="mla", layers=2, optimizer="sgd"),
+    "mla cp2 p2p dp2": Run(arch="mla", layers=2, cp=2, cp_comm_type="p2p", optimizer="sgd"),
+    "mla cp2 a2a dp2": Run(arch="mla", layers=2, cp=2, cp_comm_type="a2a", optimizer="sgd"),
+}
+
+
+def _train_mla_pair(run: Run) -> dict:
+    from megatron.core import parallel_state as ps
+
+    mcore = setup(run)
+    ours = setup(run, "megatron_ext", weights_from=mcore[0])
+    out: dict = {"megatron-core": [], "megatron_ext": []}
+    try:
+        for step in range(run.steps):
+            out["megatron-core"].append(train_step(run, *mcore, step))
+            out["megatron_ext"].append(train_step(run, *ours, step, "megatron_ext"))
+    finally:
+        ps.destroy_model_parallel()
+    return out
+
+
+def test_megatron_core_mla_model_trains_on_megatron_ext_as_its_own_mla(on_megatron_ext):
+    for name in MLA_RUNS:
+        last_stages = 0
+        for rank, result in enumerate(r["mla"][name] for r in on_megatron_ext):
+            theirs, ours = result["megatron-core"], result["megatron_ext"]
+            assert len(theirs) == len(ours) == 3, (name, rank)
+            norms = torch.tensor([[t[1] for t in theirs], [o[1] for o in ours]])
+            torch.testing.assert_close(norms[1], norms[0], rtol=1e-9, atol=0, msg=lambda m: f"{name}: {m}")
+            if theirs[0][0] is not None:
+                last_stages += 1
+                losses = torch.tensor([[t[0] for t in theirs], [o[0] for o in ours]])
+                torch.testing.assert_close(losses[1], losses[0], rtol=1e-9, atol=0,
+                                           msg=lambda m: f"{name}: {m}")
+                assert losses[0, -1] < losses[0, 0], (name, losses)
+        assert last_stages == 4, name
