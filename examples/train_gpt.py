@@ -1222,7 +1222,9 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
             **mla_settings(args),
             **training,
         )
-        model_kwargs = dict(vocab_size=args.vocab_size, max_sequence_length=args.seq_len,
+        # --vocab-size left unset and check_args not run (a script building the model alone): bytes
+        vocab_size = BYTE_VOCAB if args.vocab_size is None else args.vocab_size
+        model_kwargs = dict(vocab_size=vocab_size, max_sequence_length=args.seq_len,
                             share_embeddings_and_output_weights=not llama,
                             position_embedding_type="rope" if llama else "learned_absolute")
     torch.manual_seed(args.seed)  # the CPU generator: dropout outside tensor-parallel regions on CPU
@@ -1571,7 +1573,7 @@ def write_outputs(log: dict, args: argparse.Namespace) -> None:
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot(range(log["start_step"] + 1, log["start_step"] + len(log["losses"]) + 1), log["losses"],
                 label="train")
-        if log["val_losses"]:
+        if log.get("val_losses"):
             ax.plot(*zip(*log["val_losses"]), "o-", label="validation")
             ax.legend()
         ax.set_xlabel("step")
@@ -1594,7 +1596,7 @@ def summary(log: dict, args: argparse.Namespace) -> str:
         f"{log['start_step'] + 1}-{args.steps}, "
         f"{sum(timed) / len(timed):.0f} tokens/s"
         + (f", validation loss {log['val_losses'][-1][1]:.4f} at step {log['val_losses'][-1][0]}"
-           if log["val_losses"] else "")
+           if log.get("val_losses") else "")
         + (f"; loss curve: {args.plot}" if args.plot else "")
     )
 

@@ -375,8 +375,8 @@ def _nonfinite_worker(save_dir: str) -> dict:
                 steps.append(step)
                 return step_microbatches(corpus, step, args, device)
 
-            def nan_in_step_3(output):
-                loss, report = loss_func(output)
+            def nan_in_step_3(loss_mask, output):
+                loss, report = loss_func(loss_mask, output)
                 return (loss * float("nan"), {"lm loss": loss.detach() * float("nan")}) if steps[-1] == 2 \
                     else (loss, report)
 
