@@ -184,7 +184,8 @@ def test_zero_bubble_schedules_match_serial(serial_losses):
         (
             ["--export-hf", "/tmp/out"],
             1,
-            "--export-hf writes Llama- or DeepSeek-shaped models: use --arch llama, --arch deepseek or --load-hf",
+            "--export-hf writes Llama- or DeepSeek-shaped models: use --arch llama, --arch deepseek or "
+            "--load-hf",
         ),
         (["--load-hf", "/nonexistent/model"], 1, "--load-hf '/nonexistent/model' holds no config.json"),
     ],
