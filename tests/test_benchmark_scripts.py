@@ -134,6 +134,29 @@ def test_moe_benchmark_script(tmp_path):
 
 
 @pytest.mark.slow  # runs the benchmark script end to end
+def test_deepseek_layer_benchmark_script(tmp_path):
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("transformers")
+    out = tmp_path / "deepseek_layer.json"
+    _run_script("deepseek_layer.py", "--quick", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert list(result["summary"]) == ["1", "2"]
+    assert list(result["summary"]["1"]) == ["megatron_ext", "Megatron-core", "transformers"]
+    assert list(result["summary"]["2"]) == ["megatron_ext", "Megatron-core"]  # transformers at ep 1 only
+    for rows in result["summary"].values():
+        assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in rows.values())
+    # The layers start from the same weights and inputs: the same output and input gradient to
+    # float32 rounding, measured against what the layer adds to its input and to the gradient it is
+    # handed (the residual path carries the rest).
+    for ep, diffs in result["max_difference"].items():
+        assert diffs["megatron_ext"]["output"] == diffs["megatron_ext"]["input_grad"] == 0.0
+        for name, d in diffs.items():
+            assert d["update_max_abs"] > 0 and d["grad_update_max_abs"] > 0, (ep, name, d)
+            assert d["output"] <= 1e-4 * d["update_max_abs"], (ep, name, d)
+            assert d["input_grad"] <= 1e-4 * d["grad_update_max_abs"], (ep, name, d)
+
+
+@pytest.mark.slow  # runs the benchmark script end to end
 def test_llama_kernels_benchmark_script(tmp_path):
     out = tmp_path / "llama_kernels.json"
     _run_script("llama_kernels.py", "--without-megatron-core", "--dtypes", "float32", "bfloat16",
