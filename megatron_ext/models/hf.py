@@ -14,7 +14,9 @@ Mixtral, Qwen2-MoE and Qwen3-MoE add mixture-of-experts layers: the router (``ga
 each routed expert, by global index, -> the local expert of the expert-parallel rank that holds
 it, ``[gate | up]`` and ``down`` split over the expert-tensor-parallel group like the dense MLP.
 The experts are read from transformers' in-memory fused tensors (``mlp.experts.gate_up_proj``,
-``down_proj``) or the files' per-expert ones, and exported under the files' names.
+``down_proj``) or the files' per-expert ones, and exported under the files' names. gpt-oss
+(``hf_gpt_oss``) adds the attention sinks (``self_attn.sinks`` -> ``self_attention.softmax_offset``),
+the router's bias (``mlp.router``) and experts fused with their biases, gate and up interleaved.
 
 Everything runs on whatever parallel layout the model was built for: a rank reads only the
 tensors of its own layers (from a dict, or a directory of safetensors files opened lazily) and

@@ -413,7 +413,8 @@ def hf_config_dict(model_chunks, vocab_size: int | None = None) -> dict[str, Any
     experts (softmax routing, no biases) a ``MixtralConfig`` (every layer MoE, the top-k weights
     renormalised), a ``Qwen2MoeConfig`` (gated shared experts) or a ``Qwen3MoeConfig`` (query/key
     norms); a multi-latent attention model a ``DeepseekV3Config`` (sigmoid routing) or
-    ``DeepseekV2Config`` (softmax routing). ValueError for other models."""
+    ``DeepseekV2Config`` (softmax routing); a mixture of quick-GEGLU experts a ``GptOssConfig``
+    (``hf_gpt_oss.gpt_oss_config_dict``). ValueError for other models."""
     model = _chunks(model_chunks)[0]
     config = model.config
     if getattr(config, "multi_latent_attention", False):
