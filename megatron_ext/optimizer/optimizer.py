@@ -2,15 +2,13 @@
 over *main* parameters, fed from the model's gradients, with loss scaling and clipping by the
 global norm over every parallel group.
 
-Each wrapper keeps a list of slots: (name, model parameter, element range, main parameter). The
-torch optimizer updates the main parameters; ``step()`` copies model gradients (``main_grad``
-when a ``DistributedDataParallel`` with a ``ddp_config`` holds them, else ``.grad``) into the
-main parameters' ``.grad``, unscales and checks them (fp16), clips, steps and writes the result
-back into the model.
+Each wrapper keeps slots (name, model parameter, element range, main parameter) for a torch
+optimizer over the main parameters; ``step()`` copies model gradients (``main_grad`` under a
+``DistributedDataParallel`` with a ``ddp_config``, else ``.grad``) into the main ``.grad``,
+unscales and checks them (fp16), clips, steps and writes the result back into the model.
 
 * ``FP32Optimizer``: the model parameters are the main parameters.
-* ``Float16OptimizerWithFloat16Params``: 16-bit model parameters get float32 main copies
-  (parameters of other dtypes are their own main copies).
+* ``Float16OptimizerWithFloat16Params``: 16-bit model parameters get float32 main copies.
 * ``DistributedOptimizer`` (``distrib_optimizer.py``): each data-parallel rank holds the main
   parameters and optimizer state of its slice of every gradient bucket only.
 """
@@ -132,13 +130,12 @@ class MegatronOptimizer:
         return [s.main for s in self._slots]
 
     def get_main_grads_for_grad_norm(self, expert: bool = False) -> list[torch.Tensor]:
-        """Main gradients counted once across ranks: without tensor-parallel duplicates (expert
-        ones: over the expert-tensor-parallel group) and the last stage's copy of the tied
-        embedding; those of the dense parameters, or with ``expert`` of the expert parameters
-        (``allreduce=False``)."""
-        alone = not dist.is_initialized()  # no tensor-parallel copies to skip
-        tp_group = None if alone else (
-            default_group("expt_tp", self.expt_tp_group, False) if expert else self.tp_group)
+        """Main gradients counted once across ranks (no tensor-parallel duplicates, judged over the
+        etp group for experts; not the last stage's tied-embedding copy): of the dense parameters,
+        or with ``expert`` of the expert ones."""
+        alone = not dist.is_initialized()  # no process group: no duplicates to skip
+        expt_tp = expert and not alone
+        tp_group = default_group("expt_tp", self.expt_tp_group, False) if expt_tp else self.tp_group
         return [
             s.main.grad
             for s in self._slots
