@@ -333,8 +333,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--load-hf",
         default=None,
         help="start from Hugging Face weights: a directory with config.json and safetensors files "
-        "(Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2, DeepSeek-V3; its "
-        "multi-token prediction layers too, when the files hold them); the model's shape comes from its "
+        "(Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2, DeepSeek-V3, gpt-oss; "
+        "its multi-token prediction layers too, when the files hold them); the model's shape comes from its "
         "config.json, not from --arch --layers --hidden --heads --num-query-groups --ffn-hidden "
         "--vocab-size (nor, for a mixture of experts, --num-experts --moe-router-topk "
         "--moe-ffn-hidden-size)",

@@ -108,7 +108,7 @@ def test_hf_directories_are_checked_at_start(tmp_path):
     assert _refusal(LLAMA + ["--load-hf", neox]) == (
         f"--load-hf {neox!r}: model_type 'gpt_neox' is not supported: one of "
         "['llama', 'mistral', 'qwen2', 'qwen3', 'mixtral', 'qwen2_moe', 'qwen3_moe', 'deepseek_v2', "
-        "'deepseek_v3']"
+        "'deepseek_v3', 'gpt_oss']"
     )
     headless = _hf_dir(tmp_path / "headless", num_attention_heads=None)
     assert _refusal(LLAMA + ["--load-hf", headless]) == (

@@ -1,7 +1,8 @@
 """Hugging Face weights in and out: a small randomly initialised ``transformers.LlamaForCausalLM``
 loaded into megatron_ext at tp 1, tp 2 and tp 2 x pp 2 gives transformers' logits in float64, and
 the export gives back its state dict exactly; so do Qwen2, Qwen3 and Mistral (a sliding window
-shorter than the sequence among them). Needs ``transformers`` (installed by CI)."""
+shorter than the sequence among them, on every layer and on Qwen2's layers from
+max_window_layers). Needs ``transformers`` (installed by CI)."""
 
 from __future__ import annotations
 
@@ -141,6 +142,8 @@ VARIANTS = [
     # A window shorter than the sequence: transformers' mask (query i sees keys i - 4 < j <= i) as
     # megatron_ext's window_size=(3, 0).
     dict(model_type="mistral", sliding_window=4),
+    # Qwen2's window on the layers from max_window_layers on only (window_attn_skip_freq [0, 0, 1, 1])
+    dict(model_type="qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=2),
 ]
 
 

@@ -1,14 +1,16 @@
 """examples/train_gpt.py with two mixture-of-experts stacks, trained at (tp, pp, ep, dp) = (2,1,1,1)
 with sequence parallelism, (1,2,1,1), (1,1,2,1), (1,1,1,2) with the distributed optimizer and
-(2,1,2,1) with sequence parallelism (expert tensor parallelism 2), equal to the serial run in
-float64 (per-step losses and auxiliary losses, gradient norms, final weights with the experts'
-biases), each layout with one expert implementation and one dispatcher, both at tp 2 x ep 2:
+(2,1,2,1) with sequence parallelism (expert tensor parallelism 2), the gpt-oss-style stack also at
+cp 2, equal to the serial run in float64 (per-step losses and auxiliary losses, gradient norms,
+final weights with the experts' biases and the attention sinks), each layout with one expert
+implementation and one dispatcher, both at tp 2 x ep 2:
 
 * DeepSeek-style: two dense layers, then two MoE layers with a shared expert, group-limited
   sigmoid routing with the expert bias and the scaling factor, the per-sequence balance loss and
   the z-loss (at pp 2 a stage of dense layers only and one of MoE layers only);
 * gpt-oss-style: biases everywhere (the router's and the experts'), quick-GEGLU experts with the
-  linear offset and a clamp that binds, top-k softmax routing.
+  linear offset and a clamp that binds, top-k softmax routing, a sliding window (3 of the 8
+  tokens) on the first layer and full attention on the second, learned attention sinks.
 
 And a checkpoint of the DeepSeek-style stack saved at ep 2 resumes at ep 1 and at pp 2 (the keys
 per layer: its layers differ) to the uninterrupted losses; the refusals of the new flags.
@@ -36,7 +38,8 @@ STACKS = {
                  "--moe-z-loss-coeff", "1e-3"],
     "gpt-oss": ["--arch", "llama", "--ffn-hidden", "12", "--add-bias-linear", "--quick-geglu",
                 "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "0.05", "--num-experts", "4",
-                "--moe-router-topk", "2", "--moe-ffn-hidden-size", "6"],
+                "--moe-router-topk", "2", "--moe-ffn-hidden-size", "6", "--window-size", "3",
+                "--window-attn-skip-freq", "2", "--softmax-type", "learnable"],
 }
 GROUPED = ["--moe-grouped-gemm"]
 ALLGATHER, ALLTOALL = (["--moe-token-dispatcher-type", kind] for kind in ("allgather", "alltoall"))
@@ -49,6 +52,7 @@ WORLD_2 = {
     (1, 2, 1, 1): {"deepseek": ["--pp", "2", *ALLTOALL], "gpt-oss": ["--pp", "2", *GROUPED, *ALLGATHER]},
     (1, 1, 2, 1): {"deepseek": ["--ep", "2", *GROUPED, *ALLTOALL], "gpt-oss": ["--ep", "2", *ALLGATHER]},
     (1, 1, 1, 2): {"deepseek": [*DIST_OPT, *ALLGATHER], "gpt-oss": [*DIST_OPT, *GROUPED, *ALLTOALL]},
+    "cp 2": {"gpt-oss": ["--cp", "2", *ALLTOALL]},  # the window crosses the ranks' chunks
 }
 TP2_EP2 = ["--tp", "2", *SP, "--ep", "2"]
 WORLD_4 = {
@@ -101,6 +105,7 @@ def serial():
     gpt_oss = ref[("serial", "gpt-oss")][3]
     assert any(abs(v) > 1e-4 for v in gpt_oss["decoder.layers.0.mlp.experts.0.b2"])  # the biases trained
     assert "decoder.layers.0.mlp.router.bias" in gpt_oss
+    assert "decoder.layers.1.self_attention.softmax_offset" in gpt_oss  # the learned sinks
     assert not any(".mlp.experts." in name for name in deepseek[3] if name.startswith("decoder.layers.0."))
     return ref
 
@@ -124,10 +129,10 @@ def _runs(table: dict) -> list[tuple]:
     return [(layout, stack, flags) for layout, stacks in table.items() for stack, flags in stacks.items()]
 
 
-@pytest.mark.slow  # a 2-rank group, 8 trainings
+@pytest.mark.slow  # a 2-rank group, 9 trainings
 def test_stacks_world_2_train_like_serial(serial):
     results = _merged(run_distributed(2, _train, _runs(WORLD_2), timeout=900))
-    assert len(results) == 8
+    assert len(results) == 9
     _assert_equal_serial(serial, results)
 
 

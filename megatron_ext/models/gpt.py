@@ -20,6 +20,7 @@ from megatron_ext.transformer.multi_token_prediction import (
 )
 from megatron_ext.transformer.rotary import RotaryEmbedding
 from megatron_ext.transformer.utils import initialization_seed
+from megatron_ext.transformer.yarn_rotary import YarnRotaryEmbedding, yarn_arguments
 
 TIED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
 
@@ -33,7 +34,7 @@ def packed_rotary_len(packed_seq_params) -> int:
         if bounds is not None and bounds.numel() > 1:
             lengths.append(int((bounds[1:] - bounds[:-1]).max()))
     return max(lengths)
-_POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+_POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "none")
 
 
 class GPTEmbedding(torch.nn.Module):
@@ -114,7 +115,11 @@ class GPTModel(torch.nn.Module):
     ``"learned_absolute"`` (a learned table added to the word embedding), ``"rope"`` (rotary
     embeddings of the queries and keys in every layer, with ``rotary_percent``, ``rotary_base``,
     ``seq_len_interpolation_factor`` and ``config.rotary_interleaved``; positions ``0 .. s - 1``,
-    ``position_ids`` are not read) or ``"none"``.
+    ``position_ids`` are not read), ``"yarn"`` (the same with YaRN's angles and attention factor,
+    ``transformer.yarn_rotary``, its settings read from the config's attributes
+    ``yarn_rotary_scaling_factor``, ``yarn_original_max_position_embeddings``, ``yarn_beta_fast``,
+    ``yarn_beta_slow``, ``yarn_mscale``, ``yarn_mscale_all_dim`` and
+    ``yarn_correction_range_round_to_int``, as Megatron-core's) or ``"none"``.
 
     ``packed_seq_params`` (Megatron-core's ``PackedSeqParams``, ``qkv_format="thd"``): each row of
     ``input_ids`` is packed sequences that never attend to each other, rotated from position 0 each
@@ -180,6 +185,15 @@ class GPTModel(torch.nn.Module):
                 rotary_base=rotary_base,
                 rope_scaling=rope_scaling,
                 rope_scaling_factor=rope_scaling_factor,
+            )
+        elif position_embedding_type == "yarn" and not getattr(config, "multi_latent_attention", False):
+            self.rotary_pos_emb = YarnRotaryEmbedding(
+                config.kv_channels,
+                rotary_percent,
+                rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+                rotary_base=rotary_base,
+                **yarn_arguments(config),
             )
         self.decoder = ParallelTransformer(
             config, self.pre_process, self.post_process, init_seed=seed, vp_stage=vp_stage
@@ -301,7 +315,8 @@ class GPTModel(torch.nn.Module):
             # Every packed sequence from position 0: the angles of the longest one's positions, of
             # which each layer takes a sequence's own (on every cp rank: chunks of each sequence).
             device = input_ids.device if self.pre_process else self.decoder.input_tensor.device
-            return self.rotary_pos_emb(packed_rotary_len(packed_seq_params), device=device, packed_seq=True)
+            angles = self.rotary_pos_emb(packed_rotary_len(packed_seq_params), device=device, packed_seq=True)
+            return angles[0] if isinstance(angles, tuple) else angles
         if self.pre_process:
             seq_len, device = input_ids.size(1), input_ids.device
         else:
@@ -316,7 +331,8 @@ class GPTModel(torch.nn.Module):
         # The angles of the whole sequence, of which the embedding keeps this cp rank's chunks.
         cp_group = self.rotary_pos_emb.cp_group
         seq_len *= cp_group.size() if cp_group is not None else 1
-        return self.rotary_pos_emb(seq_len, device=device)
+        angles = self.rotary_pos_emb(seq_len, device=device)
+        return angles[0] if isinstance(angles, tuple) else angles  # YaRN's comes with its factor
 
     def _language_model_loss(
         self, hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None

@@ -14,7 +14,9 @@ Mixtral, Qwen2-MoE and Qwen3-MoE add mixture-of-experts layers: the router (``ga
 each routed expert, by global index, -> the local expert of the expert-parallel rank that holds
 it, ``[gate | up]`` and ``down`` split over the expert-tensor-parallel group like the dense MLP.
 The experts are read from transformers' in-memory fused tensors (``mlp.experts.gate_up_proj``,
-``down_proj``) or the files' per-expert ones, and exported under the files' names.
+``down_proj``) or the files' per-expert ones, and exported under the files' names. gpt-oss
+(``hf_gpt_oss``) adds the attention sinks (``self_attn.sinks`` -> ``self_attention.softmax_offset``),
+the router's bias (``mlp.router``) and experts fused with their biases, gate and up interleaved.
 
 Everything runs on whatever parallel layout the model was built for: a rank reads only the
 tensors of its own layers (from a dict, or a directory of safetensors files opened lazily) and
@@ -24,6 +26,7 @@ here needs them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -36,6 +39,7 @@ from megatron_ext import parallel_state
 from megatron_ext.dist_checkpointing.core import _agree
 from megatron_ext.resolve import group_rank, group_size
 from megatron_ext.transformer.moe.moe_layer import MoELayer
+from megatron_ext.models.hf_gpt_oss import EXPERT_TENSORS, expert_from_hf, experts_to_hf, is_gpt_oss
 from megatron_ext.models.hf_config import (  # noqa: F401  (config_from_hf, hf_config_dict: public here too)
     _chunks,
     _moe_model_type,
@@ -51,6 +55,7 @@ _LAYER_NAMES = {  # megatron_ext name inside a layer -> Hugging Face name inside
     "post_attention_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.dense.weight": "self_attn.o_proj.weight",
     "self_attention.dense.bias": "self_attn.o_proj.bias",
+    "self_attention.softmax_offset": "self_attn.sinks",  # gpt-oss's attention sinks
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "mlp.dense_4h_to_h.weight": "mlp.down_proj.weight",
@@ -91,7 +96,6 @@ _EXPERT_NAMES = {
     "block_sparse_moe": ("w1", "w3", "w2"),
     "mlp": ("gate_proj", "up_proj", "down_proj"),
 }
-_EXPERT_WEIGHTS = ("linear_fc1.weight", "linear_fc2.weight", "experts.weight1", "experts.weight2")
 _GLOBAL_NAMES = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",
@@ -101,8 +105,13 @@ _GLOBAL_NAMES = {
 
 def _moe_block(config) -> str:
     """The module that holds a MoE layer's router and experts in the files: Mixtral's
-    ``block_sparse_moe``, Qwen's ``mlp``."""
-    return "block_sparse_moe" if _moe_model_type(config) == "mixtral" else "mlp"
+    ``block_sparse_moe``, Qwen's and gpt-oss's ``mlp``."""
+    return "block_sparse_moe" if not is_gpt_oss(config) and _moe_model_type(config) == "mixtral" else "mlp"
+
+
+def _router_module(config, block: str | None = None) -> str:
+    """A MoE layer's router in the files: gpt-oss's ``mlp.router``, the others' ``{block}.gate``."""
+    return "mlp.router" if is_gpt_oss(config) else f"{block or _moe_block(config)}.gate"
 
 
 def _expert_names(prefix: str, block: str, expert: int) -> tuple[str, str, str]:
@@ -134,8 +143,8 @@ def _hf_sources(name: str, model: torch.nn.Module, block: str | None = None) -> 
     if layer is None:
         raise KeyError(f"no Hugging Face tensor for {name!r}")
     prefix = f"model.layers.{layer.layer_number - 1}."
-    if inner == "mlp.router.weight":
-        return (f"{prefix}{block or _moe_block(model.config)}.gate.weight",)
+    if inner in ("mlp.router.weight", "mlp.router.bias"):
+        return (f"{prefix}{_router_module(model.config, block)}.{inner.rsplit('.', 1)[1]}",)
     module, _, kind = inner.rpartition(".")
     if module in _FUSED:
         names = tuple(f"{prefix}{source}.{kind}" for source in _FUSED[module])
@@ -349,13 +358,11 @@ def _load(chunks: list[torch.nn.Module], source: _TensorSource) -> None:
                 _load_experts(layer, source, used)
                 _load_expert_bias(layer, source, used)
         for name, param in model.named_parameters():
-            if ".mlp.experts." in name:
-                if not name.endswith(_EXPERT_WEIGHTS):
-                    raise KeyError(f"no Hugging Face tensor for {name!r} (the experts have no biases)")
+            if ".mlp.experts." in name:  # _load_experts
                 continue
             if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
                 hf_names = ("model.embed_tokens.weight",)
-            elif name.endswith(".mlp.router.weight"):
+            elif name.endswith(".mlp.router.weight") and not is_gpt_oss(config):
                 hf_names = (_router_name(source, _layer_of(model, name)[0]),)
             else:
                 hf_names = _hf_sources(name, model)
@@ -426,8 +433,10 @@ def _load_expert_bias(layer: torch.nn.Module, source: _TensorSource, used: set[s
 
 def _router_name(source: _TensorSource, layer: torch.nn.Module) -> str:
     """A MoE layer's router in ``source``: Mixtral's files name it ``block_sparse_moe.gate``,
-    transformers' in-memory state dicts and Qwen's files ``mlp.gate``."""
+    transformers' in-memory state dicts and Qwen's files ``mlp.gate``, gpt-oss ``mlp.router``."""
     prefix = f"model.layers.{layer.layer_number - 1}."
+    if is_gpt_oss(layer.config):
+        return f"{prefix}mlp.router.weight"
     for block in _EXPERT_NAMES:
         if f"{prefix}{block}.gate.weight" in source:
             return f"{prefix}{block}.gate.weight"
@@ -437,17 +446,21 @@ def _router_name(source: _TensorSource, layer: torch.nn.Module) -> str:
 def _experts_in(source: _TensorSource, layer: torch.nn.Module, used: set[str]) -> Callable[[int], tuple]:
     """For a MoE layer: checks that ``source`` holds as many experts as the model (the router's
     rows, the fused tensors' first dimension, no expert past the last), marks them all used (each
-    has a place, on this rank or another expert-parallel rank) and returns ``expert -> (gate, up,
-    down)``, from the files' per-expert tensors or transformers' fused ones."""
+    has a place, on this rank or another expert-parallel rank) and returns ``expert -> (W1 [gate |
+    up], W2, b1, b2)``, from the files' per-expert tensors or transformers' fused ones; the biases
+    are gpt-oss's (``hf_gpt_oss``), None for the other families."""
     config, index = layer.config, layer.layer_number - 1
     prefix, experts = f"model.layers.{index}.", config.num_moe_experts
     router = _router_name(source, layer)
     counts = {router: source[router].shape[0]} if router in source else {}
-    fused = (f"{prefix}mlp.experts.gate_up_proj", f"{prefix}mlp.experts.down_proj")
+    gpt_oss = is_gpt_oss(config)
+    names = EXPERT_TENSORS if gpt_oss else ("gate_up_proj", "down_proj")
+    fused = tuple(f"{prefix}mlp.experts.{name}" for name in names)
+    read = functools.cache(lambda name: source[name])  # a fused tensor read once for all experts
     if all(n in source for n in fused):
-        counts.update({n: source[n].shape[0] for n in fused})
+        counts.update({n: read(n).shape[0] for n in fused})
         used.update(fused)
-    for block in _EXPERT_NAMES:
+    for block in () if gpt_oss else _EXPERT_NAMES:
         if _expert_names(prefix, block, 0)[0] in source:
             held = 0
             while _expert_names(prefix, block, held)[0] in source:
@@ -461,14 +474,21 @@ def _experts_in(source: _TensorSource, layer: torch.nn.Module, used: set[str]) -
             f"model's num_moe_experts={experts}: " + ", ".join(f"{n} gives {c}" for n, c in wrong.items())
         )
 
-    def expert(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def expert(e: int) -> tuple:
+        if gpt_oss:
+            missing = [n for n in fused if n not in source]
+            if missing:
+                raise KeyError(
+                    f"the Hugging Face state dict has no {missing[0]!r}: expert {e} of layer {index}"
+                )
+            return expert_from_hf(*(read(n)[e] for n in fused))
         for block in _EXPERT_NAMES:
             names = _expert_names(prefix, block, e)
             if all(n in source for n in names):
-                return tuple(source[n] for n in names)
+                gate, up, down = (source[n] for n in names)
+                return torch.cat([gate, up]), down, None, None
         if all(n in source for n in fused):
-            gate, up = source[fused[0]][e].chunk(2, dim=0)
-            return gate, up, source[fused[1]][e]
+            return read(fused[0])[e], read(fused[1])[e], None, None
         raise KeyError(
             f"the Hugging Face state dict has no {_expert_names(prefix, _moe_block(config), e)[0]!r} (nor "
             f"{fused[0]!r}): expert {e} of layer {index}"
@@ -479,42 +499,63 @@ def _experts_in(source: _TensorSource, layer: torch.nn.Module, used: set[str]) -
 
 def _load_experts(layer: torch.nn.Module, source: _TensorSource, used: set[str]) -> None:
     """Fills a MoE layer's local experts (its global experts ``local_expert_indices``), each
-    split over the expert-tensor-parallel group like the dense MLP (W1 ``[gate | up]`` by rows
-    with stride 2, W2 by columns)."""
-    mlp = layer.mlp
+    split over the expert-tensor-parallel group like the dense MLP (W1 ``[gate | up]`` and its bias
+    by rows with stride 2, W2 by columns; the second bias whole on every rank)."""
+    mlp, index = layer.mlp, layer.layer_number - 1
     expert = _experts_in(source, layer, used)
     group = mlp.experts.tp_group
     rank, size = group_rank(group), group_size(group)
-    for e, (w1, w2) in zip(mlp.local_expert_indices, mlp.experts.expert_weights()):
-        gate, up, down = expert(e)
-        shards = (_shard(torch.cat([gate, up]), 0, 2, rank, size), _shard(down, 1, 1, rank, size))
-        for param, local in zip((w1, w2), shards):
+    biases = mlp.experts.expert_biases() or [(None, None)] * len(mlp.local_expert_indices)
+    for e, (w1, w2), (b1, b2) in zip(mlp.local_expert_indices, mlp.experts.expert_weights(), biases):
+        full_w1, full_w2, full_b1, full_b2 = expert(e)
+        if (b1 is None) != (full_b1 is None):
+            raise KeyError(
+                f"expert {e} of layer {index}: the model's experts have "
+                f"{'no biases' if b1 is None else 'biases'}, the Hugging Face checkpoint's "
+                f"{'do' if b1 is None else 'none'}: the model was not built from this config"
+            )
+        pairs = [(w1, _shard(full_w1, 0, 2, rank, size)), (w2, _shard(full_w2, 1, 1, rank, size))]
+        if b1 is not None:
+            pairs += [(b1, _shard(full_b1, 0, 2, rank, size)), (b2, full_b2)]
+        for param, local in pairs:
             if local.shape != param.shape:
                 raise ValueError(
-                    f"expert {e} of layer {layer.layer_number - 1}: the Hugging Face tensors give a shard of "
-                    f"shape {tuple(local.shape)} for a weight of shape {tuple(param.shape)}: the model was "
-                    "not built from this config"
+                    f"expert {e} of layer {index}: the Hugging Face tensors give a shard of shape "
+                    f"{tuple(local.shape)} for a tensor of shape {tuple(param.shape)}: the model was not "
+                    "built from this config"
                 )
             param.copy_(local)
 
 
 def _export_experts(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A MoE layer's routed experts under their file names, gathered over the expert-tensor- and
-    the expert-parallel group (collective over both)."""
+    """A MoE layer's routed experts under their file names (gpt-oss's fused tensors with their
+    biases, the others' per expert), gathered over the expert-tensor- and the expert-parallel group
+    (collective over both)."""
     mlp, config = layer.mlp, layer.config
     group = mlp.experts.tp_group
     prefix, block = f"model.layers.{layer.layer_number - 1}.", _moe_block(config)
-    local: dict[str, torch.Tensor] = {}
-    for e, (w1, w2) in zip(mlp.local_expert_indices, mlp.experts.expert_weights()):
-        gate, up = _gather(w1, 0, 2, group).cpu().chunk(2, dim=0)
-        down = _gather(w2, 1, 1, group).cpu()
-        local.update(zip(_expert_names(prefix, block, e), (gate.clone(), up.clone(), down.clone())))
+    biases = mlp.experts.expert_biases() or [(None, None)] * len(mlp.local_expert_indices)
+    local: dict[int, tuple[torch.Tensor, ...]] = {}
+    for e, (w1, w2), (b1, b2) in zip(mlp.local_expert_indices, mlp.experts.expert_weights(), biases):
+        parts = [_gather(w1, 0, 2, group), _gather(w2, 1, 1, group)]
+        if b1 is not None:
+            parts += [_gather(b1, 0, 2, group), b2.detach()]
+        local[e] = tuple(t.cpu().clone() for t in parts)
     ep_group = mlp.experts.ep_group
-    if group_size(ep_group) == 1:
-        return local
-    gathered: list[dict[str, torch.Tensor]] = [{}] * group_size(ep_group)
-    dist.all_gather_object(gathered, local, group=ep_group)
-    return {name: t for part in gathered for name, t in part.items()}
+    if group_size(ep_group) > 1:
+        gathered: list[dict[int, tuple]] = [{}] * group_size(ep_group)
+        dist.all_gather_object(gathered, local, group=ep_group)
+        local = {e: parts for part in gathered for e, parts in part.items()}
+    if is_gpt_oss(config):
+        if biases[0][0] is None:
+            raise ValueError("gpt-oss's experts have biases; the model's have none (add_bias_linear=False)")
+        tensors = experts_to_hf([local[e] for e in range(config.num_moe_experts)])
+        return {f"{prefix}mlp.experts.{name}": t for name, t in zip(EXPERT_TENSORS, tensors)}
+    out: dict[str, torch.Tensor] = {}
+    for e, (w1, w2, *_) in sorted(local.items()):
+        gate, up = w1.chunk(2, dim=0)
+        out.update(zip(_expert_names(prefix, block, e), (gate.clone(), up.clone(), w2)))
+    return out
 
 
 def _pad_rows(full: torch.Tensor, rows: int) -> torch.Tensor:
@@ -578,12 +619,13 @@ def export_hf_state_dict(model_chunks, vocab_size: int | None = None) -> dict[st
 
 
 _LAYER_ORDER = (
-    "embed_tokens", "enorm", "hnorm", "eh_proj", "self_attn.q_proj", "self_attn.q_a_proj",
+    "embed_tokens", "enorm", "hnorm", "eh_proj", "self_attn", "self_attn.q_proj", "self_attn.q_a_proj",
     "self_attn.q_a_layernorm", "self_attn.q_b_proj", "self_attn.k_proj", "self_attn.v_proj",
     "self_attn.kv_a_proj_with_mqa", "self_attn.kv_a_layernorm", "self_attn.kv_b_proj", "self_attn.o_proj",
     "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-    "block_sparse_moe.gate", "mlp.gate", "experts", "mlp.shared_expert.gate_proj",
-    "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj", "mlp.shared_expert_gate",
+    "block_sparse_moe.gate", "mlp.gate", "mlp.router", "experts", "mlp.experts",
+    "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
+    "mlp.shared_expert_gate",
     "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj",
     "input_layernorm", "post_attention_layernorm", "shared_head.norm", "shared_head.head",
 )
@@ -599,5 +641,7 @@ def _hf_order(name: str) -> tuple:
         if len(parts) == 4 and parts[1] == "experts":  # {block}.experts.{e}.{projection}
             block = _EXPERT_NAMES[parts[0]]
             return (1, int(index), _LAYER_ORDER.index("experts"), int(parts[2]), block.index(parts[3]), kind)
+        if module == "mlp.experts":  # gpt-oss's fused experts
+            return (1, int(index), _LAYER_ORDER.index(module), 0, EXPERT_TENSORS.index(kind), False)
         return (1, int(index), _LAYER_ORDER.index(module), 0, 0, kind != "weight")
     return ({"model.embed_tokens.weight": 0, "model.norm.weight": 2}.get(name, 3), 0, 0, 0, 0, False)

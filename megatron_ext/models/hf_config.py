@@ -1,17 +1,20 @@
-"""Hugging Face model configs and megatron_ext's: ``config_from_hf`` reads a Llama-family or
-mixture-of-experts ``config.json`` (or ``PretrainedConfig``) into a ``TransformerConfig``;
-``hf_config_dict`` writes one for a model. The weights are in :mod:`megatron_ext.models.hf`."""
+"""Hugging Face model configs and megatron_ext's: ``config_from_hf`` reads a Llama-family,
+mixture-of-experts, DeepSeek or gpt-oss ``config.json`` (or ``PretrainedConfig``) into a
+``TransformerConfig``; ``hf_config_dict`` writes one for a model. The weights are in
+:mod:`megatron_ext.models.hf`, gpt-oss's own mapping in :mod:`megatron_ext.models.hf_gpt_oss`."""
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.models.hf_fields import _field, _positive, layer_windows, window_fields
+from megatron_ext.models.hf_gpt_oss import gpt_oss_config_dict, gpt_oss_fields, gpt_oss_rope, is_gpt_oss
 from megatron_ext.resolve import module_with
 from megatron_ext.transformer import TransformerConfig
 from megatron_ext.transformer.transformer_config import MLATransformerConfig
@@ -26,16 +29,10 @@ _ACTIVATIONS: dict[str, Callable] = {
 }
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
-_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *_MOE_TYPES, *DEEPSEEK_TYPES)
+_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *_MOE_TYPES, *DEEPSEEK_TYPES, "gpt_oss")
 # The config.json fields that size the model: each a positive integer.
 _SIZE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
                 "max_position_embeddings")
-
-
-def _field(hf_config: Any, name: str, default: Any = None) -> Any:
-    if isinstance(hf_config, Mapping):
-        return hf_config.get(name, default)
-    return getattr(hf_config, name, default)
 
 
 def _rope(hf_config: Any) -> tuple[float, float]:
@@ -64,10 +61,11 @@ def config_from_hf(
     """The ``TransformerConfig`` of a Hugging Face Llama-family config (a ``PretrainedConfig`` or
     its ``config.json`` as a dict), and the ``GPTModel`` keyword arguments it needs besides:
     ``vocab_size`` (rounded up to a multiple of ``make_vocab_size_divisible_by``; padded rows load
-    as zeros), ``max_sequence_length`` (for Qwen2's sliding window capped at it, which then never
-    applies; Mistral's and Mixtral's ``sliding_window`` W becomes ``window_size=(W - 1, 0)``),
-    ``position_embedding_type``, ``rotary_base``, ``rotary_percent`` and
-    ``share_embeddings_and_output_weights``. ``config_overrides`` set further TransformerConfig
+    as zeros), ``max_sequence_length``, ``position_embedding_type`` (gpt-oss's YaRN: "yarn", its
+    settings set on the config as Megatron-core's ``yarn_*`` attributes), ``rotary_base``,
+    ``rotary_percent`` and ``share_embeddings_and_output_weights``. transformers' sliding window W
+    becomes ``window_size=(W - 1, 0)`` on the layers it windows (``window_attn_skip_freq`` a list
+    where only some are: ``hf_fields.layer_windows``). ``config_overrides`` set further TransformerConfig
     fields (the parallel sizes, ``params_dtype``, ...); ``pipeline_dtype`` defaults to
     ``params_dtype``, which defaults to the checkpoint's dtype (float32 when it names none)::
 
@@ -88,7 +86,8 @@ def config_from_hf(
                 + ("nothing (the field is missing)" if value is None else repr(value))
             )
     act = _field(hf_config, "hidden_act", "silu")
-    if act not in _ACTIVATIONS:
+    gpt_oss = model_type == "gpt_oss"  # its experts' activation is its own, whatever hidden_act says
+    if act not in _ACTIVATIONS and not gpt_oss:
         raise NotImplementedError(f"hidden_act {act!r} is not supported: one of {list(_ACTIVATIONS)}")
     if model_type == "qwen2_moe":
         qkv_bias, linear_bias = bool(_field(hf_config, "qkv_bias", True)), False
@@ -103,6 +102,8 @@ def config_from_hf(
                     "and MLPs have no biases there"
                 )
         qkv_bias = linear_bias = False
+    elif gpt_oss:
+        qkv_bias = linear_bias = True  # refused otherwise (gpt_oss_fields)
     else:
         attention_bias = bool(_field(hf_config, "attention_bias", False))
         linear_bias = bool(_field(hf_config, "mlp_bias", False))
@@ -116,7 +117,13 @@ def config_from_hf(
     heads = _field(hf_config, "num_attention_heads")
     hidden = _field(hf_config, "hidden_size")
     deepseek = model_type in DEEPSEEK_TYPES
-    rotary_base, rotary_percent = (10000.0, 1.0) if deepseek else _rope(hf_config)
+    yarn: dict[str, Any] = {}
+    if gpt_oss:
+        rope_kwargs, yarn = gpt_oss_rope(hf_config)
+    else:
+        rotary_base, rotary_percent = (10000.0, 1.0) if deepseek else _rope(hf_config)
+        rope_kwargs = dict(position_embedding_type="rope", rotary_base=rotary_base,
+                           rotary_percent=rotary_percent)
     dtype = _field(hf_config, "dtype") or _field(hf_config, "torch_dtype") or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -136,7 +143,7 @@ def config_from_hf(
         normalization="RMSNorm",
         layernorm_epsilon=_field(hf_config, "rms_norm_eps", 1e-6),
         gated_linear_unit=True,
-        activation_func=_ACTIVATIONS[act],
+        activation_func=_ACTIVATIONS.get(act),
         add_bias_linear=linear_bias,
         add_qkv_bias=qkv_bias,
         qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
@@ -147,6 +154,8 @@ def config_from_hf(
     )
     if model_type in _MOE_TYPES:
         fields.update(_moe_fields(hf_config, model_type))
+    if gpt_oss:
+        fields.update(gpt_oss_fields(hf_config))
     if deepseek:
         fields.update(_deepseek_fields(hf_config, model_type))
         # transformers routes in float32 whatever the model's dtype: so do 16-bit models here.
@@ -156,38 +165,19 @@ def config_from_hf(
     fields.setdefault("pipeline_dtype", fields["params_dtype"])
     vocab = _field(hf_config, "vocab_size")
     vocab = -(-vocab // make_vocab_size_divisible_by) * make_vocab_size_divisible_by
-    max_length = _field(hf_config, "max_position_embeddings")
-    window = _field(hf_config, "sliding_window")
-    if window and model_type in ("mistral", "mixtral"):
-        # transformers' sliding window: query i sees keys i - window < j <= i, itself included.
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(
-                f"the Hugging Face config's 'sliding_window' must be a positive integer, got {window!r}"
-            )
-        fields.setdefault("window_size", (window - 1, 0))
-    elif window and _field(hf_config, "use_sliding_window", False):
-        max_length = min(max_length, window)
+    # transformers' sliding window W: query i sees keys i - W < j <= i, itself included.
+    for name, value in window_fields(layer_windows(hf_config, model_type)).items():
+        fields.setdefault(name, value)
     model_kwargs = dict(
         vocab_size=vocab,
-        max_sequence_length=max_length,
-        position_embedding_type="rope",
-        rotary_base=rotary_base,
-        rotary_percent=rotary_percent,
+        max_sequence_length=_field(hf_config, "max_position_embeddings"),
+        **rope_kwargs,
         share_embeddings_and_output_weights=bool(_field(hf_config, "tie_word_embeddings", False)),
     )
-    return (MLATransformerConfig if deepseek else TransformerConfig)(**fields), model_kwargs
-
-
-def _positive(hf_config: Any, name: str, default: Any = None) -> int:
-    """The field, or ``default`` where it is missing or null; refused unless a positive integer."""
-    value = _field(hf_config, name)
-    value = default if value is None else value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"the Hugging Face config's {name!r} must be a positive integer, got "
-            + ("nothing (the field is missing)" if value is None else repr(value))
-        )
-    return value
+    config = (MLATransformerConfig if deepseek else TransformerConfig)(**fields)
+    for name, value in yarn.items():  # Megatron-core's YaRN settings are config attributes, not fields
+        setattr(config, name, value)
+    return config, model_kwargs
 
 
 def _moe_fields(hf_config: Any, model_type: str) -> dict[str, Any]:
@@ -423,11 +413,14 @@ def hf_config_dict(model_chunks, vocab_size: int | None = None) -> dict[str, Any
     experts (softmax routing, no biases) a ``MixtralConfig`` (every layer MoE, the top-k weights
     renormalised), a ``Qwen2MoeConfig`` (gated shared experts) or a ``Qwen3MoeConfig`` (query/key
     norms); a multi-latent attention model a ``DeepseekV3Config`` (sigmoid routing) or
-    ``DeepseekV2Config`` (softmax routing). ValueError for other models."""
+    ``DeepseekV2Config`` (softmax routing); a mixture of quick-GEGLU experts a ``GptOssConfig``
+    (``hf_gpt_oss.gpt_oss_config_dict``). ValueError for other models."""
     model = _chunks(model_chunks)[0]
     config = model.config
     if getattr(config, "multi_latent_attention", False):
         return _deepseek_config_dict(model, vocab_size)
+    if is_gpt_oss(config):
+        return gpt_oss_config_dict(model, vocab_size)
     moe_type = _moe_model_type(config) if config.num_moe_experts else None
     checks = {
         "normalization": (config.normalization, "RMSNorm"),

@@ -31,6 +31,7 @@ from megatron_ext.transformer.utils import (
     selectively_recomputed,
     window_keys,
 )
+from megatron_ext.transformer.yarn_rotary import yarn_concentration_of
 
 # The submodules' names here -> Megatron-core's checkpoint keys.
 ATTENTION_KEYS = {
@@ -56,7 +57,8 @@ class ParallelAttention(torch.nn.Module):
     Biases on the projections with ``config.add_bias_linear`` (on QKV also with
     ``config.add_qkv_bias``); with ``config.qk_layernorm`` each query and key head is normalised
     (``config.normalization``) over its channels; rotary embeddings when the caller passes
-    ``rotary_pos_emb`` (``transformer.rotary``).
+    ``rotary_pos_emb`` (``transformer.rotary``), their cosines and sines times YaRN's attention
+    factor when the config has Megatron-core's ``yarn_*`` attributes (``transformer.yarn_rotary``).
 
     The attention itself is ``torch.nn.functional.scaled_dot_product_attention`` with the
     causal mask as a flag (flash or memory-efficient kernels on GPUs, the fused kernel on CPUs):
@@ -93,6 +95,8 @@ class ParallelAttention(torch.nn.Module):
         backend = getattr(config.attention_backend, "name", config.attention_backend)
         self.unfused = backend in ("unfused", "local")
         self.cp_size = getattr(config, "context_parallel_size", 1)
+        # YaRN's attention factor on the cosines and sines, from the config's yarn_* attributes.
+        self.rotary_mscale = yarn_concentration_of(config)
         window = getattr(config, "window_size", None)
         skip_freq = getattr(config, "window_attn_skip_freq", None)
         self.window_size = window if window_keys(window) and is_layer_window_attention(
@@ -167,8 +171,8 @@ class ParallelAttention(torch.nn.Module):
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
             cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
-            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.config, cu_seqlens, cp_group=cp_group)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb, self.config, cu_seqlens, cp_group=cp_group)
+            query, key = (apply_rotary_pos_emb(t, rotary_pos_emb, self.config, cu_seqlens, self.rotary_mscale,
+                                               cp_group=cp_group) for t in (query, key))
         s, b = query.shape[:2]
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
         if self.training and selectively_recomputed(self.config, "core_attn"):

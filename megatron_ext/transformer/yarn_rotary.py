@@ -134,3 +134,37 @@ class YarnRotaryEmbedding(torch.nn.Module):
         if cp_group is not None and cp_group.size() > 1 and not packed_seq:
             angles = get_pos_emb_on_this_cp_rank(angles, 0, cp_group)
         return angles, self.concentration
+
+
+# Megatron-core's GPTModel(position_embedding_type="yarn") reads YaRN's settings from these config
+# attributes (set on the config object, not dataclass fields), each one YarnRotaryEmbedding's argument.
+YARN_CONFIG_ATTRIBUTES = {
+    "yarn_rotary_scaling_factor": "scaling_factor",
+    "yarn_original_max_position_embeddings": "original_max_position_embeddings",
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+    "yarn_mscale": "mscale",
+    "yarn_mscale_all_dim": "mscale_all_dim",
+    "yarn_correction_range_round_to_int": "correction_range_round_to_int",
+}
+
+
+def yarn_arguments(config) -> dict:
+    """YarnRotaryEmbedding's keyword arguments from a config's ``yarn_*`` attributes
+    (``YARN_CONFIG_ATTRIBUTES``); a ValueError naming those it lacks."""
+    missing = [name for name in YARN_CONFIG_ATTRIBUTES if not hasattr(config, name)]
+    if missing:
+        raise ValueError(
+            "position_embedding_type 'yarn' reads YaRN's settings from the config's attributes "
+            f"{list(YARN_CONFIG_ATTRIBUTES)} (Megatron-core's names); the config has no {missing}"
+        )
+    return {argument: getattr(config, name) for name, argument in YARN_CONFIG_ATTRIBUTES.items()}
+
+
+def yarn_concentration_of(config) -> float:
+    """The factor on the cosines and sines of every rotary embedding a config with
+    ``yarn_rotary_scaling_factor`` applies (Megatron-core's attention reads it so), else 1."""
+    if not hasattr(config, "yarn_rotary_scaling_factor"):
+        return 1.0
+    return yarn_concentration_factor(config.yarn_rotary_scaling_factor, getattr(config, "yarn_mscale", None),
+                                     getattr(config, "yarn_mscale_all_dim", None))
