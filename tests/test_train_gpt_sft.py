@@ -7,8 +7,9 @@
   tokens of every micro-batch and divided by their count over the whole global batch
   (``calculate_per_token_loss``), so it does not matter how the tokens lie in rows.
 - Parallel equals serial: (tp, cp, pp, dp) = (2,1,1,1) with sequence parallelism, (1,2,1,1) with
-  the p2p and a2a comm types, (1,1,2,1) and (1,1,1,2) against the serial run on the same rows (each
-  sequence padded to a multiple of 2 x cp = 4 tokens in every run, as the cp 2 runs need).
+  the p2p and a2a comm types, (1,1,2,1) (also interleaved, whose middle stages read the boundaries
+  too) and (1,1,1,2) against the serial run on the same rows (each sequence padded to a multiple of
+  2 x cp = 4 tokens in every run, as the cp 2 runs need).
 - Refusals: --sft with --data / --data-path, --micro-batch-size > 1, no tokenizer, a missing file,
   no train records; a record without prompt/response stops every rank with the same error.
 """
@@ -41,6 +42,8 @@ LAYOUTS = {  # world size 2
     "cp2 a2a": ["--cp", "2", "--cp-comm-type", "a2a"],
     "pp2": ["--pp", "2"],
     "dp2": ["--dp", "2"],
+    # interleaved: each rank's second or first chunk is a middle stage, which reads the boundaries too
+    "pp2 virtual-pipeline 2": ["--pp", "2", "--virtual-pipeline", "2", "--layers", "4"],
 }
 GPT_LAYOUTS = ("cp2 p2p", "pp2")  # learned positions restarting per sequence, the tied embedding over pp
 
@@ -144,10 +147,11 @@ def serial(records):
         runs[f"{arch} packed"] = (argv, False, False)
         runs[f"{arch} unpacked"] = (argv, True, False)
         runs[f"{arch} rows as at cp 2"] = (argv, False, True)
+    runs["llama 4 layers rows as at cp 2"] = (ARCHS["llama"] + ["--layers", "4"], False, True)
     return _merged(run_distributed(1, _train_worker, tokenizer, jsonl, runs))
 
 
-@pytest.mark.slow  # six serial training runs
+@pytest.mark.slow  # seven serial training runs
 def test_packed_rows_train_as_each_sequence_on_its_own(serial):
     for arch in ARCHS:
         packed = serial[f"{arch} packed"]
@@ -167,14 +171,15 @@ def _bad_record_worker(tokenizer: str, jsonl: str) -> str:
     return "trained"
 
 
-@pytest.mark.slow  # seven training runs on two ranks
+@pytest.mark.slow  # eight training runs on two ranks
 def test_sft_layouts_train_like_serial(records, serial, tmp_path):
     _, tokenizer, jsonl = records
     runs = {f"llama {name}": (ARCHS["llama"] + argv, False, True) for name, argv in LAYOUTS.items()}
     runs.update({f"gpt {name}": (ARCHS["gpt"] + LAYOUTS[name], False, True) for name in GPT_LAYOUTS})
     results = _merged(run_distributed(2, _train_worker, tokenizer, jsonl, runs, timeout=600))
     for name, result in results.items():
-        _assert_same_training(result, serial[f"{name.split()[0]} rows as at cp 2"], name)
+        reference = "llama 4 layers" if "virtual-pipeline" in name else name.split()[0]
+        _assert_same_training(result, serial[f"{reference} rows as at cp 2"], name)
     # a record without a response stops both ranks with the same error
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "w1 w2", "response": "w3"}) + "\n" + json.dumps({"prompt": "w4"}))
