@@ -215,6 +215,7 @@ class Run:
     dispatcher: str = "allgather"  # or "alltoall"
     aux_loss_coeff: float = 0.0  # the router's balance loss (Megatron-core's default: none)
     z_loss_coeff: float | None = None  # the router's z-loss
+    packed: bool = False  # packed rows (thd): Megatron-core's local spec with megatron_ext's core_attention
 
 
 def config_fields(run: Run) -> dict[str, Any]:
@@ -309,11 +310,12 @@ def build_model(run: Run, config: Any, stack: str = "megatron.core") -> list[tor
             normalization="RMSNorm" if run.arch in ("llama", "mla") else None,
             multi_latent_attention=run.arch == "mla", qk_layernorm=run.arch == "mla",
         )
-        # Megatron-core's own DotProductAttention refuses context parallelism, and takes no
-        # k_channels / v_channels, which its multi-latent attention passes (its issue 1589).
+        # Megatron-core's own DotProductAttention refuses context parallelism and packed rows
+        # (packed_seq_params), and takes no k_channels / v_channels, which its multi-latent attention
+        # passes (its issue 1589).
         if run.arch == "mla":
             mla_without_te()
-        if run.cp > 1 or run.arch == "mla":
+        if run.cp > 1 or run.arch == "mla" or run.packed:
             from megatron_ext.transformer.context_parallel import ContextParallelDotProductAttention
 
             spec.submodules.self_attention.submodules.core_attention = ContextParallelDotProductAttention
@@ -343,16 +345,22 @@ _EXT_NAMES = {
 _MLA_NAMES = {".q_layernorm.": ".q_latent_norm.", ".kv_layernorm.": ".kv_latent_norm."}
 
 
+def megatron_ext_name(name: str, mla: bool = False) -> str:
+    """The name of a Megatron-core GPTModel's parameter in megatron_ext's GPTModel."""
+    renames = {**_EXT_NAMES, **_MLA_NAMES, ".linear_proj.": ".linear_proj."} if mla else _EXT_NAMES
+    for old, new in renames.items():
+        name = name.replace(old, new)
+    return name
+
+
 def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
     """Copies a Megatron-core GPTModel's parameters into a megatron_ext GPTModel of the same shape
     and layout (this rank's shards; the QKV and gated fc1 layouts are the same)."""
     target_params = dict(target.named_parameters())
     mla = bool(getattr(target.config, "multi_latent_attention", False))
-    renames = {**_EXT_NAMES, **_MLA_NAMES, ".linear_proj.": ".linear_proj."} if mla else _EXT_NAMES
     names = []
     for name, param in source.named_parameters():
-        for old, new in renames.items():
-            name = name.replace(old, new)
+        name = megatron_ext_name(name, mla)
         names.append(name)
         with torch.no_grad():
             target_params[name].copy_(param)

@@ -61,7 +61,7 @@ from megatron_ext.transformer.transformer_config import MLATransformerConfig
 from megatron_ext.transformer.transformer_layer import is_moe_layer
 from megatron_ext.transformer.transformer_config import check_group_limited_routing
 from megatron_ext.transformer.moe.router_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
-from megatron_ext.utils import get_batch_on_this_cp_rank
+from megatron_ext.utils import get_batch_on_this_cp_rank, get_thd_batch_on_this_cp_rank
 
 DTYPES = {
     "float32": torch.float32,
@@ -217,8 +217,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-path", nargs="+", default=None,
                    help="[W1] PREFIX1 [W2 PREFIX2 ...]: tokenized .bin/.idx corpora, blended by weight "
                    "(python -m megatron_ext.datasets.preprocess writes them); needs --tokenizer or --load-hf")
+    p.add_argument("--sft", default=None, metavar="JSONL",
+                   help="supervised fine-tuning on a JSONL file of {\"prompt\": ..., \"response\": ...} "
+                   "records, packed several to a row, the loss on the response tokens only (per token over "
+                   "the global batch); needs --tokenizer or --load-hf, and --micro-batch-size 1 (one packed "
+                   "row per micro-batch)")
     p.add_argument("--split", default="969,30,1",
-                   help="with --data-path: the train,valid,test shares of each corpus's documents")
+                   help="with --data-path: the train,valid,test shares of each corpus's documents; with "
+                   "--sft: of the records")
     p.add_argument("--tokenizer", default=None,
                    help="a Hugging Face tokenizer directory: its vocabulary sizes the model (default with "
                    "--load-hf: the model directory's tokenizer)")
@@ -230,7 +236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the dataset index caches go (default: "
                    "PREFIX's directory/cache/GPTDataset_indices)")
     p.add_argument("--eval-interval", type=int, default=None,
-                   help="with --data-path: the validation loss every this many steps")
+                   help="with --data-path or --sft: the validation loss every this many steps")
     p.add_argument("--eval-iters", type=int, default=10,
                    help="global batches of the validation split per evaluation")
     p.add_argument(
@@ -539,10 +545,12 @@ def tokenizer_dir(args: argparse.Namespace) -> str | None:
 
 
 def check_data_args(args: argparse.Namespace) -> None:
-    """--data-path's blend and split, the tokenizer and the vocabulary it sizes, the evaluation
-    flags; fills in --vocab-size."""
+    """--data-path's blend and split, --sft's records and micro-batches, the tokenizer and the
+    vocabulary it sizes, the evaluation flags; fills in --vocab-size."""
     if args.data is not None and args.data_path is not None:
         raise ValueError("--data (a text file) and --data-path (tokenized corpora) exclude each other")
+    if args.sft is not None:
+        check_sft_args(args)
     if args.data_path is not None:
         if tokenizer_dir(args) is None:
             raise ValueError("--data-path needs the corpus's tokenizer: --tokenizer DIR, or --load-hf "
@@ -557,8 +565,8 @@ def check_data_args(args: argparse.Namespace) -> None:
                                  "is a "
                                  "PREFIX.bin and a PREFIX.idx file)")
     if args.eval_interval is not None:
-        if args.data_path is None:
-            raise ValueError("--eval-interval needs --data-path (its validation split)")
+        if args.data_path is None and args.sft is None:
+            raise ValueError("--eval-interval needs --data-path or --sft (its validation split)")
         if args.eval_interval < 1 or args.eval_iters < 1:
             raise ValueError(f"--eval-interval {args.eval_interval} and --eval-iters {args.eval_iters} "
                              "must be >= 1")
@@ -579,6 +587,28 @@ def check_data_args(args: argparse.Namespace) -> None:
     elif tokens is not None and args.vocab_size < tokens:
         raise ValueError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {tokens} tokens")
     args.tokens = tokens  # the vocabulary the data's ids must lie in (None: bytes)
+
+
+def check_sft_args(args: argparse.Namespace) -> None:
+    """--sft: the only data source, a file, a tokenizer, records to train on, one packed row per
+    micro-batch."""
+    others = [flag for flag, value in (("--data", args.data), ("--data-path", args.data_path))
+              if value is not None]
+    if others:
+        raise ValueError(f"--sft (prompt/response records) and {' and '.join(others)} exclude each other: "
+                         "one data source per run")
+    if not os.path.isfile(args.sft):
+        raise ValueError(f"--sft {args.sft!r}: no such file (expected JSONL prompt/response records)")
+    if tokenizer_dir(args) is None:
+        raise ValueError("--sft needs the tokenizer of its records: --tokenizer DIR, or --load-hf with one")
+    if gpt_data.split_share(args.split, "train") == 0:
+        raise ValueError(f"--split {args.split!r} leaves no records to train on")
+    if args.micro_batch_size != 1:
+        # Megatron-core's packed (thd) format is one row of several sequences with its own
+        # boundaries; a second row would need boundaries of its own.
+        raise ValueError(f"--sft feeds one packed row of sequences per micro-batch (Megatron-core's thd "
+                         f"format: batch 1, cu_seqlens over the row): use --micro-batch-size 1, got "
+                         f"{args.micro_batch_size}")
 
 
 def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
@@ -1136,15 +1166,40 @@ def loss_func(loss_mask: torch.Tensor | None,
     return output.sum() / totals[1], {"lm loss": totals[0] / totals[1]}
 
 
+def token_sum_loss_func(loss_mask: torch.Tensor,
+                        output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss summed over the micro-batch's tokens of ``loss_mask`` and their count, Megatron-LM's
+    three values under ``calculate_per_token_loss``: the schedule sums them over the micro-batches,
+    finalize_model_grads divides the gradients by the count summed over the data- and
+    context-parallel ranks, so the step's loss is the mean over every masked-in token of the global
+    batch, however they lie in rows, micro-batches and ranks. Reported: the [sum, count] pair."""
+    output = output.float() if output.dtype != torch.float64 else output
+    total = (output * loss_mask.to(output.dtype)).sum()
+    count = loss_mask.sum().to(torch.int)
+    return total, count, {"lm loss": torch.stack([total.detach(), count.to(total.dtype)])}
+
+
 def forward_step(data_iterator, model: DistributedDataParallel):
     batch = next(data_iterator) if data_iterator is not None else None
     if batch is None:
         return model(None, None), loss_func
     tokens = batch["tokens"]
-    position_ids = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
-    batch = get_batch_on_this_cp_rank({**batch, "position_ids": position_ids})
-    return (model(batch["tokens"], batch["position_ids"], labels=batch["labels"]),
-            functools.partial(loss_func, batch.get("loss_mask")))
+    packed_seq_params = None
+    if "cu_seqlens" in batch:  # one packed row: the thd format, each sequence split over cp on its own
+        batch = dict(batch)
+        cu_seqlens = batch.pop("cu_seqlens").reshape(-1)
+        # The rows' boundaries are the layout, each sequence padded to a multiple of 2 x cp.
+        batch, packed_seq_params = get_thd_batch_on_this_cp_rank(batch, cu_seqlens, cu_seqlens,
+                                                                 batch.pop("max_seqlen").reshape(-1))
+    else:
+        positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
+        batch = get_batch_on_this_cp_rank({"position_ids": positions, **batch})
+    loss_mask = batch.get("loss_mask")
+    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
+                   packed_seq_params=packed_seq_params, loss_mask=loss_mask)
+    if getattr(model, "module", model).config.calculate_per_token_loss:
+        return output, functools.partial(token_sum_loss_func, loss_mask)
+    return output, functools.partial(loss_func, loss_mask)
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:
@@ -1190,6 +1245,8 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
         bias_dropout_fusion=not args.no_bias_dropout_fusion,
         sequence_parallel=args.sequence_parallel,
         finalize_model_grads_func=finalize_model_grads,
+        # packed rows: the loss per token of the global batch (Megatron-LM's --calculate-per-token-loss)
+        calculate_per_token_loss=args.sft is not None,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline,
         **moe_settings(args),
     )
@@ -1238,20 +1295,37 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
 
 def global_mean_loss(losses: list[dict[str, torch.Tensor]], device: torch.device | str = "cpu") -> float:
     """The mean loss of the step's global batch, known on every rank."""
-    value = torch.zeros(1, dtype=torch.float64, device=device)
+    total, weight = global_loss_totals(losses, device)
+    return total / weight if weight > 0 else 0.0  # no token to learn from: nothing learned
+
+
+def global_loss_totals(losses: list[dict[str, torch.Tensor]],
+                       device: torch.device | str = "cpu") -> tuple[float, float]:
+    """The step's loss as (total, weight), known on every rank: with per-micro-batch means, their
+    sum over the micro-batches and data-parallel ranks and the number of (micro-batch, rank) pairs
+    (the mean of the means over the micro-batches, then over the data-parallel ranks); with
+    [sum, count] pairs, the loss summed over every token of the global batch and their count."""
+    value = torch.zeros(2, dtype=torch.float64, device=device)
     vp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     # The losses are where the last virtual stage is: the last rank, or rank 0 in ZB-V's V.
     if parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=None if vp is None else vp - 1):
-        value += torch.stack([d["lm loss"].double() for d in losses]).mean()
-        with reported("all-reduce of the step's loss", parallel_state.get_data_parallel_group()):
-            dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
-        value /= parallel_state.get_data_parallel_world_size()
+        reported_values = torch.stack([d["lm loss"].double().reshape(-1) for d in losses])
+        per_token = reported_values.size(1) == 2
+        if per_token:  # each cp rank holds its part of the sums
+            value += reported_values.sum(0)
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        else:  # the cp ranks report the same means
+            value += torch.stack([reported_values.mean(), torch.ones((), dtype=torch.float64)])
+            group = parallel_state.get_data_parallel_group()
+        with reported("all-reduce of the step's loss", group):
+            dist.all_reduce(value, group=group)
     v_layout = parallel_state.get_pipeline_model_parallel_layout() == "v"
     src = (parallel_state.get_pipeline_model_parallel_first_rank() if v_layout
            else parallel_state.get_pipeline_model_parallel_last_rank())
     with reported("broadcast of the step's loss", parallel_state.get_pipeline_model_parallel_group()):
         dist.broadcast(value, src=src, group=parallel_state.get_pipeline_model_parallel_group())
-    return value.item()
+    total, weight = value.tolist()
+    return total, weight
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -1259,7 +1333,7 @@ def train(args: argparse.Namespace) -> dict:
     world_size = dist.get_world_size()
     check_args(args, world_size)
     corpus = None
-    if args.data_path is None:  # --data-path's datasets are built once the groups exist
+    if args.data_path is None and args.sft is None:  # datasets are built once the groups exist
         corpus = load_corpus(args.data, args.seq_len + 2, tokenizer_dir(args))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tp,
@@ -1281,6 +1355,12 @@ def train(args: argparse.Namespace) -> dict:
             tokenizer = gpt_data.HuggingFaceTokenizer(tokenizer_dir(args))
             corpus = gpt_data.build_datasets(args.data_path, args.split, tokenizer, args.seq_len, args.seed,
                                              sizes, args.data_cache_path)
+        elif args.sft is not None:
+            sizes = gpt_data.split_sizes(args.steps, args.global_batch_size, args.eval_interval,
+                                         args.eval_iters)
+            tokenizer = gpt_data.HuggingFaceTokenizer(tokenizer_dir(args))
+            corpus = gpt_data.build_sft_datasets(args.sft, args.split, tokenizer, args.seq_len, args.seed,
+                                                 sizes, args.cp)
         return _train_loop(args, corpus)
     finally:
         parallel_state.destroy_model_parallel()
@@ -1292,7 +1372,8 @@ def microbatches_of(data, first_sample: int, args: argparse.Namespace, device: t
     split, every rank refusing token ids beyond the model's vocabulary."""
     microbatches = gpt_data.global_batch_microbatches(
         data, first_sample, args.global_batch_size, args.micro_batch_size,
-        parallel_state.get_data_parallel_rank(), args.dp, device)
+        parallel_state.get_data_parallel_rank(), args.dp, device,
+        **({"keys": gpt_data.SFT_KEYS} if args.sft is not None else {}))
     gpt_data.check_token_ids(microbatches, args.tokens, what, device)
     return microbatches
 
@@ -1300,10 +1381,11 @@ def microbatches_of(data, first_sample: int, args: argparse.Namespace, device: t
 def evaluate(args: argparse.Namespace, evaluation: int, valid, model, chunks: list, forward_backward,
              num_microbatches: int, needs_data: list[bool], device: torch.device) -> float:
     """The mean loss of --eval-iters global batches of the validation split, evaluation
-    ``evaluation`` reading the ones after those of the evaluations before it."""
+    ``evaluation`` reading the ones after those of the evaluations before it (with --sft the mean
+    over all their response tokens, as Megatron-LM's evaluation sums the [sum, count] pairs)."""
     for chunk in chunks:
         chunk.eval()
-    losses = []
+    total, weight = 0.0, 0.0
     with torch.no_grad():
         for iteration in range(args.eval_iters):
             first = (evaluation * args.eval_iters + iteration) * args.global_batch_size
@@ -1313,10 +1395,13 @@ def evaluate(args: argparse.Namespace, evaluation: int, valid, model, chunks: li
                 forward_step_func=forward_step, data_iterator=iterators[0] if len(chunks) == 1 else iterators,
                 model=model, num_microbatches=num_microbatches, seq_length=args.seq_len,
                 micro_batch_size=args.micro_batch_size, forward_only=True)
-            losses.append(global_mean_loss(step_losses, device))
+            batch_total, batch_weight = global_loss_totals(step_losses, device)
+            if args.sft is None:  # the mean of the global batches' means
+                batch_total, batch_weight = batch_total / batch_weight, 1.0
+            total, weight = total + batch_total, weight + batch_weight
     for chunk in chunks:
         chunk.train()
-    return sum(losses) / len(losses)
+    return total / weight if weight > 0 else 0.0
 
 
 def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list) -> dict:
@@ -1366,8 +1451,9 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list) -> dict:
     else:
         forward_backward = get_forward_backward_func(schedule=args.schedule)
     num_microbatches = args.global_batch_size // (args.micro_batch_size * args.dp)
-    # Only the chunk that embeds and the one that computes the loss read the batch.
-    needs_data = [c.module.pre_process or c.module.post_process for c in chunks]
+    # Only the chunk that embeds and the one that computes the loss read the batch; with packed
+    # rows every chunk reads it, for the sequence boundaries its attention needs.
+    needs_data = [args.sft is not None or c.module.pre_process or c.module.post_process for c in chunks]
     rank0 = dist.get_rank() == 0
     progress = None
     if rank0 and not args.no_progress:
@@ -1376,7 +1462,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list) -> dict:
         progress = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True)
 
     losses, tokens_per_s, grad_norms, skipped, aux_losses, mtp, val_losses = [], [], [], 0, [], [], []
-    datasets = corpus if args.data_path is not None else None
+    datasets = corpus if args.data_path is not None or args.sft is not None else None
     get_moe_layer_wise_logging_tracker().clear()  # nothing tracked by an earlier run in this process
     MTPLossLoggingHelper.tracker.clear()
     tokens_per_step = args.global_batch_size * args.seq_len

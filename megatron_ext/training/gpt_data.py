@@ -1,6 +1,6 @@
 """The training run's tokenized data: Megatron's blended GPT datasets over ``.bin``/``.idx``
-corpora, read as global batches in order of consumed samples, as Megatron-LM's pretraining
-sampler reads them.
+corpora, or packed supervised fine-tuning rows of prompt/response records, read as global batches
+in order of consumed samples, as Megatron-LM's pretraining sampler reads them.
 
 Global batch k of a run holds the samples [k x G, (k + 1) x G) of the train split (G the global
 batch size), so the data position is the number of consumed samples, which checkpoints keep.
@@ -21,6 +21,7 @@ from megatron_ext.datasets import (
     GPTDataset,
     GPTDatasetConfig,
     HuggingFaceTokenizer,
+    SFTDataset,
     Split,
     get_blend_from_list,
 )
@@ -30,8 +31,10 @@ from megatron_ext.datasets.utils import check_blend_weights
 
 __all__ = [
     "HuggingFaceTokenizer",
+    "SFT_KEYS",
     "TOKENIZER_FILES",
     "build_datasets",
+    "build_sft_datasets",
     "check_token_ids",
     "global_batch_microbatches",
     "padded_vocab_size",
@@ -118,6 +121,38 @@ def build_datasets(
     return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
 
 
+def build_sft_datasets(
+    path: str,
+    split: str,
+    tokenizer: HuggingFaceTokenizer,
+    seq_len: int,
+    seed: int,
+    sizes: list,
+    context_parallel_size: int = 1,
+) -> list:
+    """The train, valid and test datasets (None for an empty split) of packed rows of the
+    prompt/response records in the JSONL file ``path``, split by record; every sequence padded to
+    a multiple of 2 x ``context_parallel_size`` tokens when that is > 1."""
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_len,
+        blend=([path], None),
+        split=split,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        context_parallel_size=context_parallel_size,
+    )
+    return BlendedMegatronDatasetBuilder(SFTDataset, sizes, lambda: True, config).build()
+
+
+# What a micro-batch of packed rows holds: the GPT sample's tensors, the positions restarting at
+# every sequence and the boundaries a PackedSeqParams is built from.
+SFT_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "max_seqlen")
+
+
 def global_batch_microbatches(
     dataset,
     first_sample: int,
@@ -126,9 +161,12 @@ def global_batch_microbatches(
     dp_rank: int,
     dp_size: int,
     device: torch.device | str = "cpu",
+    keys: tuple[str, ...] = ("tokens", "labels", "loss_mask"),
 ) -> list[dict]:
     """This data-parallel rank's micro-batches of the global batch that starts at sample
-    ``first_sample``: dicts of ``tokens``, ``labels`` and ``loss_mask`` ([b, s] each)."""
+    ``first_sample``: dicts of the samples' ``keys`` stacked (``tokens``, ``labels`` and
+    ``loss_mask``: [b, s] each; ``SFT_KEYS`` for packed rows, whose ``cu_seqlens`` stack only at
+    b = 1)."""
     if first_sample + global_batch_size > len(dataset):
         raise ValueError(
             f"the dataset holds {len(dataset)} samples; the global batch of samples [{first_sample}, "
@@ -141,7 +179,7 @@ def global_batch_microbatches(
         out.append(
             {
                 key: torch.stack([s[key] for s in samples]).to(device)
-                for key in ("tokens", "labels", "loss_mask")
+                for key in keys
             }
         )
     return out
