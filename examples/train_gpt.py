@@ -103,8 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="gpt",
         help="gpt: LayerNorm, biased linears, GeLU, learned positions, tied output layer; llama: "
         "RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases, untied output layer; "
-        "deepseek: llama's, with multi-latent attention and, with --num-experts, DeepSeek-V3's experts "
-        "(sigmoid routing with the expert bias, a dense first layer, one shared expert)",
+        "deepseek: llama's with DeepSeek's norm epsilon 1e-6, multi-latent attention and, with "
+        "--num-experts, DeepSeek-V3's experts (sigmoid routing with the expert bias, a dense first layer, "
+        "one shared expert)",
     )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
@@ -1271,6 +1272,8 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
             num_query_groups=args.num_query_groups,
             ffn_hidden_size=args.ffn_hidden or (llama_ffn_hidden(args.hidden) if llama else None),
             normalization="RMSNorm" if llama else "LayerNorm",
+            # DeepSeek's value, the one its Hugging Face models normalise the latents with
+            layernorm_epsilon=1e-6 if args.arch == "deepseek" else 1e-5,
             gated_linear_unit=llama or args.quick_geglu,
             activation_func=quick_gelu if args.quick_geglu else activation,
             glu_linear_offset=args.glu_linear_offset,

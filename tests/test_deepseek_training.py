@@ -205,3 +205,24 @@ def test_deepseek_checkpoint_resumes_at_other_layouts(tmp_path):
         assert mtp == full_mtp[2:] or torch.allclose(
             torch.tensor([list(d.values()) for d in mtp]),
             torch.tensor([list(d.values()) for d in full_mtp[2:]]), rtol=1e-9, atol=0), (name, mtp, full_mtp)
+
+
+def _export_and_load_worker(hf_dir: str) -> tuple[list[float], list[float]]:
+    """--arch deepseek trained one step at lr 0 (no expert-bias update) and exported, then that
+    directory trained by --load-hf alone: the same model, the same first batch."""
+    train_gpt = load_train_gpt()
+    batch = ["--seq-len", "8", "--micro-batch-size", "2", "--global-batch-size", "8", "--steps", "1",
+             "--lr", "0", "--dtype", "float64", "--no-progress", "--plot", "", "--tp", "1", "--pp", "1"]
+    exported = train_gpt.train(train_gpt.parse_args(
+        DEEPSEEK + batch + ["--moe-router-bias-update-rate", "0", "--export-hf", hf_dir]))
+    loaded = train_gpt.train(train_gpt.parse_args(batch + ["--load-hf", hf_dir]))
+    return exported["losses"], loaded["losses"]
+
+
+@pytest.mark.slow  # a 2-rank group, 2 trainings
+def test_deepseek_export_trains_again_by_load_hf(tmp_path):
+    """docs/deepseek.md's flow: --arch deepseek --export-hf, then --load-hf of that directory (its
+    norm epsilon DeepSeek's 1e-6, the one config_from_hf accepts for DeepSeek models)."""
+    exported, loaded = run_distributed(2, _export_and_load_worker, str(tmp_path / "hf"), timeout=600)[0]
+    assert len(exported) == len(loaded) == 1
+    torch.testing.assert_close(torch.tensor(loaded), torch.tensor(exported), rtol=1e-12, atol=0)
