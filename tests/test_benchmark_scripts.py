@@ -146,14 +146,15 @@ def test_deepseek_layer_benchmark_script(tmp_path):
     for rows in result["summary"].values():
         assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in rows.values())
     # The layers start from the same weights and inputs: the same output and input gradient to
-    # float32 rounding, measured against what the layer adds to its input and to the gradient it is
-    # handed (the residual path carries the rest).
+    # float32 rounding: of the values themselves (1e-5 of the largest, some 80 ulps, the residual path
+    # included) plus 1e-4 of what the layer adds (its update; a wrong layer differs by that order).
     for ep, diffs in result["max_difference"].items():
         assert diffs["megatron_ext"]["output"] == diffs["megatron_ext"]["input_grad"] == 0.0
         for name, d in diffs.items():
             assert d["update_max_abs"] > 0 and d["grad_update_max_abs"] > 0, (ep, name, d)
-            assert d["output"] <= 1e-4 * d["update_max_abs"], (ep, name, d)
-            assert d["input_grad"] <= 1e-4 * d["grad_update_max_abs"], (ep, name, d)
+            assert d["output"] <= 1e-4 * d["update_max_abs"] + 1e-5 * d["output_max_abs"], (ep, name, d)
+            assert d["input_grad"] <= 1e-4 * d["grad_update_max_abs"] + 1e-5 * d["input_grad_max_abs"], (
+                ep, name, d)
 
 
 @pytest.mark.slow  # runs the benchmark script end to end
