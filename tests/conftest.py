@@ -36,6 +36,26 @@ def load_train_gpt() -> types.ModuleType:
     return module
 
 
+def example_first_batches(argv: list[str]) -> list[dict]:
+    """The micro-batches of examples/train_gpt.py's first global batch (byte corpus, one rank) for
+    the command line ``argv``: what a Hugging Face model's loss is compared on."""
+    import torch.distributed as dist
+
+    from megatron_ext import parallel_state as ps
+
+    train_gpt = load_train_gpt()
+    args = train_gpt.parse_args(argv)
+    args.vocab_size = 256
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        ps.initialize_model_parallel(1)
+        batches = train_gpt.step_microbatches(train_gpt.load_corpus(None, args.seq_len + 2), 0, args)
+        ps.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+    return batches
+
+
 def command_lines_end_in_one_error_line(cases) -> None:
     """Runs each ``(argv, env, message)`` of ``cases`` side by side (each process spends most of
     its time importing torch): each exits with status 2 and a stderr of one line starting with

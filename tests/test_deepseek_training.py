@@ -19,7 +19,7 @@ from megatron_ext import parallel_state as ps
 from megatron_ext.transformer.moe import MoELayer
 from tests.conftest import load_train_gpt
 from tests.distributed import run_distributed
-from tests.test_moe_training import _gather
+from tests.test_moe_training import _check_messages, _gather, _merged
 
 DEEPSEEK = [
     "--arch", "deepseek", "--layers", "2", "--hidden", "16", "--heads", "2", "--ffn-hidden", "12",
@@ -106,14 +106,6 @@ def _train(layouts: list[tuple]) -> dict:
     return out
 
 
-def _merged(results: list[dict]) -> dict:
-    merged = {}
-    for rank_result in results:
-        for key, (losses, mtp, norms, weights) in rank_result.items():
-            merged.setdefault(key, (losses, mtp, norms, {}))[3].update(weights)
-    return merged
-
-
 @pytest.mark.slow  # a serial, a 2-rank and a 4-rank group: 7 trainings of 3 steps
 def test_deepseek_model_trains_like_serial_in_every_layout():
     (serial,) = run_distributed(1, _train, [(1, 1, 1, 1, 1)])
@@ -137,19 +129,6 @@ def test_deepseek_model_trains_like_serial_in_every_layout():
                                        atol=1e-12, msg=lambda m: f"{layout} {name}: {m}")
 
 
-def _check_messages(cases: list[list[str]], world_size: int) -> list[str]:
-    train_gpt = load_train_gpt()
-    messages = []
-    for argv in cases:
-        try:
-            train_gpt.check_args(train_gpt.parse_args(DEEPSEEK + argv), world_size)
-        except ValueError as e:
-            messages.append(str(e))
-        else:
-            messages.append("no error")
-    return messages
-
-
 BAD = [
     (["--qk-pos-emb-head-dim", "3", "--tp", "1", "--pp", "1"], "--qk-pos-emb-head-dim 3 must be even"),
     (["--kv-lora-rank", "0", "--tp", "1", "--pp", "1"], "--kv-lora-rank must be >= 1, got 0"),
@@ -163,7 +142,7 @@ BAD = [
 
 
 def test_bad_deepseek_arguments_raise_the_same_on_every_rank():
-    first, second = run_distributed(2, _check_messages, [argv for argv, _ in BAD], 2)
+    first, second = run_distributed(2, _check_messages, [argv for argv, _ in BAD], 2, DEEPSEEK)
     assert first == second
     for message, (argv, expected) in zip(first, BAD):
         assert expected in message, (argv, message)

@@ -416,18 +416,9 @@ def _example_worker(path: str, export_dir: str) -> list[float]:
 
 def _transformers_loss(path: str) -> float:
     """transformers' mean loss of the model in ``path`` on the example's first global batch."""
-    from tests.conftest import load_train_gpt
+    from tests.conftest import example_first_batches
 
-    train_gpt = load_train_gpt()
-    args = train_gpt.parse_args(EXAMPLE + ["--load-hf", path, "--dp", "1"])
-    args.vocab_size = 256
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    try:
-        ps.initialize_model_parallel(1)
-        batches = train_gpt.step_microbatches(train_gpt.load_corpus(None, args.seq_len + 2), 0, args)
-        ps.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
+    batches = example_first_batches(EXAMPLE + ["--load-hf", path, "--dp", "1"])
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float64, experts_implementation="eager").double().eval()
     losses = [F.cross_entropy(_logits(model, b["tokens"]).flatten(0, 1), b["labels"].flatten())

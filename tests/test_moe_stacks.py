@@ -25,7 +25,7 @@ import torch
 
 from tests.conftest import load_train_gpt
 from tests.distributed import run_distributed
-from tests.test_moe_training import TINY, _check_messages, _full_weights, ps
+from tests.test_moe_training import TINY, _check_messages, _full_weights, _merged, ps
 
 STACKS = {
     "deepseek": ["--arch", "llama", "--ffn-hidden", "12", "--layers", "4",
@@ -86,14 +86,6 @@ def _train(runs: list[tuple[str, str, list[str]]]) -> dict:
         aux = [[d[name] for name in sorted(d)] for d in log["aux_losses"]]
         out[(layout, stack)] = (log["losses"], aux, log["grad_norms"], weights[-1])
     return out
-
-
-def _merged(results: list[dict]) -> dict:
-    merged = {}
-    for rank_result in results:
-        for key, (losses, aux, norms, weights) in rank_result.items():
-            merged.setdefault(key, (losses, aux, norms, {}))[3].update(weights)
-    return merged
 
 
 @pytest.fixture(scope="module")

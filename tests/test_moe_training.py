@@ -267,14 +267,15 @@ def test_router_losses_train_like_serial_with_context_and_pipeline_parallelism(s
         _assert_equal_serial(serial, results)
 
 
-def _check_messages(cases: list[list[str]], world_size: int) -> list[str]:
-    """check_args' error for each argument list (the same on every rank: it reads only the
-    arguments and the world size)."""
+def _check_messages(cases: list[list[str]], world_size: int, base: list[str] | None = None) -> list[str]:
+    """check_args' error for each argument list after ``base`` (default: the tiny model's shape) (the
+    same on every rank: it reads only the arguments and the world size)."""
     train_gpt = load_train_gpt()
+    base = TINY[:-8] if base is None else base
     messages = []
     for argv in cases:
         try:
-            train_gpt.check_args(train_gpt.parse_args(TINY[:-8] + argv), world_size)
+            train_gpt.check_args(train_gpt.parse_args(base + argv), world_size)
         except ValueError as e:
             messages.append(str(e))
         else:
