@@ -272,7 +272,7 @@ def test_sft_records_are_utf8_json_objects_of_strings(tmp_path):
         ('{"question": "a"}', "got no 'prompt'"),
         ('{"prompt": "a"}', "got no 'response'"),
         ('{"prompt": 7, "response": "b"}', "got 'prompt': 7 (a number)"),
-        ('{"prompt": "a", "response": null}', "got 'response': null (null)"),
+        ('{"prompt": "a", "response": null}', "got 'response': null"),
         ('{"prompt": ["a", "b"], "response": "c"}', 'got \'prompt\': ["a", "b"] (a list)'),
         ('{"prompt": "a", "response": true}', "got 'response': true (a boolean)"),
         ('["a", "b"]', "got a list"),

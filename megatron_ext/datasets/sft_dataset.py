@@ -50,7 +50,7 @@ class SFTDatasetConfig(GPTDatasetConfig):
 
 
 _JSON_KINDS = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
-               dict: "an object", type(None): "null"}
+               dict: "an object", type(None): "null"}  # the JSON names of what json.loads gives
 
 
 def _record_problem(record) -> str | None:
@@ -60,6 +60,8 @@ def _record_problem(record) -> str | None:
     for key in ("prompt", "response"):
         if key not in record:
             return f"got no {key!r}"
+        if record[key] is None:
+            return f"got {key!r}: null"
         if not isinstance(record[key], str):
             return f"got {key!r}: {json.dumps(record[key])[:40]} ({_JSON_KINDS[type(record[key])]})"
     return None
