@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import sysconfig
 import time
@@ -223,6 +224,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "records, packed several to a row, the loss on the response tokens only (per token over "
                    "the global batch); needs --tokenizer or --load-hf, and --micro-batch-size 1 (one packed "
                    "row per micro-batch)")
+    p.add_argument("--pad-seq-to-mult", type=int, default=None, metavar="N",
+                   help="with --sft: pad every record to a multiple of N tokens (default 1; at --cp > 1 a "
+                   "multiple of 2 x --cp). The rows depend on N, not on the layout: give a run and its "
+                   "resumptions at other layouts the same N, e.g. 2 x the largest --cp they use")
     p.add_argument("--split", default="969,30,1",
                    help="with --data-path: the train,valid,test shares of each corpus's documents; with "
                    "--sft: of the records")
@@ -552,6 +557,13 @@ def check_data_args(args: argparse.Namespace) -> None:
         raise ValueError("--data (a text file) and --data-path (tokenized corpora) exclude each other")
     if args.sft is not None:
         check_sft_args(args)
+    elif args.pad_seq_to_mult is not None:
+        raise ValueError("--pad-seq-to-mult pads the records of --sft: it needs --sft")
+    if args.data_cache_path is not None:
+        if args.data_path is None:
+            raise ValueError("--data-cache-path is where the index caches of --data-path go: it needs "
+                             "--data-path (--data and --sft build none)")
+        check_writable_dir("--data-cache-path", args.data_cache_path)
     if args.data_path is not None:
         if tokenizer_dir(args) is None:
             raise ValueError("--data-path needs the corpus's tokenizer: --tokenizer DIR, or --load-hf "
@@ -610,6 +622,18 @@ def check_sft_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--sft feeds one packed row of sequences per micro-batch (Megatron-core's thd "
                          f"format: batch 1, cu_seqlens over the row): use --micro-batch-size 1, got "
                          f"{args.micro_batch_size}")
+    if args.pad_seq_to_mult is None:
+        args.pad_seq_to_mult = 1
+    if args.pad_seq_to_mult < 1:
+        raise ValueError(f"--pad-seq-to-mult must be >= 1, got {args.pad_seq_to_mult}")
+    # The padding multiple is the data's, never this run's layout: a default of 2 x --cp would pack
+    # other rows at each cp and make the runs (and resumptions across cp) train different batches.
+    if args.cp > 1 and args.pad_seq_to_mult % (2 * args.cp):
+        raise ValueError(
+            f"--sft at --cp {args.cp} splits every record into 2 x --cp = {2 * args.cp} chunks: give "
+            f"--pad-seq-to-mult a multiple of {2 * args.cp}, got {args.pad_seq_to_mult} (the same value at "
+            "every layout the run trains or resumes at, so that all train the same rows)"
+        )
 
 
 def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
@@ -917,6 +941,10 @@ def check_numbers(args: argparse.Namespace) -> None:
 
 # What a Hugging Face model directory holds; --export-hf-overwrite removes these first.
 HF_MODEL_FILES = ("config.json", "model.safetensors.index.json")
+# A Hugging Face tokenizer's files (what save_pretrained writes, fast and slow): --export-hf copies
+# those of the run's tokenizer beside the weights.
+HF_TOKENIZER_FILES = (*gpt_data.TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt",
+                      "vocab.txt", "chat_template.jinja", "chat_template.json")
 
 
 def check_writable_dir(flag: str, path: str) -> None:
@@ -1296,12 +1324,6 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
     return [model.to(device) for model in models]
 
 
-def global_mean_loss(losses: list[dict[str, torch.Tensor]], device: torch.device | str = "cpu") -> float:
-    """The mean loss of the step's global batch, known on every rank."""
-    total, weight = global_loss_totals(losses, device)
-    return total / weight if weight > 0 else 0.0  # no token to learn from: nothing learned
-
-
 def global_loss_totals(losses: list[dict[str, torch.Tensor]],
                        device: torch.device | str = "cpu") -> tuple[float, float]:
     """The step's loss as (total, weight), known on every rank: with per-micro-batch means, their
@@ -1363,7 +1385,10 @@ def train(args: argparse.Namespace) -> dict:
                                          args.eval_iters)
             tokenizer = gpt_data.HuggingFaceTokenizer(tokenizer_dir(args))
             corpus = gpt_data.build_sft_datasets(args.sft, args.split, tokenizer, args.seq_len, args.seed,
-                                                 sizes, args.cp)
+                                                 sizes, args.pad_seq_to_mult)
+            if dist.get_rank() == 0:
+                for line in gpt_data.sft_truncation_warnings(corpus, args.sft, args.seq_len):
+                    print(f"warning: --sft {line}", file=sys.stderr, flush=True)
         return _train_loop(args, corpus)
     finally:
         parallel_state.destroy_model_parallel()
@@ -1382,10 +1407,11 @@ def microbatches_of(data, first_sample: int, args: argparse.Namespace, device: t
 
 
 def evaluate(args: argparse.Namespace, evaluation: int, valid, model, chunks: list, forward_backward,
-             num_microbatches: int, needs_data: list[bool], device: torch.device) -> float:
+             num_microbatches: int, needs_data: list[bool], device: torch.device) -> tuple[float, float]:
     """The mean loss of --eval-iters global batches of the validation split, evaluation
     ``evaluation`` reading the ones after those of the evaluations before it (with --sft the mean
-    over all their response tokens, as Megatron-LM's evaluation sums the [sum, count] pairs)."""
+    over all their response tokens, as Megatron-LM's evaluation sums the [sum, count] pairs), and
+    the number of tokens (--sft) or global batches it is the mean of."""
     for chunk in chunks:
         chunk.eval()
     total, weight = 0.0, 0.0
@@ -1404,7 +1430,13 @@ def evaluate(args: argparse.Namespace, evaluation: int, valid, model, chunks: li
             total, weight = total + batch_total, weight + batch_weight
     for chunk in chunks:
         chunk.train()
-    return total / weight if weight > 0 else 0.0
+    if args.sft is not None and weight == 0:
+        first = evaluation * args.eval_iters * args.global_batch_size
+        raise ValueError(
+            f"the validation rows [{first}, {first + args.eval_iters * args.global_batch_size}) hold no "
+            f"response token to evaluate: their records' prompts fill the --seq-len {args.seq_len} rows"
+        )
+    return (total / weight if weight > 0 else 0.0), weight
 
 
 def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list) -> dict:
@@ -1465,6 +1497,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list) -> dict:
         progress = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True)
 
     losses, tokens_per_s, grad_norms, skipped, aux_losses, mtp, val_losses = [], [], [], 0, [], [], []
+    loss_tokens = []  # --sft: the response tokens of each step's global batch
     datasets = corpus if args.data_path is not None or args.sft is not None else None
     get_moe_layer_wise_logging_tracker().clear()  # nothing tracked by an earlier run in this process
     MTPLossLoggingHelper.tracker.clear()
@@ -1493,6 +1526,14 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list) -> dict:
         nonfinite = (
             nonfinite_report(step_losses, chunks, args, device) if args.check_for_nan_in_loss_and_grad else ""
         )
+        total, weight = global_loss_totals(step_losses, device)
+        if args.sft is not None and weight == 0:  # before the update, which would move on no data
+            first = step * args.global_batch_size
+            raise ValueError(
+                f"step {step + 1}: the train rows [{first}, {first + args.global_batch_size}) hold no "
+                f"response token to train on: their records' prompts fill the --seq-len {args.seq_len} rows; "
+                "give a longer --seq-len or shorter prompts"
+            )
         if nonfinite and not args.skip_nonfinite:
             raise FloatingPointError(
                 f"step {step + 1}: {nonfinite}; stopped before the update, so no checkpoint holds it "
@@ -1506,19 +1547,23 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list) -> dict:
             update_successful, grad_norm, _ = optimizer.step()
         skipped += not update_successful
         grad_norms.append(grad_norm)
-        losses.append(global_mean_loss(step_losses, device))
+        losses.append(total / weight if weight > 0 else 0.0)
+        if args.sft is not None:
+            loss_tokens.append(int(weight))
         aux_losses.append(moe_aux_losses(args, num_microbatches, config))
         mtp.append(mtp_losses(args, num_microbatches, device))
         tokens_per_s.append(tokens_per_step / (time.perf_counter() - start))
         # the norm before clipping; none for a skipped step
         log_event(args, step=step + 1, loss=losses[-1], tokens_per_s=tokens_per_s[-1],
                   grad_norm=grad_norm, skipped=not update_successful,
+                  **({"loss_tokens": loss_tokens[-1]} if args.sft is not None else {}),
                   **aux_losses[-1], **mtp[-1])
         if args.eval_interval is not None and (step + 1) % args.eval_interval == 0:
-            val = evaluate(args, (step + 1) // args.eval_interval - 1, datasets[1], model, chunks,
-                           forward_backward, num_microbatches, needs_data, device)
+            val, val_weight = evaluate(args, (step + 1) // args.eval_interval - 1, datasets[1], model, chunks,
+                                       forward_backward, num_microbatches, needs_data, device)
             val_losses.append((step + 1, val))
-            log_event(args, event="eval", step=step + 1, val_loss=val, val_ppl=math.exp(min(val, 700.0)))
+            log_event(args, event="eval", step=step + 1, val_loss=val, val_ppl=math.exp(min(val, 700.0)),
+                      **({"loss_tokens": int(val_weight)} if args.sft is not None else {}))
         if progress is not None:
             aux = {name: f"{value:.4f}" for name, value in {**aux_losses[-1], **mtp[-1]}.items()}
             if val_losses:
@@ -1543,13 +1588,15 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list) -> dict:
         "aux_losses": aux_losses,
         "mtp_losses": mtp,
         "val_losses": val_losses,
+        "loss_tokens": loss_tokens,
         "skipped_steps": skipped,
     }
 
 
 def export_hf(args: argparse.Namespace, models: list[GPTModel]) -> str:
-    """Writes the trained weights as Hugging Face safetensors and config.json (rank 0 writes, every
-    rank gathers); returns the directory."""
+    """Writes the trained weights as Hugging Face safetensors and config.json, and the files of the
+    run's tokenizer (--tokenizer, or --load-hf's) where it has one (rank 0 writes, every rank
+    gathers); returns the directory."""
     state = export_hf_state_dict(models)
     hf_config = args.hf_config or hf_config_dict(models)
     if dist.get_rank() == 0:
@@ -1557,7 +1604,7 @@ def export_hf(args: argparse.Namespace, models: list[GPTModel]) -> str:
 
         os.makedirs(args.export_hf, exist_ok=True)
         for name in os.listdir(args.export_hf):  # the model being replaced (--export-hf-overwrite)
-            if name in HF_MODEL_FILES or name.endswith(".safetensors"):
+            if name in HF_MODEL_FILES or name in HF_TOKENIZER_FILES or name.endswith(".safetensors"):
                 os.remove(os.path.join(args.export_hf, name))
         tensors = {name: t.contiguous() for name, t in state.items()}
         if hf_config.get("tie_word_embeddings"):
@@ -1565,6 +1612,10 @@ def export_hf(args: argparse.Namespace, models: list[GPTModel]) -> str:
         save_file(tensors, os.path.join(args.export_hf, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(args.export_hf, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2)
+        tokenizer = tokenizer_dir(args)
+        for name in HF_TOKENIZER_FILES if tokenizer is not None else ():
+            if os.path.isfile(os.path.join(tokenizer, name)):
+                shutil.copyfile(os.path.join(tokenizer, name), os.path.join(args.export_hf, name))
     dist.barrier()
     return args.export_hf
 
@@ -1622,6 +1673,8 @@ def save(
     # The data position is the step: step k always reads the same global batch.
     data = {"consumed_samples": iteration * args.global_batch_size,
             "global_batch_size": args.global_batch_size}
+    if args.sft is not None:  # what, besides the records, decides the rows
+        data["pad_seq_to_mult"] = args.pad_seq_to_mult
     return save_checkpoint(args.save, iteration, model, optimizer, metadata={"data": data, "seed": args.seed},
                            overwrite=args.allow_overwrite, keep_last=args.keep_last)
 
@@ -1642,6 +1695,12 @@ def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: Megatron
         raise ValueError(
             f"the checkpoint was trained with --global-batch-size {data['global_batch_size']}, "
             f"this run has {args.global_batch_size}"
+        )
+    if args.sft is not None and data.get("pad_seq_to_mult", args.pad_seq_to_mult) != args.pad_seq_to_mult:
+        raise ValueError(
+            f"the checkpoint was trained on --sft rows padded with --pad-seq-to-mult "
+            f"{data['pad_seq_to_mult']}, this run has {args.pad_seq_to_mult}: other rows; give "
+            f"--pad-seq-to-mult {data['pad_seq_to_mult']}"
         )
     if dist.get_rank() == 0:
         print(f"resumed from iteration {marker['iteration']} ({marker['path']})", flush=True)

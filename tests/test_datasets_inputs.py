@@ -1,5 +1,5 @@
-"""megatron_ext.datasets on its own (no Megatron-core): bad corpora, blends and splits each get
-one clear error, on every rank; the packed SFT rows checked value by value."""
+"""megatron_ext.datasets on its own (no Megatron-core): bad corpora, blends, splits, caches and
+SFT records each get one clear error, on every rank; the packed SFT rows checked value by value."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from megatron_ext.datasets import (
     IndexedDataset,
     IndexedDatasetBuilder,
     SFTDataset,
+    SFTDatasetConfig,
     Split,
     get_blend_from_list,
 )
@@ -196,10 +197,10 @@ def test_errors_reach_every_rank(tmp_path):
     )  # 18 documents of 4 tokens, 2 epochs
 
 
-def sft_dataset(tmp_path, records, seq_len, cp=None, seed=3) -> SFTDataset:
+def sft_dataset(tmp_path, records, seq_len, cp=None, seed=3, **kwargs) -> SFTDataset:
     path = tmp_path / "sft.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    cfg = GPTDatasetConfig(
+    cfg = (SFTDatasetConfig if kwargs else GPTDatasetConfig)(
         random_seed=seed,
         sequence_length=seq_len,
         blend=([str(path)], None),
@@ -210,6 +211,7 @@ def sft_dataset(tmp_path, records, seq_len, cp=None, seed=3) -> SFTDataset:
         eod_mask_loss=False,
         create_attention_mask=False,
         context_parallel_size=cp,
+        **kwargs,
     )
     train, valid, test = BlendedMegatronDatasetBuilder(
         SFTDataset, [None, None, None], lambda: True, cfg
@@ -260,8 +262,144 @@ def test_sft_rows_pack_sequences_with_the_loss_on_responses(tmp_path):
     row = ds[0]
     assert row["tokens"].tolist() == list(range(97, 105)) and row["labels"].tolist() == list(range(98, 106))
     assert row["cu_seqlens"].tolist() == [0, 8] and row["loss_mask"].tolist() == [0.0] * 5 + [1.0] * 3
-    with pytest.raises(
-        ValueError, match=r"sft\.jsonl:1: expected a JSON object with 'prompt' and 'response'"
-    ):
-        sft_dataset(tmp_path, [{"question": "a"}], seq_len=8)
     assert Split.train.value == 0
+
+
+def test_sft_records_are_utf8_json_objects_of_strings(tmp_path):
+    path = tmp_path / "sft.jsonl"
+    expected = "expected a JSON object with 'prompt' and 'response' strings"
+    cases = [
+        ('{"question": "a"}', "got no 'prompt'"),
+        ('{"prompt": "a"}', "got no 'response'"),
+        ('{"prompt": 7, "response": "b"}', "got 'prompt': 7 (a number)"),
+        ('{"prompt": "a", "response": null}', "got 'response': null"),
+        ('{"prompt": ["a", "b"], "response": "c"}', 'got \'prompt\': ["a", "b"] (a list)'),
+        ('{"prompt": "a", "response": true}', "got 'response': true (a boolean)"),
+        ('["a", "b"]', "got a list"),
+        ('{"prompt": "a", ', "got invalid JSON (Expecting property name enclosed in double quotes)"),
+    ]
+    for line, problem in cases:
+        path.write_text(json.dumps({"prompt": "ok", "response": "fine"}) + "\n\n" + line + "\n")
+        with pytest.raises(ValueError) as error:
+            _build_sft(path)
+        assert str(error.value) == f"{path}:3: {expected}, {problem}", line
+    # not UTF-8: the file, the line and the byte
+    path.write_bytes(b'{"prompt": "ok", "response": "fine"}\n{"prompt": "caf\xe9", "response": "x"}\n')
+    with pytest.raises(ValueError) as error:
+        _build_sft(path)
+    assert str(error.value) == f"{path}:2: byte 16 of the line (0xe9) is not UTF-8: expected UTF-8 JSONL"
+
+
+def _build_sft(path, seq_len=8, **kwargs) -> list:
+    cfg = SFTDatasetConfig(
+        random_seed=3, sequence_length=seq_len, blend=([str(path)], None), split="1,0,0",
+        tokenizer=CharTokenizer(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        create_attention_mask=False, **kwargs,
+    )
+    return BlendedMegatronDatasetBuilder(SFTDataset, [None, None, None], lambda: True, cfg).build()
+
+
+def test_sft_padding_multiple_is_the_datas_not_the_layouts(tmp_path):
+    records = [{"prompt": "a" * (k % 4 + 1), "response": "b" * (k % 3 + 1)} for k in range(12)]
+    rows = {}
+    for name, kwargs in {
+        "pad 4": {"pad_seq_to_mult": 4},
+        "pad 4 at cp 2": {"pad_seq_to_mult": 4, "cp": 2},
+        "pad 8 at cp 2": {"pad_seq_to_mult": 8, "cp": 2},
+        "Megatron-LM's default at cp 2": {"cp": 2},
+        "pad 1": {"pad_seq_to_mult": 1},
+    }.items():
+        ds = sft_dataset(tmp_path, records, seq_len=24, **kwargs)
+        rows[name] = [{k: v.tolist() for k, v in ds[i].items()} for i in range(len(ds))]
+    # the rows depend on the multiple only: a cp 2 run and a serial run pad alike
+    assert rows["pad 4 at cp 2"] == rows["pad 4"] == rows["Megatron-LM's default at cp 2"]
+    for name in ("pad 4", "pad 8 at cp 2"):
+        multiple = int(name.split()[1])
+        for row in rows[name]:
+            lengths = numpy.diff(row["cu_seqlens"])
+            assert (lengths[:-1] % multiple == 0).all(), (name, row["cu_seqlens"])
+    assert rows["pad 1"] != rows["pad 4"] and rows["pad 8 at cp 2"] != rows["pad 4"]
+    for kwargs, message in (
+        ({"pad_seq_to_mult": 6, "context_parallel_size": 2},
+         "pad_seq_to_mult 6 is not a multiple of 2 x context_parallel_size = 4"),
+        ({"pad_seq_to_mult": 0}, "pad_seq_to_mult must be an integer >= 1, got 0"),
+        ({"pad_seq_to_mult": 2.0}, "pad_seq_to_mult must be an integer >= 1, got 2.0"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            _build_sft(tmp_path / "sft.jsonl", **kwargs)
+
+
+def test_sft_records_longer_than_a_row_are_reported(tmp_path):
+    from megatron_ext.training import gpt_data
+
+    records = [
+        {"prompt": "ab", "response": "cd"},  # line 1: fits
+        {"prompt": "abcdef", "response": "ghijk"},  # 12 tokens: the response cut to 3 tokens
+        {"prompt": "abcdefghi", "response": "jk"},  # 12 tokens: the prompt fills the row
+        {"prompt": "abcdefgh", "response": "ij"},  # 11 tokens: one response label left
+    ]
+    ds = sft_dataset(tmp_path, records, seq_len=8)
+    assert sorted(ds.truncated) == [1, 2, 3] and ds.untrained == [2]
+    untrained_row = next(i for i, row in enumerate(ds.rows) if row == [2])
+    assert ds[untrained_row]["loss_mask"].sum() == 0
+    last_label_row = next(i for i, row in enumerate(ds.rows) if row == [3])
+    assert ds[last_label_row]["loss_mask"].tolist() == [0.0] * 7 + [1.0]  # label 'i' of token 'h'
+    path = str(tmp_path / "sft.jsonl")
+    first = ds.dataset.lines[ds.truncated[0]]
+    assert gpt_data.sft_truncation_warnings([ds, None, None], path, 8) == [
+        f"3 of the train split's 4 records are longer than the 9 tokens of a row (--seq-len + 1) and are "
+        f"cut on the right (the first: {path}:{first}); 1 of them keeps no response token and trains on "
+        f"nothing (the first: {path}:3)"
+    ]
+    assert gpt_data.sft_truncation_warnings([sft_dataset(tmp_path, records[:1], seq_len=8)], path, 8) == []
+
+
+def test_a_rewritten_corpus_refuses_the_old_cache(tmp_path):
+    prefix = str(tmp_path / "a")
+    cfg = config([prefix], split="90,10,0", path_to_cache=str(tmp_path / "cache"))
+    write_corpus(prefix, [[2, 3, 4, 0]] * 20)
+    before = BlendedMegatronDatasetBuilder(GPTDataset, [10, 5, 0], lambda: True, cfg).build()
+    assert len(before[0]) == 17
+    first_sample = before[0][0]["tokens"].tolist()
+    # the same prefix rewritten: more documents, then as many documents of other lengths
+    # (the cache: 2 epochs of the 18 train documents of 4 tokens, 17 samples of 8 + 1 tokens)
+    for documents, now in (([[2, 3, 4, 0]] * 30, "27 and 13"), ([[2, 3, 4, 5, 6, 0]] * 20, "18 and 13")):
+        write_corpus(prefix, documents)
+        with pytest.raises(ValueError) as error:
+            BlendedMegatronDatasetBuilder(GPTDataset, [10, 5, 0], lambda: True, cfg).build()
+        message = str(error.value)
+        assert message.startswith(f"the dataset index cache {tmp_path / 'cache'}/")
+        assert "-GPTDataset-train-*.npy" in message
+        assert f"does not match the corpus {prefix!r}: it indexes 36 documents (epochs included) and 17 " \
+            f"samples of the train split, the corpus now gives {now} (it changed after" in message
+        assert message.endswith(
+            "delete those cache files and the next run rebuilds them"
+        ), message
+    for name in os.listdir(tmp_path / "cache"):
+        os.remove(tmp_path / "cache" / name)
+    after = BlendedMegatronDatasetBuilder(GPTDataset, [10, 5, 0], lambda: True, cfg).build()
+    assert len(after[0]) == 13 and after[0][0]["tokens"].tolist() != first_sample
+
+
+def test_a_corrupt_cache_file_names_itself(tmp_path):
+    prefixes = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for prefix in prefixes:
+        write_corpus(prefix, [[2, 3, 4, 0]] * 20)
+    cfg = config(prefixes, split="90,10,0", weights=[1.0, 1.0], path_to_cache=str(tmp_path / "cache"))
+    BlendedMegatronDatasetBuilder(GPTDataset, [10, 5, 0], lambda: True, cfg).build()
+    names = sorted(os.listdir(tmp_path / "cache"))
+    for suffix, what in (("-GPTDataset-train-sample_index.npy", "dataset index cache file"),
+                         ("-BlendedDataset-train-dataset_index.npy", "blend index cache file")):
+        path = str(tmp_path / "cache" / next(n for n in names if n.endswith(suffix)))
+        intact = open(path, "rb").read()
+        for damaged in (intact[: len(intact) - 8], b"", b"not an array"):
+            open(path, "wb").write(damaged)
+            with pytest.raises(ValueError) as error:
+                BlendedMegatronDatasetBuilder(GPTDataset, [10, 5, 0], lambda: True, cfg).build()
+            assert str(error.value).startswith(f"the {what} {path!r} is corrupt or truncated (")
+            assert str(error.value).endswith(
+                "expected a NumPy .npy array: delete it and the next run rebuilds the cache"
+            )
+        os.remove(path)  # deleting it rebuilds it
+        BlendedMegatronDatasetBuilder(GPTDataset, [10, 5, 0], lambda: True, cfg).build()
+        assert open(path, "rb").read() == intact

@@ -193,6 +193,16 @@ def test_bad_data_arguments(corpora, tmp_path):
             ["--data-path", prefixes[0], "--vocab-size", "256"],
             "--vocab-size 256 is smaller than the tokenizer's 300",
         ),
+        # checked at start-up, not when rank 0 first writes the cache
+        (
+            ["--data-path", prefixes[0], "--data-cache-path", __file__],
+            f"--data-cache-path {__file__!r} is not a directory",
+        ),
+        (
+            ["--data-path", prefixes[0], "--data-cache-path", __file__ + "/cache"],
+            f"--data-cache-path {__file__ + '/cache'!r} cannot be created: {__file__!r} is not a directory",
+        ),
+        (["--data-cache-path", str(tmp_path)], "--data-cache-path is where the index caches of --data-path"),
     ]
     for extra, message in cases:
         args = train_gpt.parse_args((base if extra[0] != SMALL_GPT[0] else []) + extra)

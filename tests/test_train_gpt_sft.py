@@ -8,15 +8,21 @@
   (``calculate_per_token_loss``), so it does not matter how the tokens lie in rows.
 - Parallel equals serial: (tp, cp, pp, dp) = (2,1,1,1) with sequence parallelism, (1,2,1,1) with
   the p2p and a2a comm types, (1,1,2,1) (also interleaved, whose middle stages read the boundaries
-  too) and (1,1,1,2) against the serial run on the same rows (each sequence padded to a multiple of
-  2 x cp = 4 tokens in every run, as the cp 2 runs need).
+  too) and (1,1,1,2) against the serial run of the same command line (--pad-seq-to-mult 4 in every
+  run, as the cp 2 runs need: the rows are the data's, not the layout's); a checkpoint saved at cp 2
+  resumes serially on the same rows.
+- Nothing is trained silently: a step or an evaluation whose rows hold no response token stops
+  every rank; the log counts each step's response tokens.
+- --export-hf writes the tokenizer beside the weights.
 - Refusals: --sft with --data / --data-path, --micro-batch-size > 1, no tokenizer, a missing file,
-  no train records; a record without prompt/response stops every rank with the same error.
+  no train records, a padding multiple that does not split at --cp; a record without
+  prompt/response stops every rank with the same error.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import types
 
 import pytest
@@ -24,7 +30,7 @@ import torch
 
 from megatron_ext import parallel_state as ps
 from megatron_ext.training import gpt_data
-from tests.conftest import load_train_gpt, make_tokenizer_dir, random_text
+from tests.conftest import TOKENIZER_WORDS, load_train_gpt, make_tokenizer_dir, random_text
 from tests.distributed import run_distributed
 from tests.test_context_parallel_training import _full_weights
 
@@ -74,21 +80,15 @@ def _unpacked(microbatch: dict) -> dict:
     return {key: torch.stack(values) for key, values in rows.items()}
 
 
-def _rows_as_at_cp2():
-    """gpt_data with the SFT rows built as at cp 2 (each sequence padded to a multiple of 4)."""
-    build = gpt_data.build_sft_datasets
-
-    def build_sft_datasets(path, split, tokenizer, seq_len, seed, sizes, context_parallel_size=1):
-        return build(path, split, tokenizer, seq_len, seed, sizes, 2)
-
-    return types.SimpleNamespace(**{**vars(gpt_data), "build_sft_datasets": build_sft_datasets})
+# Each record padded to a multiple of 4 tokens: the rows of every run that can reach cp 2.
+PAD4 = ["--pad-seq-to-mult", "4"]
 
 
 def _train_worker(tokenizer: str, jsonl: str, runs: dict) -> dict:
     """Per run name: (losses, validation losses, grad norms, trained weights of this rank's share,
-    most sequences in a row). ``runs``: name -> (argv, unpacked, rows as at cp 2)."""
+    most sequences in a row). ``runs``: name -> (argv, unpacked)."""
     out = {}
-    for name, (argv, unpacked, as_cp2) in runs.items():
+    for name, (argv, unpacked) in runs.items():
         train_gpt = load_train_gpt()
         built, weights, sequences = [], [], [0]
         build, destroy = train_gpt.build_model, ps.destroy_model_parallel
@@ -100,8 +100,6 @@ def _train_worker(tokenizer: str, jsonl: str, runs: dict) -> dict:
 
         train_gpt.parallel_state = types.SimpleNamespace(**vars(ps))
         train_gpt.parallel_state.destroy_model_parallel = gather_then_destroy
-        if as_cp2:
-            train_gpt.gpt_data = _rows_as_at_cp2()
         microbatches_of = train_gpt.microbatches_of
 
         def reading(*args, **kwargs):
@@ -139,15 +137,16 @@ def _assert_same_training(got: tuple, want: tuple, label: str) -> None:
 
 @pytest.fixture(scope="module")
 def serial(records):
-    """The packed and unpacked serial runs of each arch on the natural rows, and the serial run on
-    the rows as at cp 2."""
-    _, tokenizer, jsonl = records
+    """The packed and unpacked serial runs of each arch on the natural rows (the Llama one exported
+    to Hugging Face), and the serial runs on the rows padded to multiples of 4."""
+    root, tokenizer, jsonl = records
     runs = {}
     for arch, argv in ARCHS.items():
-        runs[f"{arch} packed"] = (argv, False, False)
-        runs[f"{arch} unpacked"] = (argv, True, False)
-        runs[f"{arch} rows as at cp 2"] = (argv, False, True)
-    runs["llama 4 layers rows as at cp 2"] = (ARCHS["llama"] + ["--layers", "4"], False, True)
+        runs[f"{arch} packed"] = (argv, False)
+        runs[f"{arch} unpacked"] = (argv, True)
+        runs[f"{arch} pad 4"] = (argv + PAD4, False)
+    runs["llama packed"] = (ARCHS["llama"] + ["--export-hf", str(root / "export")], False)
+    runs["llama 4 layers pad 4"] = (ARCHS["llama"] + ["--layers", "4"] + PAD4, False)
     return _merged(run_distributed(1, _train_worker, tokenizer, jsonl, runs))
 
 
@@ -158,33 +157,95 @@ def test_packed_rows_train_as_each_sequence_on_its_own(serial):
         assert packed[4] >= 3, packed[4]  # rows of several sequences
         assert packed[0][-1] < packed[0][0] and 4 < packed[1][0][1] < 7, packed  # learning; ln 300 = 5.7
         _assert_same_training(serial[f"{arch} unpacked"], packed, f"{arch} unpacked")
-        # the rows padded for cp 2 hold other sequences together: another training
-        assert serial[f"{arch} rows as at cp 2"][0] != packed[0]
+        # the rows padded to multiples of 4 hold other sequences together: another training
+        assert serial[f"{arch} pad 4"][0] != packed[0]
 
 
-def _bad_record_worker(tokenizer: str, jsonl: str) -> str:
-    train_gpt = load_train_gpt()
-    try:
-        train_gpt.train(train_gpt.parse_args(BASE + ["--dp", "2", "--sft", jsonl, "--tokenizer", tokenizer]))
-    except ValueError as e:
-        return str(e)
-    return "trained"
+def _errors_worker(tokenizer: str, runs: list[list[str]]) -> list[str]:
+    """Each run's ValueError, or 'trained'."""
+    out = []
+    for argv in runs:
+        train_gpt = load_train_gpt()
+        try:
+            train_gpt.train(train_gpt.parse_args(BASE + ["--tokenizer", tokenizer] + argv))
+            out.append("trained")
+        except ValueError as e:
+            out.append(str(e))
+    return out
 
 
-@pytest.mark.slow  # eight training runs on two ranks
+@pytest.mark.slow  # nine training runs on two ranks, one on one
 def test_sft_layouts_train_like_serial(records, serial, tmp_path):
     _, tokenizer, jsonl = records
-    runs = {f"llama {name}": (ARCHS["llama"] + argv, False, True) for name, argv in LAYOUTS.items()}
-    runs.update({f"gpt {name}": (ARCHS["gpt"] + LAYOUTS[name], False, True) for name in GPT_LAYOUTS})
+    runs = {f"llama {name}": (ARCHS["llama"] + argv + PAD4, False) for name, argv in LAYOUTS.items()}
+    runs.update({f"gpt {name}": (ARCHS["gpt"] + LAYOUTS[name] + PAD4, False) for name in GPT_LAYOUTS})
+    save = str(tmp_path / "ckpt")
+    runs["llama cp2 first two steps"] = (ARCHS["llama"] + LAYOUTS["cp2 p2p"] + PAD4 + ["--steps", "2",
+                                                                                      "--save", save], False)
     results = _merged(run_distributed(2, _train_worker, tokenizer, jsonl, runs, timeout=600))
+    first_two = results.pop("llama cp2 first two steps")
     for name, result in results.items():
         reference = "llama 4 layers" if "virtual-pipeline" in name else name.split()[0]
-        _assert_same_training(result, serial[f"{reference} rows as at cp 2"], name)
-    # a record without a response stops both ranks with the same error
+        _assert_same_training(result, serial[f"{reference} pad 4"], name)
+    # the checkpoint of cp 2 resumes serially on the same rows: the serial run's last step
+    resumed = run_distributed(1, _train_worker, tokenizer, jsonl,
+                              {"resumed": (ARCHS["llama"] + PAD4 + ["--load", save], False)})[0]["resumed"]
+    want = serial["llama pad 4"]
+    for got, expected in ((first_two[0] + resumed[0], want[0]), (first_two[2] + resumed[2], want[2]),
+                          (resumed[1], want[1])):  # losses, grad norms, validation
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-9, atol=0)
+    for name, value in want[3].items():
+        torch.testing.assert_close(torch.tensor(resumed[3][name]), torch.tensor(value), rtol=1e-9, atol=1e-12)
+    # a record without a response stops both ranks with the same error; so does a resume on other rows
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "w1 w2", "response": "w3"}) + "\n" + json.dumps({"prompt": "w4"}))
-    errors = run_distributed(2, _bad_record_worker, tokenizer, str(bad))
-    assert errors[0] == errors[1] == f"{bad}:2: expected a JSON object with 'prompt' and 'response' strings"
+    errors = run_distributed(2, _errors_worker, tokenizer, [
+        ["--dp", "2", "--sft", str(bad)], ARCHS["llama"] + ["--dp", "2", "--sft", jsonl, "--load", save]])
+    assert errors[0] == errors[1]
+    assert errors[0][0] == f"{bad}:2: expected a JSON object with 'prompt' and 'response' strings, got no " \
+        "'response'"
+    assert errors[0][1] == ("the checkpoint was trained on --sft rows padded with --pad-seq-to-mult 4, this "
+                            "run has 1: other rows; give --pad-seq-to-mult 4")
+
+
+def test_rows_without_a_response_token_stop_the_run(records, tmp_path):
+    root, tokenizer, _ = records
+    long_prompt = " ".join(TOKENIZER_WORDS[:40])  # 40 tokens: more than a row of --seq-len 32 + 1
+    short = [{"prompt": f"w{k} w{k + 1}", "response": f"w{k + 2}"} for k in range(36)]
+    long = [{"prompt": long_prompt, "response": "w5"}] * 4
+    files = {}
+    for name, records_ in (("all long", long * 10), ("long validation", short + long)):
+        files[name] = tmp_path / f"{name.replace(' ', '_')}.jsonl"
+        files[name].write_text("".join(json.dumps(r) + "\n" for r in records_))
+    log = tmp_path / "log.jsonl"
+    (errors,) = run_distributed(1, _errors_worker, tokenizer, [
+        ["--sft", str(files["all long"])],
+        ["--sft", str(files["long validation"]), "--eval-interval", "1", "--log-json", str(log)],
+    ])
+    assert errors[0] == ("step 1: the train rows [0, 4) hold no response token to train on: their records' "
+                         "prompts fill the --seq-len 32 rows; give a longer --seq-len or shorter prompts")
+    assert errors[1] == ("the validation rows [0, 4) hold no response token to evaluate: their records' "
+                         "prompts fill the --seq-len 32 rows")
+    # the step before it logged its response tokens
+    steps = [e for e in map(json.loads, log.read_text().splitlines()) if "step" in e and "loss" in e]
+    train, _, _ = gpt_data.build_sft_datasets(str(files["long validation"]), "90,10,0",
+                                              gpt_data.HuggingFaceTokenizer(tokenizer), 32, 1234,
+                                              gpt_data.split_sizes(3, 4, 1, 1))
+    assert [e["loss_tokens"] for e in steps] == [int(sum(train[i]["loss_mask"].sum() for i in range(4)))]
+    assert steps[0]["loss_tokens"] > 4
+
+
+@pytest.mark.slow  # uses the serial runs
+def test_export_hf_writes_the_tokenizer(records, serial):
+    transformers = pytest.importorskip("transformers")
+    root, tokenizer, _ = records
+    export = root / "export"
+    files = set(os.listdir(export))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= files, files
+    exported, original = (transformers.AutoTokenizer.from_pretrained(d) for d in (export, tokenizer))
+    text = "w3 w17 w296 w0"
+    assert exported(text)["input_ids"] == original(text)["input_ids"] == [6, 20, 299, 3]
+    assert exported.eos_token == "<eos>" and exported.pad_token == "<pad>"
 
 
 def test_bad_sft_arguments(records, tmp_path):
@@ -202,6 +263,9 @@ def test_bad_sft_arguments(records, tmp_path):
         (["--sft", str(tmp_path / "none.jsonl")], f"--sft '{tmp_path / 'none.jsonl'}': no such file"),
         (["--split", "0,1,0"], "--split '0,1,0' leaves no records to train on"),
         (["--eval-interval", "2", "--split", "1,0,0"], "needs a validation share"),
+        (["--pad-seq-to-mult", "0"], "--pad-seq-to-mult must be >= 1, got 0"),
+        (["--data-cache-path", str(tmp_path)],
+         "--data-cache-path is where the index caches of --data-path go: it needs --data-path"),
     ]
     for extra, message in cases:
         with pytest.raises(ValueError) as error:
@@ -210,6 +274,16 @@ def test_bad_sft_arguments(records, tmp_path):
     args = train_gpt.parse_args(base[:-2])
     with pytest.raises(ValueError, match="--sft needs the tokenizer of its records"):
         train_gpt.check_args(args, 1)
+    with pytest.raises(ValueError, match="--pad-seq-to-mult pads the records of --sft: it needs --sft"):
+        train_gpt.check_args(train_gpt.parse_args(["--tp", "1", "--pp", "1", "--pad-seq-to-mult", "4"]), 1)
+    for multiple in ("1", "6"):  # the padding must split into 2 x cp chunks
+        with pytest.raises(ValueError) as error:
+            train_gpt.check_args(train_gpt.parse_args(base + ["--cp", "2", "--pad-seq-to-mult", multiple]), 2)
+        assert str(error.value) == (
+            "--sft at --cp 2 splits every record into 2 x --cp = 4 chunks: give --pad-seq-to-mult a multiple "
+            f"of 4, got {multiple} (the same value at every layout the run trains or resumes at, so that all "
+            "train the same rows)")
+    train_gpt.check_args(train_gpt.parse_args(base + ["--cp", "2", "--pad-seq-to-mult", "8"]), 2)
     args = train_gpt.parse_args(base + ["--eval-interval", "2"])
     train_gpt.check_args(args, 1)  # a valid run: the tokenizer's 300 tokens sized the model
     assert args.vocab_size == 384 and args.tokens == 300

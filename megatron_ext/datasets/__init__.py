@@ -10,7 +10,7 @@ from megatron_ext.datasets.blended_megatron_dataset_config import BlendedMegatro
 from megatron_ext.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron_ext.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from megatron_ext.datasets.megatron_dataset import MegatronDataset
-from megatron_ext.datasets.sft_dataset import SFTDataset, SFTLowLevelDataset
+from megatron_ext.datasets.sft_dataset import SFTDataset, SFTDatasetConfig, SFTLowLevelDataset
 from megatron_ext.datasets.tokenizer import HuggingFaceTokenizer
 from megatron_ext.datasets.utils import Split, get_blend_from_list
 
@@ -27,6 +27,7 @@ __all__ = [
     "MegatronDataset",
     "MockGPTDataset",
     "SFTDataset",
+    "SFTDatasetConfig",
     "SFTLowLevelDataset",
     "Split",
     "get_blend_from_list",

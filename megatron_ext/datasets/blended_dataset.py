@@ -17,7 +17,7 @@ import torch
 from megatron_ext.datasets import helpers
 from megatron_ext.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron_ext.datasets.megatron_dataset import MegatronDataset
-from megatron_ext.datasets.utils import log_single_rank, normalize
+from megatron_ext.datasets.utils import load_index_cache, log_single_rank, normalize
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +83,9 @@ class BlendedDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, idx: int) -> dict:
         if self.dataset_index is None:
-            self.dataset_index = numpy.load(self.path_to_dataset_index, allow_pickle=True, mmap_mode="r")
-            self.dataset_sample_index = numpy.load(
-                self.path_to_dataset_sample_index, allow_pickle=True, mmap_mode="r"
+            self.dataset_index = load_index_cache(self.path_to_dataset_index, "blend index cache file")
+            self.dataset_sample_index = load_index_cache(
+                self.path_to_dataset_sample_index, "blend index cache file"
             )
         dataset_id = self.dataset_index[idx]
         dataset_sample_id = self.dataset_sample_index[idx]
@@ -110,12 +110,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         if cache_hit or (paths and not rank0):
             log_single_rank(logger, logging.INFO, f"Load the {type(self).__name__} indices")
-            for name in names[1:]:
-                if not os.path.isfile(paths[name]):
-                    raise ValueError(
-                        f"the blend index cache file {paths[name]!r} is missing; rank 0 builds it first"
-                    )
-            return tuple(numpy.load(paths[name], allow_pickle=True, mmap_mode="r") for name in names[1:])
+            return tuple(load_index_cache(paths[name], "blend index cache file") for name in names[1:])
 
         log_single_rank(logger, logging.INFO, f"Build and save the {type(self).__name__} indices")
         t_beg = time.time()

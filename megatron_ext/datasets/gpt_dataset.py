@@ -26,7 +26,7 @@ from megatron_ext.datasets import helpers
 from megatron_ext.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron_ext.datasets.indexed_dataset import IndexedDataset
 from megatron_ext.datasets.megatron_dataset import MegatronDataset
-from megatron_ext.datasets.utils import Split, log_single_rank
+from megatron_ext.datasets.utils import Split, load_index_cache, log_single_rank
 
 logger = logging.getLogger(__name__)
 
@@ -116,13 +116,17 @@ class GPTDataset(MegatronDataset):
         return True
 
     def __len__(self) -> int:
-        if self.config.defer_npy_index_mmap:  # the sample count build_sample_idx would give
-            tokens = self._get_num_epochs(self._get_num_tokens_per_epoch()) * self._get_num_tokens_per_epoch()
-            tokens -= self.config.add_extra_token_to_sequence
-            if self._drop_last_partial_sequence():
-                return tokens // self.config.sequence_length
-            return ceil(float(tokens) / self.config.sequence_length)
+        if self.config.defer_npy_index_mmap:
+            return self._num_samples_of_corpus(self._get_num_tokens_per_epoch())
         return self.sample_index.shape[0] - 1
+
+    def _num_samples_of_corpus(self, num_tokens_per_epoch: int) -> int:
+        """The sample count build_sample_idx gives for the split's documents as they are now."""
+        tokens = self._get_num_epochs(num_tokens_per_epoch) * num_tokens_per_epoch
+        tokens -= self.config.add_extra_token_to_sequence
+        if self._drop_last_partial_sequence():
+            return tokens // self.config.sequence_length
+        return ceil(float(tokens) / self.config.sequence_length)
 
     def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
         """Sample ``idx``; None gives a padding sample (sample 0 with a zero loss mask)."""
@@ -172,9 +176,9 @@ class GPTDataset(MegatronDataset):
         """The tokens of sample ``idx`` (sequence_length + the extra token, padded with the pad id
         at the end of the stream) and the ids of the documents they come from."""
         if self.shuffle_index is None:  # defer_npy_index_mmap: map the cache on first use
-            self.shuffle_index = numpy.load(self.path_to_shuffle_index, allow_pickle=True, mmap_mode="r")
-            self.sample_index = numpy.load(self.path_to_sample_index, allow_pickle=True, mmap_mode="r")
-            self.document_index = numpy.load(self.path_to_document_index, allow_pickle=True, mmap_mode="r")
+            self.shuffle_index = load_index_cache(self.path_to_shuffle_index)
+            self.sample_index = load_index_cache(self.path_to_sample_index)
+            self.document_index = load_index_cache(self.path_to_document_index)
         idx = self.shuffle_index[idx]
         doc_beg, offset_beg = self.sample_index[idx]
         doc_end, offset_end = self.sample_index[idx + 1]
@@ -219,10 +223,13 @@ class GPTDataset(MegatronDataset):
             log_single_rank(
                 logger, logging.INFO, f"Load the {type(self).__name__} {self.index_split.name} indices"
             )
-            return tuple(
-                _load_cached(paths[name])
+            indices = tuple(
+                load_index_cache(paths[name])
                 for name in ("document_index.npy", "sample_index.npy", "shuffle_index.npy")
             )
+            if not self.config.fast_cache_load:
+                self._check_cache_fits_corpus(paths, *indices)
+            return indices
 
         log_single_rank(
             logger, logging.INFO, f"Build and save the {type(self).__name__} {self.index_split.name} indices"
@@ -276,6 +283,25 @@ class GPTDataset(MegatronDataset):
         log_single_rank(logger, logging.INFO, f"> total number of epochs: {num_epochs}")
         return document_index, sample_index, shuffle_index
 
+    def _check_cache_fits_corpus(
+        self, paths: dict[str, str], document_index: numpy.ndarray, sample_index: numpy.ndarray, _
+    ) -> None:
+        """Raises ValueError where the cached indices were built for another corpus under the same
+        prefix (the cache key holds the prefix, not the corpus's contents, as Megatron-core's does):
+        the split's documents and samples counted again from the corpus must match the cache's."""
+        num_tokens_per_epoch = self._get_num_tokens_per_epoch()
+        documents = self._get_num_epochs(num_tokens_per_epoch) * len(self.indices)
+        samples = self._num_samples_of_corpus(num_tokens_per_epoch)
+        cached = (document_index.shape[0], sample_index.shape[0] - 1)
+        if cached != (documents, samples):
+            prefix = paths["document_index.npy"][: -len("document_index.npy")]
+            raise ValueError(
+                f"the dataset index cache {prefix}*.npy does not match the corpus {self.dataset_path!r}: it "
+                f"indexes {cached[0]} documents (epochs included) and {cached[1]} samples of the "
+                f"{self.index_split.name} split, the corpus now gives {documents} and {samples} (it changed "
+                "after the cache was built); delete those cache files and the next run rebuilds them"
+            )
+
     def _get_num_tokens_per_epoch(self) -> int:
         return int(numpy.sum(self.dataset.sequence_lengths[self.indices]))
 
@@ -292,12 +318,6 @@ class GPTDataset(MegatronDataset):
                 f"asked of it: widen its share of the split {self.config.split!r} or ask for none"
             )
         return max(1, -(-requested // max(num_tokens_per_epoch, 1)))
-
-
-def _load_cached(path: str) -> numpy.ndarray:
-    if not os.path.isfile(path):
-        raise ValueError(f"the dataset index cache file {path!r} is missing; rank 0 builds it first")
-    return numpy.load(path, allow_pickle=True, mmap_mode="r")
 
 
 def _build_document_index(

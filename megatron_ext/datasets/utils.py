@@ -4,6 +4,7 @@ logging on one rank."""
 from __future__ import annotations
 
 import logging
+import os
 from enum import Enum
 
 import numpy
@@ -22,6 +23,20 @@ def log_single_rank(log: logging.Logger, *args, rank: int = 0, **kwargs) -> None
     """``log.log(*args)`` on global rank ``rank`` only (every process when there is no group)."""
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == rank:
         log.log(*args, **kwargs)
+
+
+def load_index_cache(path: str, what: str = "dataset index cache file") -> numpy.ndarray:
+    """A cached index array, memory-mapped; ValueError naming the file where it is missing (rank 0
+    builds it first) or unreadable."""
+    if not os.path.isfile(path):
+        raise ValueError(f"the {what} {path!r} is missing; rank 0 builds it first")
+    try:
+        return numpy.load(path, allow_pickle=True, mmap_mode="r")
+    except Exception as e:  # a truncated or overwritten file fails in numpy's header, pickle or mmap
+        raise ValueError(
+            f"the {what} {path!r} is corrupt or truncated ({type(e).__name__}: {e}); expected a NumPy .npy "
+            "array: delete it and the next run rebuilds the cache"
+        ) from None
 
 
 def compile_helpers() -> None:

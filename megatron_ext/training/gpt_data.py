@@ -22,6 +22,7 @@ from megatron_ext.datasets import (
     GPTDatasetConfig,
     HuggingFaceTokenizer,
     SFTDataset,
+    SFTDatasetConfig,
     Split,
     get_blend_from_list,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "global_batch_microbatches",
     "padded_vocab_size",
     "parse_blend",
+    "sft_truncation_warnings",
     "split_share",
     "split_sizes",
 ]
@@ -128,12 +130,13 @@ def build_sft_datasets(
     seq_len: int,
     seed: int,
     sizes: list,
-    context_parallel_size: int = 1,
+    pad_seq_to_mult: int = 1,
 ) -> list:
     """The train, valid and test datasets (None for an empty split) of packed rows of the
     prompt/response records in the JSONL file ``path``, split by record; every sequence padded to
-    a multiple of 2 x ``context_parallel_size`` tokens when that is > 1."""
-    config = GPTDatasetConfig(
+    a multiple of ``pad_seq_to_mult`` tokens. The rows depend on the data and this multiple, not on
+    the layout that trains them."""
+    config = SFTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_len,
         blend=([path], None),
@@ -143,9 +146,32 @@ def build_sft_datasets(
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,
-        context_parallel_size=context_parallel_size,
+        pad_seq_to_mult=pad_seq_to_mult,
     )
     return BlendedMegatronDatasetBuilder(SFTDataset, sizes, lambda: True, config).build()
+
+
+def sft_truncation_warnings(datasets: list, path: str, seq_len: int) -> list[str]:
+    """A line per split of packed rows that cuts records longer than a row, naming the first one
+    (FILE:LINE) and the records left without a response token."""
+    out = []
+    for name, dataset in zip(("train", "validation", "test"), datasets):
+        if dataset is None or not dataset.truncated:
+            continue
+        lines = dataset.dataset.lines
+        message = (
+            f"{len(dataset.truncated)} of the {name} split's {len(dataset.indices)} records are longer than "
+            f"the {seq_len + 1} tokens of a row (--seq-len + 1) and are cut on the right (the first: "
+            f"{path}:{lines[dataset.truncated[0]]})"
+        )
+        if dataset.untrained:
+            one = len(dataset.untrained) == 1
+            message += (
+                f"; {len(dataset.untrained)} of them keep{'s' if one else ''} no response token and "
+                f"train{'s' if one else ''} on nothing (the first: {path}:{lines[dataset.untrained[0]]})"
+            )
+        out.append(message)
+    return out
 
 
 # What a micro-batch of packed rows holds: the GPT sample's tensors, the positions restarting at
