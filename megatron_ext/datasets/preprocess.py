@@ -371,7 +371,7 @@ def progress_bar(args: argparse.Namespace):
     )
 
 
-def tokenize(args: argparse.Namespace, encoder: Encoder, builders: dict, progress) -> list[int]:
+def tokenize(args: argparse.Namespace, encoder: Encoder, builders: dict, progress) -> list[list[int]]:
     """Adds every document of the inputs to ``builders``; returns the documents and tokens of each
     input."""
     counts = [[0, 0] for _ in args.inputs]
@@ -394,7 +394,11 @@ def tokenize(args: argparse.Namespace, encoder: Encoder, builders: dict, progres
                     f"{args.inputs[file]}:{number}")
                 raise ValueError(f"{where}: {error}")
             for key, (doc, lengths) in ids.items():
-                builders[key].add_document(numpy.asarray(doc, dtype=numpy.int64), lengths)
+                try:
+                    builders[key].add_document(numpy.asarray(doc, dtype=numpy.int64), lengths)
+                except OSError as e:  # a failed write (a full disk) names no file
+                    e.filename = e.filename or builders[key].data_file.name
+                    raise
                 counts[file][1] += len(doc)
                 tokens += len(doc)
             counts[file][0] += 1
@@ -417,9 +421,7 @@ def tokenize(args: argparse.Namespace, encoder: Encoder, builders: dict, progres
 
 def write_error(e: OSError, prefix: str, temporary: dict[str, str]) -> ValueError:
     """An error writing the output, naming the file as the user knows it."""
-    name = temporary.get(e.filename, e.filename) if e.filename else None
-    if name is None:  # a failed write names no file: the first unfinished one
-        name = next(iter(temporary.values()))
+    name = temporary.get(e.filename, e.filename) if e.filename else os.path.dirname(prefix) or "."
     return ValueError(f"--output-prefix {prefix!r}: cannot write {name}: {e.strerror or e}")
 
 
@@ -446,7 +448,11 @@ def main(argv: list[str] | None = None) -> dict:
         progress = progress_bar(args)
         counts = tokenize(args, encoder, builders, progress)
         for key, builder in builders.items():
-            builder.finalize(partial[finals[key][1]])
+            try:
+                builder.finalize(partial[finals[key][1]])
+            except OSError as e:
+                e.filename = e.filename or partial[finals[key][1]]
+                raise
         for key in encoder.keys:
             for path in finals[key]:
                 os.replace(partial[path], path)
