@@ -235,16 +235,17 @@ def test_missing_packages_and_empty_inputs(tmp_path, tokenizer_dir, monkeypatch)
     assert len(IndexedDataset(result["prefixes"][0])) == 1
 
 
-def test_progress_bar_counts_exactly_and_stops_at_an_error(tmp_path, tokenizer_dir):
+def test_progress_bar_counts_exactly_and_stops_at_an_error(tmp_path, tokenizer_dir, capsys):
     pytest.importorskip("tqdm")
     source = tmp_path / "c.jsonl"
     write_jsonl(source, random_text(4, 100))
-    done = command("--input", str(source), "--output-prefix", str(tmp_path / "o"), "--tokenizer",
-                   str(tokenizer_dir), "--workers", "2")
-    assert done.returncode == 0, done.stderr
-    bars = done.stderr.split("\n")[-3].split("\r")
-    assert "100%" in bars[-1] and "docs=100," in bars[-1], done.stderr
-    assert done.stderr.split("\n")[-2].startswith("100 documents")
+    preprocess.main(["--input", str(source), "--output-prefix", str(tmp_path / "o"), "--tokenizer",
+                     str(tokenizer_dir), "--workers", "2"])
+    stderr = capsys.readouterr().err
+    bars = stderr.split("\n")[-3].split("\r")
+    assert "100%" in bars[-1] and "docs=100," in bars[-1], stderr
+    assert stderr.split("\n")[-2].startswith("100 documents")
+    # the bar of a run that fails is drawn for the last time before the error line, not after it
     with open(source, "a") as f:
         f.write("{broken\n")
     done = command("--input", str(source), "--output-prefix", str(tmp_path / "o"), "--tokenizer",
