@@ -100,7 +100,7 @@ def test_preprocess_bad_inputs(tmp_path, tokenizer_dir):
         (["--input", str(tmp_path / "missing.jsonl"), "--tokenizer", str(tokenizer_dir)], "no such file"),
         (
             ["--input", str(bad_json), "--tokenizer", str(tokenizer_dir)],
-            "line 2: expected a JSON object with the keys ['text']",
+            "bad.jsonl:2: expected a JSON object with the keys ['text']",
         ),
         (
             ["--input", str(good), "--tokenizer", str(tokenizer_dir), "--workers", "0"],

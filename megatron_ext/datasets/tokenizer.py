@@ -23,6 +23,19 @@ def _token_content(value) -> str | None:
     return value
 
 
+def _read_json_object(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: not JSON ({e.msg} at column {e.colno})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8; expected a JSON object") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 class HuggingFaceTokenizer:
     """The tokenizer of ``path`` (a model or tokenizer directory). ``eod`` is its end-of-sequence
     token (what ends each document); texts are encoded without added special tokens, as
@@ -40,12 +53,18 @@ class HuggingFaceTokenizer:
         config_file = os.path.join(path, "tokenizer_config.json")
         config = {}
         if os.path.isfile(config_file):
-            with open(config_file) as f:
-                config = json.load(f)
-        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            config = _read_json_object(config_file)
+        tokenizer_file = os.path.join(path, "tokenizer.json")
+        if os.path.isfile(tokenizer_file):
             from tokenizers import Tokenizer
 
-            self._fast = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+            try:
+                self._fast = Tokenizer.from_file(tokenizer_file)
+            except Exception as e:  # the library raises a bare Exception for a file it cannot parse
+                raise ValueError(
+                    f"{tokenizer_file}: not a valid tokenizer file ({e}); expected the tokenizer.json a "
+                    "Hugging Face tokenizer saves"
+                ) from None
             self._auto = None
             eos = _token_content(config.get("eos_token"))
             pad = _token_content(config.get("pad_token"))
