@@ -398,6 +398,13 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
     return True
 
 
+def get_pipeline_embedding_ranks() -> list[int]:
+    """The global ranks of the embedding group of this rank's pipeline, known on every stage of it
+    whether a member or not (not in Megatron-core, which keeps them on the members only)."""
+    _group("pp", "pipeline model parallel")
+    return list(_GROUP_RANKS["pipeline-embd"])
+
+
 def is_rank_in_position_embedding_group() -> bool:
     ranks = _GROUP_RANKS.get("pos_embd")
     return ranks is not None and dist.get_rank() in ranks
