@@ -1377,7 +1377,7 @@ def microbatches_of(data, first_sample: int, args: argparse.Namespace, device: t
         data, first_sample, args.global_batch_size, args.micro_batch_size,
         parallel_state.get_data_parallel_rank(), args.dp, device,
         **({"keys": gpt_data.SFT_KEYS} if args.sft is not None else {}))
-    gpt_data.check_token_ids(microbatches, args.tokens, what, device)
+    gpt_data.check_token_ids(microbatches, args.tokens, what, device, args.vocab_size)
     return microbatches
 
 

@@ -343,3 +343,25 @@ def test_nonfinite_state_is_never_saved(tmp_path):
         "rank 0: embedding.word_embeddings.weight, "
     ), first["decay"]
     assert first["param_files"] == first["state_files"] == first["decay_files"] == []
+
+
+def _token_id_worker() -> str:
+    from megatron_ext.training import gpt_data
+
+    top = 400 if dist.get_rank() == 1 else 7  # one rank's corpus from a larger tokenizer
+    batch = {"tokens": torch.tensor([[1, top]]), "labels": torch.tensor([[top, 2]])}
+    try:
+        gpt_data.check_token_ids([batch], 300, "the train split", "cpu", 512)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_token_id_error_names_the_tokenizers_vocabulary_and_the_padded_models():
+    """Under --vocab-size 512 with a 300-token tokenizer the ids must lie below 300: the message
+    says whose vocabulary that is, on every rank."""
+    first, second = run_distributed(2, _token_id_worker)
+    assert first == second
+    assert first.startswith(
+        "the train split holds token id 400, outside the tokenizer's vocabulary of 300 tokens (the model's "
+        "vocabulary of 512 only pads it): the corpus was tokenized with another tokenizer"), first
