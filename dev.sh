@@ -55,7 +55,8 @@ case "$cmd" in
   setup) setup ;;
   train)
     setup
-    exec "$VENV/bin/torchrun" --standalone --nproc-per-node "${NPROC:-4}" examples/train_gpt.py "$@"
+    # torchrun, ending a failed run with the workers' first `error:` line (after torchrun's report)
+    exec "$PY" -m megatron_ext.training.launch --standalone --nproc-per-node "${NPROC:-4}" examples/train_gpt.py "$@"
     ;;
   test)
     setup

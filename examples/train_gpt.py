@@ -1402,7 +1402,7 @@ def microbatches_of(data, first_sample: int, args: argparse.Namespace, device: t
         data, first_sample, args.global_batch_size, args.micro_batch_size,
         parallel_state.get_data_parallel_rank(), args.dp, device,
         **({"keys": gpt_data.SFT_KEYS} if args.sft is not None else {}))
-    gpt_data.check_token_ids(microbatches, args.tokens, what, device)
+    gpt_data.check_token_ids(microbatches, args.tokens, what, device, args.vocab_size)
     return microbatches
 
 
@@ -1790,6 +1790,11 @@ def main(argv: list[str] | None = None) -> dict:
     # connection of the ranks that got past it.
     backend = "nccl" if uses_gpu(args) else "gloo"
     check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if name not in os.environ]
+    if missing:  # torch would say "environment variable RANK expected, but not set"
+        raise ValueError(f"{' '.join(missing)} not set: launch with torchrun, e.g. torchrun --standalone "
+                         "--nproc-per-node 4 examples/train_gpt.py ARGS (or ./dev.sh train ARGS)")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if args.log_json:

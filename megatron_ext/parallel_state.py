@@ -398,6 +398,12 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: int | None
     return True
 
 
+def get_pipeline_embedding_ranks() -> list[int]:
+    """This pipeline's embedding group's ranks, known on every stage (not in Megatron-core)."""
+    _group("pp", "pipeline model parallel")
+    return list(_GROUP_RANKS["pipeline-embd"])
+
+
 def is_rank_in_position_embedding_group() -> bool:
     ranks = _GROUP_RANKS.get("pos_embd")
     return ranks is not None and dist.get_rank() in ranks
@@ -410,12 +416,9 @@ def get_virtual_pipeline_model_parallel_rank() -> int | None:
 def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
     """Deprecated in Megatron-core 0.16: pass ``vp_stage`` to the stage queries instead."""
     global _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK
-    warnings.warn(
-        "set_virtual_pipeline_model_parallel_rank in global scope is deprecated. Pass vp_stage "
-        "explicitly to is_pipeline_first_stage, is_pipeline_last_stage, etc.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
+    warnings.warn("set_virtual_pipeline_model_parallel_rank in global scope is deprecated. Pass vp_stage "
+                  "explicitly to is_pipeline_first_stage, is_pipeline_last_stage, etc.",
+                  DeprecationWarning, stacklevel=2)
     _VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK = rank
 
 
@@ -591,12 +594,8 @@ def get_expert_data_parallel_group(
 
 def get_data_modulo_expert_parallel_group(partial_expert_data_parallel: bool = False) -> dist.ProcessGroup:
     """Deprecated name of get_expert_data_parallel_group."""
-    warnings.warn(
-        "get_data_modulo_expert_parallel_group is deprecated, please use get_expert_data_parallel_group "
-        "instead.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
+    warnings.warn("get_data_modulo_expert_parallel_group is deprecated, please use "
+                  "get_expert_data_parallel_group instead.", DeprecationWarning, stacklevel=2)
     return get_expert_data_parallel_group(partial_expert_data_parallel=partial_expert_data_parallel)
 
 

@@ -554,6 +554,9 @@ def create_model_parallel_groups(
         # produce (pp=1: each pipeline "group" is one rank).
         make("embd", [embedding_ranks(ranks)], "embd")
         make("pos_embd", [position_ranks(ranks)], "pos_embd")
+        if rank in ranks:
+            # Every stage, member or not, learns who holds the embedding without communicating.
+            group_ranks["pipeline-embd"] = list(embedding_ranks(ranks))
 
     intra_edp = expert_data_parallel_size // num_distributed_optimizer_instances
 

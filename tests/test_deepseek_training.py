@@ -4,8 +4,9 @@ sigmoid routing with the expert bias; one multi-token prediction depth) trained 
 dp) = (2,1,1,1,1), (1,2,1,1,1), (1,1,2,1,1), (1,1,1,2,1), (2,1,1,2,1) (tensor-parallel runs with
 sequence parallelism) and (1,1,1,1,2) with the distributed optimizer equals the serial run in float64:
 per-step losses, multi-token prediction losses and gradient norms, final weights (experts by global
-index) and expert biases; the refusals of bad multi-latent attention and multi-token prediction
-flags on every rank."""
+index) and expert biases; so does pp 2 with 2 virtual stages (the depths on the last chunk), for it
+and a Llama model with two depths; the refusals of bad multi-latent attention and multi-token
+prediction flags on every rank."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def _full_weights(models) -> dict[str, list]:
     return out if first and ps.get_data_parallel_rank() == 0 else {}
 
 
-def _train(layouts: list[tuple]) -> dict:
+def _train(layouts: list, base: list[str] = DEEPSEEK, flags: dict = LAYOUTS) -> dict:
     train_gpt = load_train_gpt()
     built, weights = [], []
     build, destroy = train_gpt.build_model, ps.destroy_model_parallel
@@ -99,7 +100,7 @@ def _train(layouts: list[tuple]) -> dict:
     train_gpt.parallel_state.destroy_model_parallel = gather_then_destroy
     out = {}
     for layout in layouts:
-        args = train_gpt.parse_args(DEEPSEEK + LAYOUTS[layout])
+        args = train_gpt.parse_args(base + flags[layout])
         log = train_gpt.train(args)
         mtp = [[d[name] for name in sorted(d)] for d in log["mtp_losses"]]
         out[layout] = (log["losses"], mtp, log["grad_norms"], weights[-1])
@@ -127,6 +128,48 @@ def test_deepseek_model_trains_like_serial_in_every_layout():
         for name, value in ref_weights.items():
             torch.testing.assert_close(torch.tensor(weights[name]), torch.tensor(value), rtol=1e-9,
                                        atol=1e-12, msg=lambda m: f"{layout} {name}: {m}")
+
+
+# A Llama model with two multi-token prediction depths, and both architectures at 4 layers: the
+# interleaved layout (pp 2, 2 virtual stages) puts the depths on the last chunk of the last stage.
+LLAMA_MTP = [
+    "--arch", "llama", "--hidden", "16", "--heads", "2", "--ffn-hidden", "12", "--mtp-num-layers", "2",
+    "--mtp-loss-scaling-factor", "0.3", "--seq-len", "8", "--micro-batch-size", "2",
+    "--global-batch-size", "8", "--steps", "3", "--lr", "1e-2", "--dtype", "float64", "--no-progress",
+    "--plot", "",
+]
+INTERLEAVED = {
+    ("deepseek", "serial"): ["--layers", "4", "--tp", "1", "--pp", "1"],
+    ("deepseek", "interleaved"): ["--layers", "4", "--tp", "1", "--pp", "2", "--virtual-pipeline", "2"],
+    ("llama", "serial"): ["--layers", "4", "--tp", "1", "--pp", "1"],
+    ("llama", "interleaved"): ["--layers", "4", "--tp", "1", "--pp", "2", "--virtual-pipeline", "2"],
+}
+
+
+def _train_both(runs: list[tuple]) -> dict:
+    out = {}
+    for run in runs:
+        out.update(_train([run], DEEPSEEK if run[0] == "deepseek" else LLAMA_MTP, INTERLEAVED))
+    return out
+
+
+def test_mtp_with_interleaved_pipeline_trains_like_serial():
+    (serial,) = run_distributed(1, _train_both, [("deepseek", "serial"), ("llama", "serial")])
+    runs = [("deepseek", "interleaved"), ("llama", "interleaved")]
+    interleaved = _merged(run_distributed(2, _train_both, runs, timeout=900))
+    for arch, depths in (("deepseek", 1), ("llama", 2)):
+        ref_losses, ref_mtp, ref_norms, ref_weights = serial[(arch, "serial")]
+        losses, mtp, norms, weights = interleaved[(arch, "interleaved")]
+        assert len(ref_losses) == 3 and all(len(m) == depths for m in ref_mtp), (arch, ref_mtp)
+        assert all(v > 0 for m in ref_mtp for v in m) and all(n > 0 for n in ref_norms), (arch, ref_mtp)
+        for what, got, want in (("losses", losses, ref_losses), ("mtp losses", mtp, ref_mtp),
+                                ("grad norms", norms, ref_norms)):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-9, atol=0,
+                                       msg=lambda m: f"{arch} {what}: {m}")
+        assert set(weights) == set(ref_weights), (arch, set(weights) ^ set(ref_weights))
+        for name, value in ref_weights.items():
+            torch.testing.assert_close(torch.tensor(weights[name]), torch.tensor(value), rtol=1e-9,
+                                       atol=1e-12, msg=lambda m: f"{arch} {name}: {m}")
 
 
 BAD = [

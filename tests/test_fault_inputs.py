@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -281,6 +282,28 @@ def test_command_lines_end_in_one_error_line(tmp_path):
     )
     command_lines_end_in_one_error_line([(argv, env, message) for argv, message in cases])
     assert not (tmp_path / "ckpt").exists()
+    # without torchrun: the variables it sets are named, and how to launch
+    plain = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    command_lines_end_in_one_error_line([(
+        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), *TINY], plain,
+        "error: RANK WORLD_SIZE MASTER_ADDR MASTER_PORT not set: launch with torchrun, e.g. torchrun "
+        "--standalone --nproc-per-node 4 examples/train_gpt.py ARGS (or ./dev.sh train ARGS)")])
+
+
+@pytest.mark.slow  # torchrun starts 2 workers that import torch
+def test_launcher_ends_a_failed_run_with_the_workers_error_line(tmp_path):
+    """``python -m megatron_ext.training.launch`` (what ./dev.sh train runs): torchrun's report of
+    the failed workers, then their first `error:` line as the last line."""
+    argv = [sys.executable, "-m", "megatron_ext.training.launch", "--standalone", "--nproc-per-node", "2",
+            str(ROOT / "examples" / "train_gpt.py"), *TINY, "--lr", "inf"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = done.stderr.strip().splitlines()
+    error = "error: --lr must be a finite number"
+    assert done.returncode == 1 and "Root Cause" in done.stderr, done.stderr
+    assert lines[-1].startswith(error), lines[-3:]
+    first = next(i for i, line in enumerate(lines) if line.startswith(error))
+    assert len(lines) - first > 10, lines  # the workers' line came before torchrun's report too
 
 
 def _nonfinite_save_worker(save_dir: str) -> dict:
@@ -343,3 +366,25 @@ def test_nonfinite_state_is_never_saved(tmp_path):
         "rank 0: embedding.word_embeddings.weight, "
     ), first["decay"]
     assert first["param_files"] == first["state_files"] == first["decay_files"] == []
+
+
+def _token_id_worker() -> str:
+    from megatron_ext.training import gpt_data
+
+    top = 400 if dist.get_rank() == 1 else 7  # one rank's corpus from a larger tokenizer
+    batch = {"tokens": torch.tensor([[1, top]]), "labels": torch.tensor([[top, 2]])}
+    try:
+        gpt_data.check_token_ids([batch], 300, "the train split", "cpu", 512)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_token_id_error_names_the_tokenizers_vocabulary_and_the_padded_models():
+    """Under --vocab-size 512 with a 300-token tokenizer the ids must lie below 300: the message
+    says whose vocabulary that is, on every rank."""
+    first, second = run_distributed(2, _token_id_worker)
+    assert first == second
+    assert first.startswith(
+        "the train split holds token id 400, outside the tokenizer's vocabulary of 300 tokens (the model's "
+        "vocabulary of 512 only pads it): the corpus was tokenized with another tokenizer"), first

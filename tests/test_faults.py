@@ -136,6 +136,7 @@ def _listing(save_dir: str) -> list[str]:
 
 def _save_guards_worker(save_dir: str) -> dict:
     from megatron_ext.training import checkpointing as checkpoint
+    from megatron_ext.dist_checkpointing import serialization
     from megatron_ext.dist_checkpointing.strategies import filesystem_async
 
     out = {}
@@ -152,22 +153,38 @@ def _save_guards_worker(save_dir: str) -> dict:
     out["after_refusals"] = _listing(save_dir)
     dist.barrier()
 
-    # a full disk while rank 1 writes its files of iteration 5, then while rank 0 completes it
-    write_item = filesystem_async._write_item
-
+    # a full disk while rank 1 writes its files of iteration 5, then while rank 0 completes it. The
+    # writes go to /dev/full, whose every write fails with ENOSPC, through torch's own zip writer
+    # (which turns that into "unexpected pos ..."); each file is made, partly written, at its path.
     def no_space(*args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    def disk_full(transforms, stream, data, *args):
-        stream.write(b"partial")
-        no_space()
+    def full_disk_open(path, mode="r", *args, **kwargs):
+        if "w" not in mode:
+            return open(path, mode, *args, **kwargs)
+        with open(path, "wb") as partial:
+            partial.write(b"partial")
+        return open("/dev/full", mode, buffering=0 if "b" in mode else -1)
 
     resume = ("--steps", "5", "--load", save_dir, "--save", save_dir)
     if dist.get_rank() == 1:
-        filesystem_async._write_item = disk_full
+        filesystem_async.open = full_disk_open
     out["disk_full_write"] = _error(_run, *resume)
-    filesystem_async._write_item = write_item
+    vars(filesystem_async).pop("open", None)
     out["after_disk_full_write"] = _listing(save_dir)
+    dist.barrier()
+    if dist.get_rank() == 0:  # rank 0's common.pt, written by torch.save
+        serialization.open = full_disk_open
+    out["disk_full_common"] = _error(_run, *resume)
+    vars(serialization).pop("open", None)
+    out["after_disk_full_common"] = _listing(save_dir)
+    dist.barrier()
+    if dist.get_rank() == 0:  # rank 0's metadata.json, after every rank wrote its files
+        serialization.open = lambda path, mode="r", *args, **kwargs: (
+            full_disk_open if path.endswith("metadata.json") else open)(path, mode, *args, **kwargs)
+    out["disk_full_metadata"] = _error(_run, *resume)
+    vars(serialization).pop("open", None)
+    out["after_disk_full_metadata"] = _listing(save_dir)
     dist.barrier()
     fsync_dir = checkpoint._fsync_dir
     if dist.get_rank() == 0:
@@ -208,12 +225,16 @@ def test_save_guards_full_disk_and_pruning(tmp_path):
         f"{save_dir!r} already holds iteration 4, newer than 2; saving would overwrite newer checkpoints and "
         "move the tracker back (overwrite=True allows it)"
     )
-    for key in ("after_refusals", "after_disk_full_write", "after_disk_full_commit"):
+    for key in ("after_refusals", "after_disk_full_write", "after_disk_full_common",
+                "after_disk_full_metadata", "after_disk_full_commit"):
         assert out[key] == tracked + ["tracker 4"], key  # nothing half-written is left
     tmp = os.path.join(save_dir, ".tmp.iter_0000005")
     no_space = "[Errno 28] No space left on device"
     for key, where in (("disk_full_write", f"rank 1: RuntimeError: Worker failure: {no_space}"),
+                       ("disk_full_common", f"OSError: {no_space}"),
+                       ("disk_full_metadata", f"OSError: {no_space}"),
                        ("disk_full_commit", f"OSError: {no_space}")):
+        assert "unexpected pos" not in out[key], out[key]
         assert out[key].startswith(
             f"CheckpointingException: cannot save checkpoint {os.path.join(save_dir, 'iter_0000005')!r}: "
         ), out[key]

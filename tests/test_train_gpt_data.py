@@ -255,7 +255,7 @@ def test_token_ids_beyond_the_vocabulary_stop_every_rank(corpora, tmp_path):
     assert errors[0] == errors[1]
     assert (
         errors[0].startswith("the train split holds token id ")
-        and "outside the model's vocabulary of 300" in errors[0]
+        and "outside the tokenizer's vocabulary of 300 tokens" in errors[0]
     )
 
 

@@ -45,10 +45,23 @@ def _agree(error: str | None, prefix: str, exception: type[Exception] = Checkpoi
 _FAILURES = (Exception, _DCPException)
 
 
+def os_error_behind(e: BaseException) -> BaseException:
+    """The OSError a failed write raised, else ``e``. torch's zip writer turns the file's OSError
+    (a full disk's ENOSPC) into ``RuntimeError: ... unexpected pos 704 vs 598``, the OSError only in
+    that exception's context: the user is told the disk is full, not the writer's offsets."""
+    seen: BaseException | None = e
+    while isinstance(seen, (RuntimeError, OSError)):
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return e
+
+
 def _describe(e: BaseException) -> str:
     """One line for an error: DCP's per-rank failures without their tracebacks."""
     if isinstance(e, CheckpointingException):
         return str(e)
     if isinstance(e, _DCPException):
         return "; ".join(f"rank {r}: {_describe(exc)}" for r, (exc, _) in sorted(e.failures.items()))
+    e = os_error_behind(e)
     return f"{type(e).__name__}: {e}"

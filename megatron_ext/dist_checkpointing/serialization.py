@@ -145,7 +145,9 @@ def _save_common(common_state_dict: StateDict, checkpoint_dir: str) -> None:
             os.makedirs(checkpoint_dir, exist_ok=True)
             if os.listdir(checkpoint_dir):
                 logger.warning("Overwriting old incomplete / corrupted checkpoint...")
-            torch.save(common_state_dict, os.path.join(checkpoint_dir, COMMON_STATE_FNAME))
+            # Through a Python file, so a failed write's OSError (errno and all) reaches the message.
+            with open(os.path.join(checkpoint_dir, COMMON_STATE_FNAME), "wb") as stream:
+                torch.save(common_state_dict, stream)
         except _FAILURES as e:
             error = _describe(e)
     _agree(error, f"cannot save checkpoint {checkpoint_dir!r}: ")
@@ -153,9 +155,13 @@ def _save_common(common_state_dict: StateDict, checkpoint_dir: str) -> None:
 
 def _finalize(checkpoint_dir: str) -> None:
     """Completes the checkpoint: rank 0 writes ``metadata.json``; collective."""
+    error = None
     if dist.get_rank() == 0:
-        write_config(checkpoint_dir)
-    dist.barrier()
+        try:
+            write_config(checkpoint_dir)
+        except _FAILURES as e:  # every rank raises it, none waits for rank 0 in vain
+            error = _describe(e)
+    _agree(error, f"cannot save checkpoint {checkpoint_dir!r}: ")
 
 
 def write_config(checkpoint_dir: str) -> None:

@@ -220,7 +220,7 @@ class GPTModel(torch.nn.Module):
         embedding multi-token prediction reads) equal to the first stage's."""
         mtp = getattr(self.config, "mtp_num_layers", None) is not None
         if mtp and parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            _check_embedding_copy_reachable(self)
+            _check_embedding_copy_reachable()
         if not self.share_embeddings_and_output_weights and not mtp:
             return
         if self.pre_process and self.post_process:
@@ -426,17 +426,16 @@ def _check_mtp_layout(config: TransformerConfig, position_embedding_type: str, m
         )
 
 
-def _check_embedding_copy_reachable(model: GPTModel) -> None:
+def _check_embedding_copy_reachable() -> None:
     """Multi-token prediction on the last pipeline stage reads a copy of the word embedding that the
-    embedding group keeps equal to the first stage's: every rank learns whether the stage holding
-    it is in that group, and all raise the same error if not."""
-    group = parallel_state.get_pipeline_model_parallel_group()
-    missing = model.mtp_process and not parallel_state.is_rank_in_embedding_group(
-        ignore_virtual=False, vp_stage=model.vp_stage)
-    flag = torch.tensor([float(missing)], device=comm_device(group))
-    with reported("all-reduce of the multi-token prediction layout check", group, tensor=flag):
-        dist.all_reduce(flag, group=group)
-    if flag.item() > 0:
+    embedding group keeps equal to the first stage's. Every stage of the pipeline knows that group's
+    ranks, so all raise the same error without a collective (a collective here, once per model
+    chunk, would not pair with the tied-embedding all-reduce of the other ranks' chunks)."""
+    # The last virtual stage: on the last pipeline rank, or on the first in ZB-V's V layout.
+    holder = (parallel_state.get_pipeline_model_parallel_first_rank()
+              if parallel_state.get_pipeline_model_parallel_layout() == "v"
+              else parallel_state.get_pipeline_model_parallel_last_rank())
+    if holder not in parallel_state.get_pipeline_embedding_ranks():
         raise RuntimeError(
             "multi-token prediction (mtp_num_layers) runs on the last pipeline stage, which is not in the "
             "embedding group (get_embedding_ranks of initialize_model_parallel): its copy of the word "

@@ -211,16 +211,20 @@ def global_batch_microbatches(
     return out
 
 
-def check_token_ids(microbatches: list[dict], vocab_size: int, what: str, device: torch.device | str) -> None:
+def check_token_ids(microbatches: list[dict], vocab_size: int, what: str, device: torch.device | str,
+                    model_vocab_size: int | None = None) -> None:
     """Raises ValueError on every rank when any rank's batch holds a token id outside
-    [0, vocab_size): a corpus tokenized for another vocabulary."""
+    [0, vocab_size), the tokenizer's ids: a corpus tokenized for another vocabulary. The message
+    names the model's (padded) vocabulary too where it is larger."""
     local = max((int(mb[key].max()) for mb in microbatches for key in ("tokens", "labels")), default=-1)
     largest = torch.tensor([local], dtype=torch.int64, device=device)
     with reported("all-reduce of the largest token id", None):
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     if int(largest) >= vocab_size:
+        padded = (f" (the model's vocabulary of {model_vocab_size} only pads it)"
+                  if model_vocab_size is not None and model_vocab_size != vocab_size else "")
         raise ValueError(
-            f"{what} holds token id {int(largest)}, outside the model's vocabulary of {vocab_size} tokens: "
-            "the "
+            f"{what} holds token id {int(largest)}, outside the tokenizer's vocabulary of {vocab_size} "
+            f"tokens{padded}: the "
             "corpus was tokenized with another tokenizer (--tokenizer / --load-hf must match --data-path)"
         )

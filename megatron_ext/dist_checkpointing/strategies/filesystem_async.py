@@ -18,6 +18,8 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from megatron_ext.dist_checkpointing.core import os_error_behind
+
 # (file path, storage key (the file name), (bytes items, tensor items)) with the data resolved.
 WriteBucket = tuple[str, str, tuple[list[tuple[WriteItem, io.BytesIO]], list[tuple[WriteItem, torch.Tensor]]]]
 
@@ -79,7 +81,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         while not results_queue.empty():
             idx, result = results_queue.get()
             if isinstance(result, Exception):
-                raise RuntimeError(f"Worker failure: {result}") from result
+                raise RuntimeError(f"Worker failure: {os_error_behind(result)}") from result
             results[idx] = result
         if len(results) != len(buckets):
             raise RuntimeError(
