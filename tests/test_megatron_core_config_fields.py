@@ -186,7 +186,6 @@ INERT = {
     "moe_router_fusion": "fused kernel: same numbers",
     "moe_use_legacy_grouped_gemm": "refines moe_grouped_gemm (off in the base)",
     "moe_token_dispatcher_type": "a dispatcher: same routing, same numbers (tests/test_moe.py)",
-    "moe_enable_routing_replay": "routing replay records and replays routing: same numbers",
     "moe_shared_expert_overlap": "overlap of the shared expert: same numbers",
     "moe_router_bias_update_rate": "the expert bias's update after the step, with the bias off",
     "recompute_granularity": "recomputation: same numbers (tests/test_recompute.py)",

@@ -101,6 +101,7 @@ _UNIMPLEMENTED = {
     "moe_latent_size": "MoE latent projections (TransformerEngine's in Megatron-core)",
     "moe_apply_probs_on_input": "router probabilities applied on the experts' input",
     "moe_enable_deepep": "DeepEP's flex token dispatcher",
+    "moe_enable_routing_replay": "routing replay",
 }
 
 
