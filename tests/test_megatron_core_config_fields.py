@@ -331,6 +331,7 @@ def _walk_worker(names: list[str]) -> dict:
     return out
 
 
+@pytest.mark.slow  # some 260 small models built and run: 9 to 12 s on 2 shared cores
 def test_every_megatron_core_field_changes_the_model_or_is_refused():
     from megatron.core.transformer import transformer_config as mc
 
