@@ -92,6 +92,8 @@ def test_index_files_byte_for_byte_both_ways(tmp_path):
             builder = cls(prefix + ".bin", dtype=dtype)
             builder.add_document(torch.arange(1, 11), [3, 7])
             builder.add_document(torch.arange(5, 9), [4])
+            builder.add_document(["12", "0", "7"], [1, 2])  # token ids as numeric strings (numpy converts)
+            builder.add_document([3, 1], [2])
             builder.add_index(ours if cls is IndexedDatasetBuilder else theirs)
             builder.finalize(prefix + ".idx")
         for suffix in (".bin", ".idx"):
@@ -113,8 +115,9 @@ def test_index_files_byte_for_byte_both_ways(tmp_path):
                 for got, want in zip(ds[3:9], docs[3:9]):
                     numpy.testing.assert_array_equal(got, want)
         multi = IndexedDataset(theirs + "_multi")
-        assert multi.document_indices.tolist() == [0, 2, 3] + [3 + i for i in range(1, len(docs) + 1)]
+        assert multi.document_indices.tolist() == [0, 2, 3, 5, 6] + [6 + i for i in range(1, len(docs) + 1)]
         numpy.testing.assert_array_equal(multi[1], numpy.arange(4, 11))
+        assert [multi[i].tolist() for i in (3, 4, 5)] == [[12], [0, 7], [3, 1]]
 
 
 def _edge_configs(rng):

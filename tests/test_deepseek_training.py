@@ -107,6 +107,11 @@ def _train(layouts: list, base: list[str] = DEEPSEEK, flags: dict = LAYOUTS) -> 
     return out
 
 
+# The multi-token prediction losses are logged in float32, as Megatron-core's tracker keeps them:
+# sums of a few float32-rounded terms (2^-24 each), added in another order in another layout.
+MTP_RTOL = 1e-6
+
+
 @pytest.mark.slow  # a serial, a 2-rank and a 4-rank group: 7 trainings of 3 steps
 def test_deepseek_model_trains_like_serial_in_every_layout():
     (serial,) = run_distributed(1, _train, [(1, 1, 1, 1, 1)])
@@ -120,9 +125,10 @@ def test_deepseek_model_trains_like_serial_in_every_layout():
                **_merged(run_distributed(4, _train, [(2, 1, 1, 2, 1)], timeout=900))}
     assert len(results) == 6
     for layout, (losses, mtp, norms, weights) in results.items():
-        for what, got, want in (("losses", losses, ref_losses), ("mtp losses", mtp, ref_mtp),
-                                ("grad norms", norms, ref_norms)):
-            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-9, atol=0,
+        for what, got, want, rtol in (("losses", losses, ref_losses, 1e-9),
+                                      ("mtp losses", mtp, ref_mtp, MTP_RTOL),
+                                      ("grad norms", norms, ref_norms, 1e-9)):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=rtol, atol=0,
                                        msg=lambda m: f"{layout} {what}: {m}")
         assert set(weights) == set(ref_weights), (layout, set(weights) ^ set(ref_weights))
         for name, value in ref_weights.items():
@@ -226,7 +232,8 @@ def test_deepseek_checkpoint_resumes_at_other_layouts(tmp_path):
                                    msg=lambda m: f"{name}: {m}")
         assert mtp == full_mtp[2:] or torch.allclose(
             torch.tensor([list(d.values()) for d in mtp]),
-            torch.tensor([list(d.values()) for d in full_mtp[2:]]), rtol=1e-9, atol=0), (name, mtp, full_mtp)
+            torch.tensor([list(d.values()) for d in full_mtp[2:]]), rtol=MTP_RTOL, atol=0,
+        ), (name, mtp, full_mtp)
 
 
 def _export_and_load_worker(hf_dir: str) -> tuple[list[float], list[float]]:

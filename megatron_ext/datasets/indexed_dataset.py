@@ -426,7 +426,10 @@ class IndexedDatasetBuilder:
         if isinstance(values, torch.Tensor):
             values = values.detach().cpu().numpy()
         array = numpy.asarray(values)
-        if array.size and numpy.issubdtype(self.dtype, numpy.integer):
+        integer = numpy.issubdtype(self.dtype, numpy.integer)
+        if array.dtype.kind in "USO":  # token ids as numeric strings: numpy converts them, as Megatron-core
+            array = numpy.array(array, dtype=numpy.int64 if integer else self.dtype)
+        if array.size and integer:
             info = numpy.iinfo(self.dtype)
             low, high = array.min(), array.max()
             if low < info.min or high > info.max:

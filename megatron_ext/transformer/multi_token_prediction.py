@@ -100,8 +100,9 @@ class MTPLossLoggingHelper:
         tracker = MTPLossLoggingHelper.tracker
         values = tracker.get("values")
         if values is None or values.numel() != num_layers or values.device != loss.device:
-            tracker["values"] = torch.zeros(num_layers, dtype=torch.float64, device=loss.device)
-        tracker["values"][layer_number] += loss.detach().to(torch.float64)
+            # torch's default dtype, as Megatron-core's tracker: a float64 loss is logged rounded to it
+            tracker["values"] = torch.zeros(num_layers, device=loss.device)
+        tracker["values"][layer_number] += loss.detach()
         tracker["reduce_group"], tracker["avg_group"] = reduce_group, avg_group
 
     @staticmethod

@@ -98,6 +98,10 @@ _UNIMPLEMENTED = {
     "heterogeneous_block_specs": "heterogeneous layers",
     "quant_recipe": "quantisation recipes",
     "fine_grained_activation_offloading": "activation offloading",
+    "moe_latent_size": "MoE latent projections (TransformerEngine's in Megatron-core)",
+    "moe_apply_probs_on_input": "router probabilities applied on the experts' input",
+    "moe_enable_deepep": "DeepEP's flex token dispatcher",
+    "moe_enable_routing_replay": "routing replay",
 }
 
 
@@ -551,11 +555,6 @@ class TransformerConfig(ModelParallelConfig):
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                 f"tensor_model_parallel_size ({tp})"
             )
-        if self.hidden_size % self.num_attention_heads != 0 and self.kv_channels is None:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads}) unless kv_channels is given"
-            )
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.ffn_hidden_size % tp != 0:
@@ -563,7 +562,7 @@ class TransformerConfig(ModelParallelConfig):
                 f"ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by "
                 f"tensor_model_parallel_size ({tp})"
             )
-        if self.kv_channels is None:
+        if self.kv_channels is None:  # as Megatron-core: rounded down when the heads do not divide
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
