@@ -379,6 +379,11 @@ def test_a_rewritten_corpus_refuses_the_old_cache(tmp_path):
         os.remove(tmp_path / "cache" / name)
     after = BlendedMegatronDatasetBuilder(GPTDataset, [10, 5, 0], lambda: True, cfg).build()
     assert len(after[0]) == 13 and after[0][0]["tokens"].tolist() != first_sample
+    # A split without documents caches no sample, and its cache loads again.
+    empty = config([prefix], split="969,30,1", path_to_cache=str(tmp_path / "cache"))
+    for _ in range(2):
+        splits = BlendedMegatronDatasetBuilder(GPTDataset, [10, 5, 0], lambda: True, empty).build()
+        assert len(splits[2]) == 0
 
 
 def test_a_corrupt_cache_file_names_itself(tmp_path):

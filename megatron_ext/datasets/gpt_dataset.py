@@ -123,7 +123,8 @@ class GPTDataset(MegatronDataset):
     def _num_samples_of_corpus(self, num_tokens_per_epoch: int) -> int:
         """The sample count build_sample_idx gives for the split's documents as they are now."""
         tokens = self._get_num_epochs(num_tokens_per_epoch) * num_tokens_per_epoch
-        tokens -= self.config.add_extra_token_to_sequence
+        # An empty split (no tokens) has no sample, not minus one.
+        tokens = max(tokens - self.config.add_extra_token_to_sequence, 0)
         if self._drop_last_partial_sequence():
             return tokens // self.config.sequence_length
         return ceil(float(tokens) / self.config.sequence_length)
