@@ -127,7 +127,10 @@ def _megatron_core_router_worker() -> dict:
             ps.initialize_model_parallel(tensor_model_parallel_size=tp)
             gen = torch.Generator().manual_seed(100 + torch.distributed.get_rank())
             for fields in MASKED:
-                _compare(fields, gen, masked=True, steps=2)
+                # With padding over more than one tp x cp rank, the z-loss here is the mean over
+                # the valid tokens of all of them, Megatron-core's the sum of each rank's mean / tp.
+                z_kept = {k: v for k, v in fields.items() if tp == 1 or k != "moe_z_loss_coeff"}
+                _compare(z_kept, gen, masked=True, steps=2)
                 _compare(fields, gen, masked=False, steps=2)
             _compare(PER_TOKEN, gen, masked=tp == 1)
             _compare(GLOBAL_PER_TOKEN, gen, masked=False, steps=2)

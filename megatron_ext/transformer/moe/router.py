@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_ext import parallel_state
 from megatron_ext.process_groups_config import ProcessGroupCollection
@@ -232,7 +233,16 @@ class TopKRouter(torch.nn.Module):
         if not self.config.moe_z_loss_coeff or not self.training or not torch.is_grad_enabled():
             return logits
         coeff = self.config.moe_z_loss_coeff / group_size(self.tp_cp_group)
-        z_loss = z_loss_func(logits, coeff, padding_mask=padding_mask)
+        if padding_mask is not None and group_size(self.tp_cp_group) > 1:
+            # The mean over the valid tokens of all tensor x context-parallel ranks, which may hold
+            # different numbers of them (Megatron-core takes each rank's own mean over the ranks).
+            valid = ~padding_mask
+            count = valid.sum()
+            dist.all_reduce(count, group=self.tp_cp_group)
+            z_values = torch.square(torch.logsumexp(logits, dim=-1)) * valid
+            z_loss = z_values.sum() / torch.clamp(count, min=1) * self.config.moe_z_loss_coeff
+        else:
+            z_loss = z_loss_func(logits, coeff, padding_mask=padding_mask)
         if self.calculate_per_token_loss:
             num_tokens = logits.shape[0] if padding_mask is None else (~padding_mask).sum()
             logits = MoEAuxLossAutoScaler.apply(logits, z_loss * num_tokens)
