@@ -248,3 +248,66 @@ def _padded_layouts_worker() -> int:
 @pytest.mark.slow  # a 4-rank group, 6 layouts and routers
 def test_padded_batches_at_ep_2_and_tp_2_ep_2_equal_serial():
     assert run_distributed(4, _padded_layouts_worker) == [6] * 4
+
+
+# Through GPTModel, as Megatron-core's GPTModel passes padding_mask ---------------------------------
+
+def _gpt_run(layout: dict, mask: torch.Tensor | None, length: int = S) -> tuple[float, dict, list]:
+    from megatron_ext import tensor_parallel
+    from megatron_ext.distributed.finalize_model_grads import finalize_model_grads
+    from megatron_ext.models.gpt import GPTModel
+    from megatron_ext.transformer.moe.router_utils import reduce_aux_losses_tracker_across_ranks
+
+    config = _config(num_layers=2, hidden_size=16, num_attention_heads=4, hidden_dropout=0.0,
+                     attention_dropout=0.0, pipeline_dtype=torch.float64, **LOSSES, **layout,
+                     expert_tensor_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    model = GPTModel(config, vocab_size=32, max_sequence_length=S, init_seed=7)
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 32, (2, S), generator=gen)[:, :length]
+    labels = torch.randint(0, 32, (2, S), generator=gen)[:, :length]
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float64))
+    get_moe_layer_wise_logging_tracker().clear()
+    per_token = model(tokens, torch.arange(length).expand(2, length), labels=labels, padding_mask=mask)
+    loss = per_token if mask is None else per_token * ~mask
+    loss.sum().backward()
+    finalize_model_grads([model])
+    reduce_aux_losses_tracker_across_ranks()
+    tracked = {k: v["values"][:2].tolist() for k, v in get_moe_layer_wise_logging_tracker().items()}
+    grads = [layer.mlp.router.weight.grad.clone() for layer in model.decoder.layers]
+    return float(loss.sum()), tracked, grads
+
+
+def _gpt_padding_worker() -> dict:
+    from megatron_ext import parallel_state as ps
+
+    mask = torch.zeros(2, S, dtype=torch.bool)
+    mask[:, S // 2:] = True  # the second half of both rows is padding
+    ps.initialize_model_parallel()
+    serial = _gpt_run({}, mask)
+    valid_only = _gpt_run({}, None, length=S // 2)
+    unmasked = _gpt_run({}, None)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                 expert_tensor_parallel_size=1)
+    parallel = _gpt_run(dict(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                             sequence_parallel=True), mask)
+    for name, values in serial[1].items():
+        assert values == pytest.approx(valid_only[1][name], rel=1e-12), name
+        assert values == pytest.approx(parallel[1][name], rel=1e-10), name
+        assert abs(values[0] - unmasked[1][name][0]) > 1e-6, name
+    for grad, ref, full in zip(parallel[2], serial[2], unmasked[2]):
+        torch.testing.assert_close(grad, ref, **TIGHT)
+        assert (full - ref).abs().max() > 1e-6
+    # causal attention: the valid tokens see only valid tokens, so the router's gradient is theirs
+    for grad, ref in zip(serial[2], valid_only[2]):
+        torch.testing.assert_close(grad, ref, **TIGHT)
+    return sorted(serial[1])
+
+
+@pytest.mark.slow  # a 2-rank group, four models
+def test_gpt_model_passes_padding_mask_to_the_routers():
+    """GPTModel(padding_mask=[b, s]) as Megatron-core's: the routers of a padded batch give the
+    losses and gradients of its valid tokens, serial and at tp 2 x ep 2 (sequence-parallel)."""
+    for names in run_distributed(2, _gpt_padding_worker):
+        assert names == ["load_balancing_loss", "seq_load_balancing_loss", "z_loss"]
