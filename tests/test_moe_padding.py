@@ -219,7 +219,11 @@ def _padded_layouts_worker() -> int:
             (out * gw[rows, batch]).sum().backward()
             counts = layer.router.local_tokens_per_expert
             counts = None if counts is None else counts.clone()  # finalize_model_grads spends them
+            global_counts = layer.router.global_tokens_per_expert
+            assert global_counts is None or global_counts.sum() > 0
             finalize_model_grads([layer])
+            # the step is over: global_aux_loss counts the next one afresh
+            assert global_counts is None or (not global_counts.any() and layer.router.ga_steps == 0)
             reduce_aux_losses_tracker_across_ranks()
             label = f"{layout} {fields}"
             torch.testing.assert_close(out.detach(), ref["out"][rows, batch], **TIGHT,
