@@ -232,9 +232,6 @@ INERT = {
     "moe_token_dropping": "Megatron-core reads it nowhere (its docstring: unsupported, leave False)",
 }
 
-# Fields the MoE router's work implements or refuses (router.py, router_utils.py, moe_utils.py);
-# each leaves this set when that work lands.
-HANDLED_BY_THE_ROUTER_WORK = {"moe_router_force_load_balancing", "moe_input_jitter_eps"}
 
 # The base a field is set on when it refines another (dense otherwise; moe_* on the MoE base).
 FIELD_BASE = {"mtp_loss_scaling_factor": "mtp", "window_attn_skip_freq": "window",
@@ -338,11 +335,9 @@ def test_every_megatron_core_field_changes_the_model_or_is_refused():
     names = list(dict.fromkeys(f.name for cls in (mc.TransformerConfig, mc.MLATransformerConfig)
                                for f in dataclasses.fields(cls)))
     (out,) = run_distributed(1, _walk_worker, names)
-    assert not (INERT.keys() - out.keys()) and not (HANDLED_BY_THE_ROUTER_WORK - out.keys())
+    assert not (INERT.keys() - out.keys())
     problems = []
     for name, (outcome, detail) in out.items():
-        if name in HANDLED_BY_THE_ROUTER_WORK:
-            continue
         if name in INERT:
             if outcome != "same":
                 problems.append(f"{name} is listed as inert but {outcome} ({detail})")

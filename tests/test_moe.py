@@ -78,7 +78,12 @@ def serial_moe(x, router_w, weights, config, drop_capacity=None):
             mine = [(t, g) for t in range(n) for (ee, g) in chosen[t] if ee == e]
             if config.moe_token_drop_policy == "probs":
                 mine.sort(key=lambda tg: -float(tg[1]))
-            kept |= {(t, e) for t, _ in mine[:drop_capacity]}
+                kept |= {(t, e) for t, _ in mine[:drop_capacity]}
+            else:  # Megatron-core's rule: the rows torch.topk takes from the expert's 0/1 column
+                column = torch.zeros(n, dtype=torch.int32)
+                column[[t for t, _ in mine]] = 1
+                rows = torch.topk(column, k=min(drop_capacity, n), dim=0, sorted=False).indices.tolist()
+                kept |= {(t, e) for t in rows if column[t]}
         chosen = [[(e, g) for e, g in chosen[t] if (t, e) in kept] for t in range(n)]
     act = F.silu if config.gated_linear_unit else F.gelu
     rows = []
@@ -285,7 +290,7 @@ def test_shared_experts_and_expert_bias():
             r"expert_model_parallel_size=2 needs num_moe_experts",
         ),
         (dict(moe_token_dispatcher_type="flex"), r"moe_token_dispatcher_type='flex' is not one of"),
-        (dict(moe_router_load_balancing_type="sinkhorn"), r"moe_router_load_balancing_type='sinkhorn'"),
+        (dict(moe_router_load_balancing_type="switch"), r"moe_router_load_balancing_type='switch'"),
         (dict(moe_pad_expert_input_to_capacity=True), r"moe_pad_expert_input_to_capacity needs"),
         (dict(moe_expert_capacity_factor=-1.0), r"moe_expert_capacity_factor must be a positive number"),
         (

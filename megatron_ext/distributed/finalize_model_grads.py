@@ -291,6 +291,10 @@ def finalize_model_grads(
 
     if config is not None and getattr(config, "moe_router_enable_expert_bias", False):
         _update_router_expert_bias(model_chunks, config)
+    for chunk in model_chunks:  # global_aux_loss counts tokens from one step to the next only
+        for module in chunk.modules():
+            if getattr(module, "global_tokens_per_expert", None) is not None:
+                module.reset_global_aux_loss_tracker()
 
     if num_tokens is not None:
         _scale_by_global_tokens(model_chunks, num_tokens, pp_group, dp_group)

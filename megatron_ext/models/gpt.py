@@ -285,12 +285,21 @@ class GPTModel(torch.nn.Module):
         labels: torch.Tensor | None = None,
         packed_seq_params=None,
         loss_mask: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``loss_mask`` (``[b, s]``, default all ones) weighs the tokens of the multi-token
-        prediction losses, as in Megatron-core (the main loss is returned per token, unweighted)."""
+        prediction losses, as in Megatron-core (the main loss is returned per token, unweighted).
+        ``padding_mask`` (``[b, s]``, True at padding) reaches the mixture-of-experts routers, which
+        leave those tokens out of their losses and counts; under sequence parallelism each rank
+        takes its share of the sequence (on every pipeline stage)."""
+        if padding_mask is not None and self.config.sequence_parallel:
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            padding_mask = padding_mask.chunk(tp, dim=1)[parallel_state.get_tensor_model_parallel_rank()]
         hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
         rotary_pos_emb = self._rotary_angles(input_ids, packed_seq_params)
-        hidden = self.decoder(hidden, attention_mask, rotary_pos_emb, packed_seq_params)
+        hidden = self.decoder(
+            hidden, attention_mask, rotary_pos_emb, packed_seq_params, padding_mask=padding_mask
+        )
         if not self.post_process:
             return hidden
         weight = (

@@ -189,7 +189,9 @@ class ParallelTransformer(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         rotary_pos_emb: torch.Tensor | None = None,
         packed_seq_params=None,
+        padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``padding_mask`` [b, s] (True at padding) goes to every layer's mixture of experts."""
         if not self.pre_process:
             hidden_states = self.input_tensor
         if hidden_states is None:
@@ -202,7 +204,9 @@ class ParallelTransformer(torch.nn.Module):
             else contextlib.nullcontext()
         )
         with rng_context:
-            return self._run_layers(hidden_states, attention_mask, rotary_pos_emb, packed_seq_params)
+            return self._run_layers(
+                hidden_states, attention_mask, rotary_pos_emb, packed_seq_params, padding_mask
+            )
 
     def _run_layers(
         self,
@@ -210,11 +214,12 @@ class ParallelTransformer(torch.nn.Module):
         attention_mask: torch.Tensor | None,
         rotary_pos_emb: torch.Tensor | None,
         packed_seq_params=None,
+        padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         for start, end, recompute in self._recompute_plan():
             def run(h: torch.Tensor, start: int = start, end: int = end) -> torch.Tensor:
                 for layer in self.layers[start:end]:
-                    h = layer(h, attention_mask, rotary_pos_emb, packed_seq_params)
+                    h = layer(h, attention_mask, rotary_pos_emb, packed_seq_params, padding_mask=padding_mask)
                 return h
 
             if recompute:

@@ -178,10 +178,10 @@ def check_moe_config(config: Any, ep: int | None = None) -> None:
         )
     types = config.moe_router_load_balancing_type
     for kind in types if isinstance(types, list) else [types]:
-        if kind not in ("aux_loss", "seq_aux_loss", "none"):
+        if kind not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"):
             raise ValueError(
                 f"moe_router_load_balancing_type={kind!r} is not supported; expected 'aux_loss', "
-                "'seq_aux_loss' or 'none'"
+                "'seq_aux_loss', 'global_aux_loss', 'sinkhorn' or 'none'"
             )
     if isinstance(types, list) and (
         not isinstance(config.moe_aux_loss_coeff, list) or len(config.moe_aux_loss_coeff) != len(types)

@@ -125,9 +125,11 @@ class ParallelTransformerLayer(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         rotary_pos_emb: torch.Tensor | None = None,
         packed_seq_params=None,
+        padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``packed_seq_params``: Megatron-core's ``PackedSeqParams`` of a row of packed sequences
-        (see ``ParallelAttention.forward``); the rest of the layer works token by token."""
+        (see ``ParallelAttention.forward``); the rest of the layer works token by token.
+        ``padding_mask`` [b, s] (True at padding): for a mixture-of-experts MLP's router."""
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
         dropout = self.config.hidden_dropout
         bias_dropout_add = get_bias_dropout_add(
@@ -153,6 +155,8 @@ class ParallelTransformerLayer(torch.nn.Module):
         ln_out = self._norm(self.post_attention_layernorm, hidden_states, norm_checkpoint)
         if recompute_mlp:
             mlp_out, mlp_bias = self._checkpointed_mlp(ln_out)
+        elif isinstance(self.mlp, MoELayer):
+            mlp_out, mlp_bias = self.mlp(ln_out, padding_mask=padding_mask)
         else:
             mlp_out, mlp_bias = self.mlp(ln_out)
         residual = ln_out if post_ln_residual else hidden_states

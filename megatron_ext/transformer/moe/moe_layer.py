@@ -36,7 +36,9 @@ class MoESubmodules:
 
 
 class MoELayer(torch.nn.Module):
-    """``forward(hidden_states [s, b, h]) -> (output [s, b, h], None)``.
+    """``forward(hidden_states [s, b, h], padding_mask=None) -> (output [s, b, h], None)``;
+    ``padding_mask`` [b, s] (True at padding, Megatron-core's layout) keeps the padding tokens out
+    of the router's losses and counts.
 
     Experts are split over the expert-parallel group (rank r holds experts
     ``r * E/ep .. (r+1) * E/ep - 1``) and each expert's ffn over the expert-tensor-parallel group;
@@ -116,13 +118,20 @@ class MoELayer(torch.nn.Module):
             raise ValueError(
                 "MoELayer: training with tensor_model_parallel_size > 1 needs sequence_parallel=True"
             )
+        if padding_mask is not None:  # [b, s] as GPTModel passes it, to the tokens' [s, b]
+            if padding_mask.dim() != 2 or tuple(padding_mask.shape[::-1]) != tuple(hidden_states.shape[:2]):
+                raise ValueError(
+                    f"MoELayer: padding_mask must be [batch, seq] = {tuple(hidden_states.shape[1::-1])} "
+                    f"for hidden_states {tuple(hidden_states.shape)}, got {tuple(padding_mask.shape)}"
+                )
+            padding_mask = padding_mask.transpose(0, 1).bool()
         if self.training and selectively_recomputed(self.config, "moe"):
             # Only the input is kept; the router's losses and token counts are taken in the
             # recomputation (they need gradients), as in Megatron-core.
-            return tensor_parallel.checkpoint(self._forward, False, hidden_states), None
-        return self._forward(hidden_states), None
+            return tensor_parallel.checkpoint(self._forward, False, hidden_states, padding_mask), None
+        return self._forward(hidden_states, padding_mask), None
 
-    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         dispatcher = self.token_dispatcher
         shared = None
         if self.shared_experts is not None:
@@ -130,7 +139,7 @@ class MoELayer(torch.nn.Module):
                 shared = tensor_parallel.checkpoint(self.shared_experts, False, hidden_states)
             else:
                 shared = self.shared_experts(hidden_states)
-        probs, routing_map = self.router(hidden_states)
+        probs, routing_map = self.router(hidden_states, padding_mask)
         tokens, probs = dispatcher.dispatch_preprocess(hidden_states, routing_map, probs)
         tokens, probs = dispatcher.token_dispatch(tokens, probs)
         tokens, tokens_per_expert, probs = dispatcher.dispatch_postprocess(tokens, probs)

@@ -17,6 +17,8 @@ from megatron_ext import parallel_state
 from megatron_ext.distributed.finalize_model_grads import updated_expert_bias
 from megatron_ext.pipeline_parallel.aux_loss import MoEAuxLossAutoScaler  # noqa: F401  (Megatron-core's home)
 from megatron_ext.resolve import default_group, group_size
+from megatron_ext.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron_ext.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron_ext.transformer.transformer_config import check_group_limited_routing
 
 
@@ -55,6 +57,55 @@ def z_loss_func(
         return values.mean() * z_loss_coeff
     valid = ~padding_mask
     return (values * valid).sum() / torch.clamp(valid.sum(), min=1.0) * z_loss_coeff
+
+
+def sinkhorn(cost: torch.Tensor, tol: float = 0.0001) -> torch.Tensor:
+    """S-BASE's balanced assignment: ``exp(cost)`` scaled by row and column factors until the
+    mean change of the column factors falls to ``tol`` (Megatron-core's iteration)."""
+    cost = torch.exp(cost)
+    d0 = torch.ones(cost.size(0), device=cost.device, dtype=cost.dtype)
+    d1 = torch.ones(cost.size(1), device=cost.device, dtype=cost.dtype)
+    eps, error, d1_old = 1e-8, 1e9, d1
+    while error > tol:
+        d0 = (1 / d0.size(0)) * 1 / (torch.sum(d1 * cost, 1) + eps)
+        d1 = (1 / d1.size(0)) * 1 / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
+        error = torch.mean(torch.abs(d1_old - d1))
+        d1_old = d1
+    return d1 * cost * d0.unsqueeze(1)
+
+
+def get_tokens_per_expert_and_token_count(
+    routing_map: torch.Tensor, reduce_group: Any, topk: int | None = None, with_padding_mask: bool = False
+) -> tuple[torch.Tensor, Any, Any]:
+    """``(tokens per expert summed over reduce_group, local tokens, tokens over the group)``. With
+    a padding mask (``routing_map`` then has no entry for a padding token) the token counts are
+    the assignments over ``topk``, so padding counts nowhere."""
+    local = routing_map.sum(dim=0)
+    total = local
+    if group_size(reduce_group) > 1:
+        total = reduce_from_tensor_model_parallel_region(local, reduce_group)
+    if with_padding_mask:
+        return total, local.sum() / topk, total.sum() / topk
+    return total, routing_map.shape[0], routing_map.shape[0] * group_size(reduce_group)
+
+
+class RandomSTE(torch.autograd.Function):
+    """Random normal logits forward (drawn on the expert-parallel RNG stream, so each
+    expert-parallel rank draws its own), the gradient passed straight through backward."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor) -> torch.Tensor:
+        with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+            return logits.clone().normal_()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
+        return grad_output
+
+
+def apply_random_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``moe_router_force_load_balancing``: random logits in place of the gate's (benchmarks)."""
+    return RandomSTE.apply(logits)
 
 
 def get_capacity(
@@ -176,9 +227,10 @@ def apply_router_token_dropping(
     pad_to_capacity: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keeps at most ``get_capacity(tokens * topk, experts, capacity_factor)`` tokens per expert:
-    those of highest weight (``drop_policy="probs"``) or the first ones (``"position"``). With
-    ``pad_to_capacity`` every expert gets exactly its capacity (the map then also selects tokens
-    of weight 0)."""
+    those of highest weight (``drop_policy="probs"``) or, ``"position"``, routed tokens as
+    ``torch.topk`` of the 0/1 map picks them (Megatron-core's rule: the same tokens, not always the
+    first ones). With ``pad_to_capacity`` every expert gets exactly its capacity (the map then
+    also selects tokens of weight 0)."""
     num_tokens, num_experts = routing_probs.shape
     capacity = get_capacity(num_tokens * router_topk, num_experts, capacity_factor)
     if capacity > num_tokens:
@@ -188,8 +240,11 @@ def apply_router_token_dropping(
             _, kept = torch.topk(routing_probs, k=capacity, dim=0, sorted=False)
             capacity_mask = torch.zeros_like(routing_map, dtype=torch.bool).scatter(0, kept, True)
         elif drop_policy == "position":
-            # The first ``capacity`` tokens routed to each expert (ties in a top-k have no order).
-            capacity_mask = routing_map.int().cumsum(dim=0) <= capacity
+            # Megatron-core's rule, kept as is so that both drop the same tokens: torch.topk of the
+            # 0/1 map picks ``capacity`` rows per expert, routed ones first (with padding, unrouted
+            # rows fill the rest), in the order torch.topk breaks its ties.
+            _, kept = torch.topk(routing_map.int(), k=capacity, dim=0, sorted=False)
+            capacity_mask = torch.zeros_like(routing_map, dtype=torch.bool).scatter(0, kept, True)
         else:
             raise ValueError(f"moe_token_drop_policy must be 'probs' or 'position', got {drop_policy!r}")
     final_map = capacity_mask if pad_to_capacity else routing_map & capacity_mask
