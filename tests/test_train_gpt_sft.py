@@ -32,7 +32,7 @@ from megatron_ext import parallel_state as ps
 from megatron_ext.training import gpt_data
 from tests.conftest import TOKENIZER_WORDS, load_train_gpt, make_tokenizer_dir, random_text
 from tests.distributed import run_distributed
-from tests.test_context_parallel_training import _full_weights
+from tests.test_moe_training import _full_weights  # (experts by global index, gathered over ep)
 
 pytest.importorskip("tokenizers")
 
@@ -86,7 +86,7 @@ PAD4 = ["--pad-seq-to-mult", "4"]
 
 def _train_worker(tokenizer: str, jsonl: str, runs: dict) -> dict:
     """Per run name: (losses, validation losses, grad norms, trained weights of this rank's share,
-    most sequences in a row). ``runs``: name -> (argv, unpacked)."""
+    most sequences in a row, the router's tracked losses). ``runs``: name -> (argv, unpacked)."""
     out = {}
     for name, (argv, unpacked) in runs.items():
         train_gpt = load_train_gpt()
@@ -109,20 +109,21 @@ def _train_worker(tokenizer: str, jsonl: str, runs: dict) -> dict:
 
         train_gpt.microbatches_of = reading
         log = train_gpt.train(train_gpt.parse_args(BASE + ["--sft", jsonl, "--tokenizer", tokenizer] + argv))
-        out[name] = (log["losses"], log["val_losses"], log["grad_norms"], weights[-1], sequences[0])
+        aux = [[step[key] for key in sorted(step)] for step in log["aux_losses"]]
+        out[name] = (log["losses"], log["val_losses"], log["grad_norms"], weights[-1], sequences[0], aux)
     return out
 
 
 def _merged(results: list[dict]) -> dict:
     merged = {}
     for rank_result in results:
-        for name, (losses, val, norms, weights, sequences) in rank_result.items():
-            merged.setdefault(name, (losses, val, norms, {}, sequences))[3].update(weights)
+        for name, (losses, val, norms, weights, sequences, aux) in rank_result.items():
+            merged.setdefault(name, (losses, val, norms, {}, sequences, aux))[3].update(weights)
     return merged
 
 
 def _assert_same_training(got: tuple, want: tuple, label: str) -> None:
-    for what, index in (("losses", 0), ("grad norms", 2)):
+    for what, index in (("losses", 0), ("grad norms", 2), ("router losses", 5)):
         torch.testing.assert_close(torch.tensor(got[index]), torch.tensor(want[index]), rtol=1e-9, atol=0,
                                    msg=lambda m: f"{label} {what}: {m}")
     assert [step for step, _ in got[1]] == [step for step, _ in want[1]] == [3], label
@@ -206,6 +207,30 @@ def test_sft_layouts_train_like_serial(records, serial, tmp_path):
         "'response'"
     assert errors[0][1] == ("the checkpoint was trained on --sft rows padded with --pad-seq-to-mult 4, this "
                             "run has 1: other rows; give --pad-seq-to-mult 4")
+
+
+# Mixture-of-experts layers, every router loss on: 4 experts, top 2, the balance loss and the z-loss.
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
+       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "1e-3"]
+MOE_LAYOUTS = {  # world size 2
+    "ep2": ["--ep", "2"],
+    "tp2 ep2 sequence-parallel": ["--tp", "2", "--ep", "2", "--etp", "1", "--sequence-parallel",
+                                  "--make-vocab-size-divisible-by", "64"],
+}
+
+
+@pytest.mark.slow  # one serial and two 2-rank trainings
+def test_sft_with_experts_trains_like_serial(records):
+    _, tokenizer, jsonl = records
+    argv = ARCHS["llama"] + MOE + PAD4
+    (serial_moe,) = [_merged(run_distributed(1, _train_worker, tokenizer, jsonl, {"serial": (argv, False)}))]
+    want = serial_moe["serial"]
+    assert len(want[5]) == 3 and all(len(step) == 2 and min(step) > 0 for step in want[5]), want[5]
+    assert any(".mlp.experts.3.w1" in name for name in want[3])
+    runs = {name: (argv + flags, False) for name, flags in MOE_LAYOUTS.items()}
+    results = _merged(run_distributed(2, _train_worker, tokenizer, jsonl, runs, timeout=600))
+    for name, result in results.items():
+        _assert_same_training(result, want, name)
 
 
 def test_rows_without_a_response_token_stop_the_run(records, tmp_path):

@@ -201,8 +201,22 @@ class TopKRouter(torch.nn.Module):
             reduce_group=group, reduce_group_has_dp=is_global,
         )
         if self.calculate_per_token_loss:
-            loss = loss * local_tokens
+            loss = loss * self._main_loss_tokens(local_tokens)
         return MoEAuxLossAutoScaler.apply(probs, loss)
+
+    def _main_loss_tokens(self, local_tokens):
+        """The tokens a per-token loss's gradient is divided by for this rank's share: those of
+        its tensor x context-parallel group, whose ranks each hold a share of the loss over all of
+        them (the main loss's count is the group's too), so the shares' gradients sum to the
+        serial one's."""
+        size = group_size(self.tp_cp_group)
+        if size == 1:
+            return local_tokens
+        if not torch.is_tensor(local_tokens):  # no padding: the group's ranks hold equal shares
+            return local_tokens * size
+        total = local_tokens.detach().clone()
+        dist.all_reduce(total, group=self.tp_cp_group)
+        return total
 
     def reset_global_aux_loss_tracker(self) -> None:
         """Clears the counts of ``global_aux_loss`` (``finalize_model_grads`` after each step)."""
@@ -245,7 +259,7 @@ class TopKRouter(torch.nn.Module):
             z_loss = z_loss_func(logits, coeff, padding_mask=padding_mask)
         if self.calculate_per_token_loss:
             num_tokens = logits.shape[0] if padding_mask is None else (~padding_mask).sum()
-            logits = MoEAuxLossAutoScaler.apply(logits, z_loss * num_tokens)
+            logits = MoEAuxLossAutoScaler.apply(logits, z_loss * self._main_loss_tokens(num_tokens))
         else:
             logits = MoEAuxLossAutoScaler.apply(logits, z_loss)
         # Each tensor x context-parallel rank's mean over its own tokens, summed over those ranks:
