@@ -1224,8 +1224,11 @@ def forward_step(data_iterator, model: DistributedDataParallel):
         positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
         batch = get_batch_on_this_cp_rank({"position_ids": positions, **batch})
     loss_mask = batch.get("loss_mask")
+    # --sft rows mark their padding: the MoE routers leave it out of their losses and counts
+    # (Megatron-LM's training loop passes no padding_mask, so its routers count the padding).
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
-                   packed_seq_params=packed_seq_params, loss_mask=loss_mask)
+                   packed_seq_params=packed_seq_params, loss_mask=loss_mask,
+                   padding_mask=batch.get("padding_mask"))
     if getattr(model, "module", model).config.calculate_per_token_loss:
         return output, functools.partial(token_sum_loss_func, loss_mask)
     return output, functools.partial(loss_func, loss_mask)

@@ -242,6 +242,9 @@ def test_sft_rows_pack_sequences_with_the_loss_on_responses(tmp_path):
     assert row["position_ids"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]  # restart; padding continues
     assert row["cu_seqlens"].dtype == torch.int32 and row["cu_seqlens"].tolist() == [0, 5, 12]
     assert int(row["max_seqlen"]) == 7
+    # the row's tail is padding (for the MoE router: GPTModel's padding_mask)
+    assert row["padding_mask"].dtype == torch.bool
+    assert row["padding_mask"].tolist() == [False] * 10 + [True] * 2
     # a label counts where it is a response token or the EOD of the same sequence
     want = [0.0] * 12
     for start, i in ((0, order[0]), (5, order[1])):
@@ -257,6 +260,7 @@ def test_sft_rows_pack_sequences_with_the_loss_on_responses(tmp_path):
     row = ds[0]
     assert row["cu_seqlens"].tolist() == [0, 8, 15]
     assert row["position_ids"].tolist() == list(range(8)) + list(range(7))
+    assert row["padding_mask"].tolist() == [False] * 5 + [True] * 3 + [False] * 5 + [True] * 2
     # a sequence longer than a row is cut to the row
     ds = sft_dataset(tmp_path, [{"prompt": "abcdef", "response": "ghijklmnop"}], seq_len=8)
     row = ds[0]

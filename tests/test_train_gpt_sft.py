@@ -233,6 +233,68 @@ def test_sft_with_experts_trains_like_serial(records):
         _assert_same_training(result, want, name)
 
 
+def _without_padding(microbatch: dict) -> dict:
+    """The packed row with its padding tokens cut out (each sequence's and the tail), boundaries
+    to match; no padding mask."""
+    keep = ~microbatch["padding_mask"][0]
+    bounds = microbatch["cu_seqlens"].reshape(-1).tolist()
+    lengths = [int(keep[start:end].sum()) for start, end in zip(bounds[:-1], bounds[1:])]
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    out = {key: microbatch[key][:, keep] for key in ("tokens", "labels", "loss_mask", "position_ids")}
+    return dict(out, cu_seqlens=cu[None], max_seqlen=torch.tensor([max(lengths)]))
+
+
+def _router_losses_worker(tokenizer: str, jsonl: str) -> dict:
+    """The routers' tracked losses (per name, per layer) of forward_step on a padded SFT row, on
+    the row without its padding, and on the row with its padding unmarked."""
+    from megatron_ext import tensor_parallel
+    from megatron_ext.models.gpt import GPTModel
+    from megatron_ext.transformer import TransformerConfig
+    from megatron_ext.transformer.moe.router_utils import get_moe_layer_wise_logging_tracker
+
+    train_gpt = load_train_gpt()
+    ps.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=16, num_attention_heads=4, num_moe_experts=4, moe_router_topk=2,
+        moe_ffn_hidden_size=12, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
+        moe_z_loss_coeff=1e-3, params_dtype=torch.float64, pipeline_dtype=torch.float64,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.5,
+        calculate_per_token_loss=True)
+    model = GPTModel(config, vocab_size=300, max_sequence_length=32, init_seed=7)
+    tokens = gpt_data.HuggingFaceTokenizer(tokenizer)
+    sizes = gpt_data.split_sizes(3, 4, 1, 1)
+    (train, _, _) = gpt_data.build_sft_datasets(jsonl, "90,10,0", tokens, 32, 1234, sizes, pad_seq_to_mult=4)
+    rows = [gpt_data.global_batch_microbatches(train, i, 1, 1, 0, 1, keys=gpt_data.SFT_KEYS)[0]
+            for i in range(8)]
+    # a row with a record's padding before another record, and a tail
+    row = next(mb for mb in rows if (mb["padding_mask"][0, :-1] & ~mb["padding_mask"][0, 1:]).any()
+               and mb["padding_mask"][0, -1])
+    unmarked = {key: value for key, value in row.items() if key != "padding_mask"}
+    out = {"padding": int(row["padding_mask"].sum())}
+    for name, microbatch in (("masked", row), ("valid only", _without_padding(row)), ("unmarked", unmarked)):
+        get_moe_layer_wise_logging_tracker().clear()
+        train_gpt.forward_step(iter([microbatch]), model)
+        out[name] = {k: v["values"].tolist() for k, v in get_moe_layer_wise_logging_tracker().items()}
+    get_moe_layer_wise_logging_tracker().clear()
+    return out
+
+
+def test_router_losses_of_a_padded_row_are_those_of_its_tokens(records):
+    """forward_step hands the SFT row's padding to the model as padding_mask: the routers'
+    balance and z losses are those of the row without its padding."""
+    _, tokenizer, jsonl = records
+    (out,) = run_distributed(1, _router_losses_worker, tokenizer, jsonl)
+    assert out["padding"] >= 2
+    masked, valid, unmarked = out["masked"], out["valid only"], out["unmarked"]
+    assert sorted(masked) == ["load_balancing_loss", "z_loss"]
+    for name, values in masked.items():
+        assert len(values) == 2 and min(values) > 0, name
+        torch.testing.assert_close(torch.tensor(values), torch.tensor(valid[name]), rtol=1e-12, atol=0,
+                                   msg=lambda m: f"{name}: {m}")
+        assert (torch.tensor(values) - torch.tensor(unmarked[name])).abs().min() > 1e-8, name
+
+
 def test_rows_without_a_response_token_stop_the_run(records, tmp_path):
     root, tokenizer, _ = records
     long_prompt = " ".join(TOKENIZER_WORDS[:40])  # 40 tokens: more than a row of --seq-len 32 + 1

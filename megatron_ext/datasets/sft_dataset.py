@@ -6,14 +6,16 @@ becomes one sequence, prompt tokens + response tokens + EOD; sequences are packe
 shuffled order into rows of ``sequence_length`` + 1 tokens (the extra one is the last label), a
 sequence too long for a row truncated on the right. Each row gives ``tokens``, ``labels`` (the next
 token), ``loss_mask`` (1 where the label is a response token or the EOD of the same sequence),
-``position_ids`` restarting at every sequence, and ``cu_seqlens`` (int32, ``[0, len1, len1 + len2,
-..., sequence_length]``, the last sequence absorbing the row's padding, as Megatron-LM's SFT data
-does) with ``max_seqlen``: what a ``PackedSeqParams`` of the THD format is built from. Every
-sequence is padded to a multiple of ``SFTDatasetConfig.pad_seq_to_mult`` tokens (default, and with a
-plain ``GPTDatasetConfig``: 2 x ``context_parallel_size`` when that is > 1, as Megatron-LM pads), so
-that each splits into the 2 x cp chunks of context parallelism on its own. The padding multiple,
-not the layout, decides which records share a row: runs at several cp sizes train the same rows
-when they pad alike."""
+``position_ids`` restarting at every sequence, ``padding_mask`` (True at the tokens that pad a
+sequence to the multiple below or fill the row's tail; Megatron-core's ``GPTModel(padding_mask=)``,
+which keeps them out of the MoE router's losses and counts), and ``cu_seqlens`` (int32,
+``[0, len1, len1 + len2, ..., sequence_length]``, the last sequence absorbing the row's padding, as
+Megatron-LM's SFT data does) with ``max_seqlen``: what a ``PackedSeqParams`` of the THD format is built from.
+Every sequence is padded to a multiple of ``SFTDatasetConfig.pad_seq_to_mult`` tokens (default, and
+with a plain ``GPTDatasetConfig``: 2 x ``context_parallel_size`` when that is > 1, as Megatron-LM
+pads), so that each splits into the 2 x cp chunks of context parallelism on its own. The padding
+multiple, not the layout, decides which records share a row: runs at several cp sizes train the same
+rows when they pad alike."""
 
 from __future__ import annotations
 
@@ -190,19 +192,20 @@ class SFTDataset(MegatronDataset):
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         length = self.config.sequence_length
         capacity = length + 1
-        tokens, targets, positions, cu_seqlens = [], [], [], [0]
+        tokens, targets, positions, cu_seqlens, padding = [], [], [], [0], []
         for record in self.rows[idx % len(self.rows)]:
-            sequence, target, _ = self._sequence(record)
+            sequence, target, content = self._sequence(record)
             sequence, target = sequence[: capacity - len(tokens)], target[: capacity - len(tokens)]
+            padding += [False] * min(content, len(sequence)) + [True] * (len(sequence) - content)
             tokens += sequence
             # the first token of a sequence is never a label of the one before it
             targets += [0.0] + target[1:]
             positions += range(len(sequence))
             cu_seqlens.append(len(tokens))
-        padding = capacity - len(tokens)
-        positions += range(positions[-1] + 1, positions[-1] + 1 + padding)
-        tokens += [self.pad_id] * padding
-        targets += [0.0] * padding
+        positions += range(positions[-1] + 1, positions[-1] + 1 + capacity - len(tokens))
+        padding += [True] * (capacity - len(tokens))
+        tokens += [self.pad_id] * (capacity - len(tokens))
+        targets += [0.0] * (capacity - len(targets))
         cu_seqlens[-1] = length  # the last sequence takes the padding (and the extra label token)
         cu = torch.tensor(cu_seqlens, dtype=torch.int32)
         return {
@@ -210,6 +213,7 @@ class SFTDataset(MegatronDataset):
             "labels": torch.tensor(tokens[1:], dtype=torch.int64),
             "loss_mask": torch.tensor(targets[1:], dtype=torch.float32),
             "position_ids": torch.tensor(positions[:-1], dtype=torch.int64),
+            "padding_mask": torch.tensor(padding[:-1], dtype=torch.bool),
             "cu_seqlens": cu,
             "max_seqlen": (cu[1:] - cu[:-1]).max(),
         }

@@ -175,8 +175,8 @@ def sft_truncation_warnings(datasets: list, path: str, seq_len: int) -> list[str
 
 
 # What a micro-batch of packed rows holds: the GPT sample's tensors, the positions restarting at
-# every sequence and the boundaries a PackedSeqParams is built from.
-SFT_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "max_seqlen")
+# every sequence, the padding (for the MoE router) and the boundaries a PackedSeqParams is built from.
+SFT_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask", "cu_seqlens", "max_seqlen")
 
 
 def global_batch_microbatches(
