@@ -216,6 +216,7 @@ MOE_LAYOUTS = {  # world size 2
     "ep2": ["--ep", "2"],
     "tp2 ep2 sequence-parallel": ["--tp", "2", "--ep", "2", "--etp", "1", "--sequence-parallel",
                                   "--make-vocab-size-divisible-by", "64"],
+    "cp2 ep2": ["--cp", "2", "--ep", "2"],  # each cp rank's share of the router losses
 }
 
 
