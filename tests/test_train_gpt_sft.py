@@ -11,6 +11,10 @@
   too) and (1,1,1,2) against the serial run of the same command line (--pad-seq-to-mult 4 in every
   run, as the cp 2 runs need: the rows are the data's, not the layout's); a checkpoint saved at cp 2
   resumes serially on the same rows.
+- With mixture-of-experts layers (4 experts, top 2, the balance and z losses) ep 2, tp 2 x ep 2
+  (sequence-parallel) and cp 2 x ep 2 train like serial, router losses included; the rows'
+  padding reaches the routers as padding_mask: a padded row's tracked router losses are those of
+  the row without its padding.
 - Nothing is trained silently: a step or an evaluation whose rows hold no response token stops
   every rank; the log counts each step's response tokens.
 - --export-hf writes the tokenizer beside the weights.
