@@ -89,23 +89,13 @@ def get_tokens_per_expert_and_token_count(
     return total, routing_map.shape[0], routing_map.shape[0] * group_size(reduce_group)
 
 
-class RandomSTE(torch.autograd.Function):
-    """Random normal logits forward (drawn on the expert-parallel RNG stream, so each
-    expert-parallel rank draws its own), the gradient passed straight through backward."""
-
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor) -> torch.Tensor:
-        with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
-            return logits.clone().normal_()
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> torch.Tensor:
-        return grad_output
-
-
 def apply_random_logits(logits: torch.Tensor) -> torch.Tensor:
-    """``moe_router_force_load_balancing``: random logits in place of the gate's (benchmarks)."""
-    return RandomSTE.apply(logits)
+    """``moe_router_force_load_balancing``: random normal logits in place of the gate's (drawn on
+    the expert-parallel RNG stream, so each expert-parallel rank draws its own), the gradient
+    passed straight through to the gate: the random values plus a zero that carries the graph."""
+    with torch.no_grad(), get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+        random = torch.empty_like(logits).normal_()
+    return random + (logits - logits.detach())
 
 
 def get_capacity(
