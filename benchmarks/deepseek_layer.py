@@ -127,14 +127,15 @@ def hf_model(s: dict):
 
 
 def megatron_ext_layer(s: dict, hf_state: dict) -> torch.nn.Module:
-    """megatron_ext's layer, built by examples/train_gpt.py, with transformers' weights."""
-    spec = importlib.util.spec_from_file_location("train_gpt", os.path.join(ROOT, "examples", "train_gpt.py"))
-    train_gpt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_gpt)
-    args = train_gpt.parse_args(train_gpt_argv(s, dist.get_world_size()))
-    train_gpt.check_args(args, dist.get_world_size())
+    """megatron_ext's layer, built as examples/train_gpt.py builds it, with transformers' weights."""
+    from megatron_ext.training.arguments import parse_args
+    from megatron_ext.training.model import build_model
+    from megatron_ext.training.validation import check_args
+
+    args = parse_args(train_gpt_argv(s, dist.get_world_size()))
+    check_args(args, dist.get_world_size())
     ext_ps.initialize_model_parallel(expert_model_parallel_size=args.ep)
-    (model,) = train_gpt.build_model(args)
+    (model,) = build_model(args)
     load_hf_state_dict(model, hf_state)
     return model.decoder.layers[0].train()
 

@@ -29,8 +29,10 @@ SMALL = SMALL_GPT + ["--steps", "5"]
 
 
 def load_train_gpt() -> types.ModuleType:
-    """A fresh copy of examples/train_gpt.py as a module."""
-    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
+    """A fresh copy of the training program's loop, ``megatron_ext.training.training``, as a module:
+    a test may replace what it calls (``build_model``, ``step_microbatches``, ``parallel_state``,
+    ``get_megatron_optimizer``, ...) without the change reaching the next test in the process."""
+    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "megatron_ext/training/training.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -145,11 +145,16 @@ def _save_guards_worker(save_dir: str) -> dict:
     dist.barrier()
     # a fresh run into the same directory: refused before training, then by the save itself
     out["fresh"] = _error(_run, "--steps", "2", "--save", save_dir)
-    train_gpt = load_train_gpt()
-    train_gpt.check_checkpoint_paths = lambda args: None
-    out["library"] = _error(
-        train_gpt.train, train_gpt.parse_args(TINY + ["--steps", "2", "--save", save_dir])
-    )
+    from megatron_ext.training import validation
+
+    train_gpt, check_checkpoint_paths = load_train_gpt(), validation.check_checkpoint_paths
+    validation.check_checkpoint_paths = lambda args: None
+    try:
+        out["library"] = _error(
+            train_gpt.train, train_gpt.parse_args(TINY + ["--steps", "2", "--save", save_dir])
+        )
+    finally:
+        validation.check_checkpoint_paths = check_checkpoint_paths
     out["after_refusals"] = _listing(save_dir)
     dist.barrier()
 
@@ -390,18 +395,23 @@ def _nonfinite_worker(save_dir: str) -> dict:
         train_gpt = load_train_gpt()
         steps = []
         if dist.get_rank() == 1 and poison == "loss":
-            step_microbatches, loss_func = train_gpt.step_microbatches, train_gpt.loss_func
+            step_microbatches, forward_step = train_gpt.step_microbatches, train_gpt.forward_step
 
             def note_step(corpus, step, args, device):
                 steps.append(step)
                 return step_microbatches(corpus, step, args, device)
 
-            def nan_in_step_3(loss_mask, output):
-                loss, report = loss_func(loss_mask, output)
-                return (loss * float("nan"), {"lm loss": loss.detach() * float("nan")}) if steps[-1] == 2 \
-                    else (loss, report)
+            def nan_in_step_3(data_iterator, model):
+                output, loss_func = forward_step(data_iterator, model)
 
-            train_gpt.step_microbatches, train_gpt.loss_func = note_step, nan_in_step_3
+                def poisoned(output):
+                    loss, report = loss_func(output)
+                    return (loss * float("nan"), {"lm loss": loss.detach() * float("nan")}) \
+                        if steps[-1] == 2 else (loss, report)
+
+                return output, poisoned
+
+            train_gpt.step_microbatches, train_gpt.forward_step = note_step, nan_in_step_3
         optimizers, injected = [], []
         build = train_gpt.get_megatron_optimizer
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from megatron_ext import parallel_state as ps
 from megatron_ext import tensor_parallel
 from megatron_ext.transformer import TransformerConfig
-from tests.conftest import EXACT, Comparisons, assert_comparisons, load_train_gpt
+from tests.conftest import EXACT, Comparisons, assert_comparisons
 from tests.distributed import run_distributed
 
 VOCAB, SEQ, BATCH, SEED = 64, 8, 2, 5
@@ -202,7 +202,9 @@ def _settings(granularity=None, method=None, num_layers=None, modules=None) -> d
 def test_defaults_and_example_flags():
     default = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4)
     assert default.recompute_modules == ["core_attn"]
-    train_gpt = load_train_gpt()
+    from megatron_ext.training.arguments import parse_args
+    from megatron_ext.training.model import recompute_settings
+
     base = ["--layers", "2", "--hidden", "16", "--heads", "4"]
     settings = {
         (): _settings(),
@@ -213,7 +215,7 @@ def test_defaults_and_example_flags():
             _settings("selective", modules=["mlp", "layernorm"]),
     }
     for flags, expected in settings.items():
-        assert train_gpt.recompute_settings(train_gpt.parse_args(base + list(flags))) == expected, flags
-    args = train_gpt.parse_args(base + ["--recompute", "--recompute-granularity", "selective"])
+        assert recompute_settings(parse_args(base + list(flags))) == expected, flags
+    args = parse_args(base + ["--recompute", "--recompute-granularity", "selective"])
     with pytest.raises(ValueError, match="--recompute is full recomputation.*selective"):
-        train_gpt.recompute_settings(args)
+        recompute_settings(args)

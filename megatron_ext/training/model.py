@@ -1,0 +1,155 @@
+"""The model the flags describe: its TransformerConfig and GPTModel chunks."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megatron_ext import tensor_parallel
+from megatron_ext.distributed import (
+    finalize_model_grads,
+)
+from megatron_ext.fusions.fused_bias_geglu import quick_gelu
+from megatron_ext.models import GPTModel
+from megatron_ext.models.hf import (
+    config_from_hf,
+    load_hf_state_dict,
+)
+from megatron_ext.transformer import TransformerConfig
+from megatron_ext.transformer.transformer_config import MLATransformerConfig
+from megatron_ext.training.arguments import BYTE_VOCAB, DTYPES
+
+
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else DTYPES[args.dtype]
+
+
+def llama_ffn_hidden(hidden: int) -> int:
+    """Llama's MLP width: 8/3 of the hidden size, rounded up to a multiple of 32."""
+    return -(-8 * hidden // 3 // 32) * 32
+
+
+def recompute_settings(args: argparse.Namespace) -> dict:
+    """The TransformerConfig recomputation fields of the flags; ``--recompute`` is full
+    recomputation of each layer on its own."""
+    if args.recompute:
+        if args.recompute_granularity not in (None, "full"):
+            raise ValueError(f"--recompute is full recomputation; it cannot be combined with "
+                             f"--recompute-granularity {args.recompute_granularity}")
+        return dict(recompute_granularity="full", recompute_method=args.recompute_method or "uniform",
+                    recompute_num_layers=args.recompute_num_layers or 1,
+                    recompute_modules=args.recompute_modules)
+    return dict(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+                recompute_num_layers=args.recompute_num_layers, recompute_modules=args.recompute_modules)
+
+
+def moe_settings(args: argparse.Namespace) -> dict:
+    """The TransformerConfig fields of the mixture-of-experts flags (none without --num-experts)."""
+    if args.num_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        expert_model_parallel_size=args.ep,
+        expert_tensor_parallel_size=args.etp,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        # The settings that a --load-hf model may have its own of (its dense layers, its shared
+        # expert, its router's): only when given.
+        **{field: value for field, value in (
+            ("moe_layer_freq", None if args.moe_layer_freq == 1 else args.moe_layer_freq),
+            ("moe_shared_expert_intermediate_size", args.moe_shared_expert_intermediate_size),
+            ("moe_router_load_balancing_type", args.moe_router_load_balancing_type),
+            ("moe_router_score_function", args.moe_router_score_function),
+            ("moe_router_enable_expert_bias", args.moe_router_enable_expert_bias or None),
+            ("moe_router_bias_update_rate", args.moe_router_bias_update_rate),
+            ("moe_router_num_groups", args.moe_router_num_groups),
+            ("moe_router_group_topk", args.moe_router_group_topk),
+            ("moe_router_topk_scaling_factor", args.moe_router_topk_scaling_factor),
+        ) if value is not None},
+    )
+
+
+def mla_settings(args: argparse.Namespace) -> dict:
+    """The MLATransformerConfig fields of the multi-latent attention flags (none without them)."""
+    if not args.multi_latent_attention or args.hf_config is not None:
+        return {}
+    return dict(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+                qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim, qk_layernorm=True,
+                rope_type=args.rope_type, rotary_scaling_factor=args.rotary_scaling_factor,
+                mscale=args.mscale, mscale_all_dim=args.mscale_all_dim)
+
+
+def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") -> list[GPTModel]:
+    """This rank's model chunks: one GPTModel, or one per virtual pipeline stage."""
+    dtype = params_dtype(args)
+    training = dict(
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        context_parallel_size=args.cp,
+        cp_comm_type=args.cp_comm_type,
+        hidden_dropout=args.dropout,
+        attention_dropout=args.dropout,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        use_cpu_initialization=True,
+        **recompute_settings(args),
+        bias_activation_fusion=not args.no_bias_gelu_fusion,
+        bias_dropout_fusion=not args.no_bias_dropout_fusion,
+        sequence_parallel=args.sequence_parallel,
+        finalize_model_grads_func=finalize_model_grads,
+        # packed rows: the loss per token of the global batch (Megatron-LM's --calculate-per-token-loss)
+        calculate_per_token_loss=args.sft is not None,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline,
+        **moe_settings(args),
+    )
+    if args.hf_config is None:  # a --load-hf model's attention is its own
+        training.update(
+            window_size=None if args.window_size is None else (args.window_size - 1, 0),
+            window_attn_skip_freq=args.window_attn_skip_freq,
+            softmax_type=args.softmax_type,
+        )
+    if args.mtp_num_layers is not None:
+        training.update(mtp_num_layers=args.mtp_num_layers,
+                        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
+    if args.hf_config is not None:
+        config, model_kwargs = config_from_hf(args.hf_config, **training)
+    else:
+        llama = args.arch in ("llama", "deepseek")
+        activation = torch.nn.functional.silu if llama else torch.nn.functional.gelu
+        config = (MLATransformerConfig if args.multi_latent_attention else TransformerConfig)(
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_attention_heads=args.heads,
+            num_query_groups=args.num_query_groups,
+            ffn_hidden_size=args.ffn_hidden or (llama_ffn_hidden(args.hidden) if llama else None),
+            normalization="RMSNorm" if llama else "LayerNorm",
+            # DeepSeek's value, the one its Hugging Face models normalise the latents with
+            layernorm_epsilon=1e-6 if args.arch == "deepseek" else 1e-5,
+            gated_linear_unit=llama or args.quick_geglu,
+            activation_func=quick_gelu if args.quick_geglu else activation,
+            glu_linear_offset=args.glu_linear_offset,
+            activation_func_clamp_value=args.activation_func_clamp_value,
+            add_bias_linear=not llama or args.add_bias_linear,
+            **mla_settings(args),
+            **training,
+        )
+        # --vocab-size left unset and check_args not run (a script building the model alone): bytes
+        vocab_size = BYTE_VOCAB if args.vocab_size is None else args.vocab_size
+        model_kwargs = dict(vocab_size=vocab_size, max_sequence_length=args.seq_len,
+                            share_embeddings_and_output_weights=not llama,
+                            position_embedding_type="rope" if llama else "learned_absolute")
+    torch.manual_seed(args.seed)  # the CPU generator: dropout outside tensor-parallel regions on CPU
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    stages = [None] if args.virtual_pipeline is None else range(args.virtual_pipeline)
+    models = [GPTModel(config, init_seed=args.seed, vp_stage=vp_stage, **model_kwargs) for vp_stage in stages]
+    if args.load_hf is not None:
+        load_hf_state_dict(models, args.load_hf)
+    return [model.to(device) for model in models]
