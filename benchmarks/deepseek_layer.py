@@ -41,14 +41,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from common import ROOT, print_table, run_interleaved, summarize, write_json
+from common import print_table, run_interleaved, summarize, write_json
 
 from megatron_ext import parallel_state as ext_ps
 from megatron_ext.models.hf import load_hf_state_dict
