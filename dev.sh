@@ -36,12 +36,15 @@ setup() {
     "$PY" -m pip install --quiet --no-deps "$MEGATRON_CORE"
     echo "$deps_hash" > "$VENV/.deps"
   fi
-  local src_hash
+  local src_hash meta_hash
   src_hash=$(hash_of setup.py pyproject.toml $(find csrc -type f | sort))
-  if [ ! -f "$VENV/.build" ]; then
+  # What the installation itself records (the console script, the package data): a change reinstalls.
+  meta_hash=$(grep -E "entry_points|package_data" setup.py | sha256sum | cut -d' ' -f1)
+  if [ ! -f "$VENV/.build" ] || [ "$(cat "$VENV/.meta" 2>/dev/null)" != "$meta_hash" ]; then
     echo "[setup] building and installing megatron_ext (C++ extension)"
     "$PY" -m pip install --quiet --no-build-isolation --no-deps -e .
     echo "$src_hash" > "$VENV/.build"
+    echo "$meta_hash" > "$VENV/.meta"
   elif [ "$(cat "$VENV/.build")" != "$src_hash" ]; then
     echo "[setup] C++ sources changed: rebuilding the extension"
     "$PY" setup.py --quiet build_ext --inplace

@@ -222,6 +222,8 @@ setup(
     name="megatron_ext",
     version="0.1.0",
     packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
+    package_data={"megatron_ext.training": ["megatron_lm_flags.txt"]},
+    entry_points={"console_scripts": ["megatron-ext-train = megatron_ext.training.training:run"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": _BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",

@@ -119,9 +119,11 @@ def train_gpt_help() -> set[str]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
         load_train_gpt().parse_args(["--help"])
-    # The options section: each option's line starts with its flag (after "-h, " for --help).
-    flags = set(re.findall(r"^  (?:-\w, )?(--[a-z][a-z0-9-]*)", out.getvalue(), re.M))
-    assert {"--tp", "--pp", "--save", "--load-hf"} <= flags
+    # The options section: each option's line starts with its flags, comma-separated, each with its
+    # metavar (after "-h, " for --help).
+    starts = re.findall(r"^  (-.*?)(?:  |$)", out.getvalue(), re.M)
+    flags = {flag for start in starts for flag in re.findall(r"(?:^|, )(--[a-z][a-z0-9-]*)", start)}
+    assert {"--tp", "--tensor-model-parallel-size", "--pp", "--save", "--load-hf"} <= flags
     return flags
 
 
@@ -155,7 +157,8 @@ def test_train_gpt_flags_in_the_docs_exist():
     unknown = {doc: sorted(flags - known) for doc, flags in named.items() if flags - known}
     assert not unknown, f"flags examples/train_gpt.py does not have: {unknown}"
     cli = (ROOT / "docs" / "training_cli.md").read_text()
-    table = set(re.findall(r"^\| `(--[a-z][a-z0-9-]*)` \|", cli, re.M))
+    cells = re.findall(r"^\| (`--[^|]*) \|", cli, re.M)  # a row's first cell: its flag and aliases
+    table = {flag for cell in cells for flag in re.findall(r"`(--[a-z][a-z0-9-]*)`", cell)}
     known -= {"--help"}
     assert table == known, f"training_cli.md: lacks {sorted(known - table)}, extra {sorted(table - known)}"
 

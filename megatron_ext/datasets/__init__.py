@@ -11,7 +11,7 @@ from megatron_ext.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Mock
 from megatron_ext.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from megatron_ext.datasets.megatron_dataset import MegatronDataset
 from megatron_ext.datasets.sft_dataset import SFTDataset, SFTDatasetConfig, SFTLowLevelDataset
-from megatron_ext.datasets.tokenizer import HuggingFaceTokenizer
+from megatron_ext.datasets.tokenizer import HuggingFaceTokenizer, NullTokenizer
 from megatron_ext.datasets.utils import Split, get_blend_from_list
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "GPTDataset",
     "GPTDatasetConfig",
     "HuggingFaceTokenizer",
+    "NullTokenizer",
     "IndexedDataset",
     "IndexedDatasetBuilder",
     "MegatronDataset",

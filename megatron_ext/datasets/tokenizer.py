@@ -124,3 +124,41 @@ class HuggingFaceTokenizer:
                 ("tokenizer_path", [os.path.abspath(self.path)]),
             ]
         )
+
+
+class NullTokenizer:
+    """Megatron-LM's NullTokenizer: no text, the ids 0 to ``vocab_size - 1`` as they are, and
+    ``vocab_size`` itself the end of document, so its vocabulary holds ``vocab_size + 1`` ids (what
+    ``--tokenizer-type NullTokenizer --vocab-size N`` sizes the model with, before padding)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"NullTokenizer needs a vocab_size >= 1, got {vocab_size}")
+        self._ids = int(vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._ids + 1
+
+    @property
+    def eod(self) -> int:
+        return self._ids
+
+    @property
+    def eos(self) -> int:
+        return self._ids
+
+    @property
+    def pad(self) -> None:
+        return None
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(token) for token in text.split()]
+
+    def detokenize(self, ids: list[int]) -> str:
+        return " ".join(str(i) for i in ids)
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict([("class", f"{type(self).__module__}.{type(self).__qualname__}"),
+                            ("vocab_size", self._ids)])

@@ -1,15 +1,17 @@
-"""The training program's command line: every flag, its default and its help."""
+"""The training program's command line: every flag under Megatron-LM's name where it has one
+(the short names of the first version kept as aliases), ``--config FILE`` (YAML or TOML) holding any
+of them, and one ``error:`` line for a flag that is not one (naming the Megatron-LM flags that
+megatron_ext does not implement as such)."""
 
 from __future__ import annotations
 
 import argparse
-import ast
-import re
+import os
 
 import torch
 
 from megatron_ext.distributed.distributed_data_parallel import DEFAULT_BUCKET_SIZE_BYTES
-
+from megatron_ext.training.arguments_model import add_model_arguments
 
 DTYPES = {
     "float32": torch.float32,
@@ -17,133 +19,89 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-
 BYTE_VOCAB = 256
 DESCRIPTION = """Trains a GPT with tensor x pipeline x context x expert x data parallelism.
 
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --tp 2 --pp 2
 
-The number of processes must equal tp x cp x pp x dp (dp is inferred when not given)."""
+The number of processes must equal tp x cp x pp x dp (dp is inferred when not given). Every flag is
+also accepted in a --config file (YAML or TOML); the command line overrides it."""
+# The option names Megatron-LM's pretrain_gpt.py accepts: those megatron_ext lacks are refused by name.
+MEGATRON_LM_FLAGS_FILE = os.path.join(os.path.dirname(__file__), "megatron_lm_flags.txt")
 
 
-def window_pattern(text: str) -> int | list[int]:
-    """--window-attn-skip-freq: an int, or a list literal of 0/1 entries."""
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        value = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, list) and all(isinstance(x, int) for x in value):
-        return value
-    raise argparse.ArgumentTypeError(f"expected an int or a list such as [1,0,1,0], got {text!r}")
+# Megatron-LM's switches between implementations of the same computation: accepted, as megatron_ext
+# computes it one way whichever is named (docs/training_cli.md lists them).
+_ON = {"action": "store_true"}
+SAME_NUMBERS_FLAGS = (
+    ("--use-mcore-models", _ON, "megatron_ext's models are Megatron-core's"),
+    ("--transformer-impl", {"choices": ["local", "transformer_engine"], "default": "transformer_engine"},
+     "megatron_ext has one implementation of the layers"),
+    ("--attention-backend", {"choices": ["flash", "fused", "unfused", "local", "auto"], "default": "auto"},
+     "megatron_ext has one attention kernel per device"),
+    ("--use-flash-attn", _ON, "megatron_ext has one attention kernel per device"),
+    ("--no-masked-softmax-fusion", _ON, "the softmax is megatron_ext's own kernel either way"),
+    ("--no-rope-fusion", _ON, "the rotary embedding is megatron_ext's own kernel either way"),
+    ("--no-gradient-accumulation-fusion", _ON, "the weight gradients accumulate the same either way"),
+    ("--cross-entropy-loss-fusion", _ON, "the vocabulary-parallel cross-entropy is one fused op here"),
+    ("--overlap-grad-reduce", _ON, "the data-parallel gradient reduction always overlaps the backward here"),
+    ("--no-position-embedding", _ON, "deprecated in Megatron-LM; the positions are "
+     "--position-embedding-type's"),
+    ("--log-throughput", _ON, "tokens/s is always logged"),
+    ("--log-memory-to-tensorboard", _ON, "with --tensorboard-dir the memory is always written"),
+    ("--log-validation-ppl-to-tensorboard", _ON, "with --tensorboard-dir the validation perplexity is "
+     "always written"),
+    ("--no-mmap-bin-files", _ON, "the corpora are read through memory maps either way, with the same tokens"),
+    ("--no-create-attention-mask-in-dataloader", _ON, "no batch carries an attention mask here"),
+    ("--num-workers", {"type": int, "default": 2}, "the batches are read in the training process"),
+)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size")
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one ValueError (the program prints it as one ``error:``
+    line and exits 2) instead of the usage text and SystemExit."""
+
+    def error(self, message: str):
+        raise ValueError(message)
+
+
+def megatron_lm_flags() -> set[str]:
+    with open(MEGATRON_LM_FLAGS_FILE) as f:
+        return {line.strip() for line in f if line.startswith("--")}
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       allow_abbrev=False)
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a YAML or TOML file of flags (keys: the flags' names without the dashes, "
+                   "optionally in sections); the command line overrides it")
+    add_model_arguments(p)
+    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=2,
+                   help="tensor-parallel size (Megatron-LM's default is 1)")
+    p.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=2,
+                   help="pipeline-parallel size (Megatron-LM's default is 1)")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel size (default: world / (tp x cp x pp))")
-    p.add_argument("--cp", type=int, default=1,
+    p.add_argument("--context-parallel-size", "--cp", dest="cp", type=int, default=1,
                    help="context-parallel size: each sequence split over cp ranks (2 x cp chunks, rank r "
                         "holding chunks r and 2cp-1-r)")
     p.add_argument("--cp-comm-type", choices=["p2p", "all_gather", "a2a"], default="p2p",
                    help="context-parallel attention: p2p (ring), all_gather (K/V gathered), a2a (Ulysses)")
-    p.add_argument(
-        "--arch",
-        choices=["gpt", "llama", "deepseek"],
-        default="gpt",
-        help="gpt: LayerNorm, biased linears, GeLU, learned positions, tied output layer; llama: "
-        "RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases, untied output layer; "
-        "deepseek: llama's with DeepSeek's norm epsilon 1e-6, multi-latent attention and, with "
-        "--num-experts, DeepSeek-V3's experts (sigmoid routing with the expert bias, a dense first layer, "
-        "one shared expert)",
-    )
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--num-query-groups", type=int, default=None,
-                   help="key/value heads for grouped-query attention (default: --heads)")
-    p.add_argument(
-        "--ffn-hidden",
-        type=int,
-        default=None,
-        help="MLP width (default: 4 x --hidden for gpt, 8/3 x --hidden rounded up to a multiple of "
-        "32 for llama)",
-    )
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--window-size", type=int, default=None,
-                   help="sliding-window attention: each query sees itself and the W-1 tokens before it "
-                        "(Hugging Face's sliding_window=W, Megatron-core's window_size=(W-1, 0))")
-    p.add_argument("--window-attn-skip-freq", type=window_pattern, default=None,
-                   help="with --window-size: K makes every K-th layer full attention; or a list of 0/1 "
-                        "per layer, e.g. [1,0,1,0] (1: the window), as Megatron-core's window_attn_skip_freq")
-    p.add_argument("--softmax-type", choices=["vanilla", "off-by-one", "learnable"], default="vanilla",
-                   help="attention sinks: off-by-one adds a zero logit to every softmax, learnable a "
-                        "trained logit per head (Megatron-core's softmax_type)")
-    p.add_argument("--multi-latent-attention", action="store_true",
-                   help="multi-latent attention (DeepSeek-V2/V3's MLA; --arch deepseek has it)")
-    p.add_argument("--q-lora-rank", type=int, default=None,
-                   help="MLA: the rank of the query's latent (default: the query projected in one step)")
-    p.add_argument("--kv-lora-rank", type=int, default=32, help="MLA: the rank of the key/value latent")
-    p.add_argument("--qk-head-dim", type=int, default=None,
-                   help="MLA: a query/key head's channels without rotation (default: --hidden / --heads)")
-    p.add_argument("--qk-pos-emb-head-dim", type=int, default=None,
-                   help="MLA: a query/key head's rotated channels, the key's shared by its heads (default: "
-                        "half of --hidden / --heads)")
-    p.add_argument("--v-head-dim", type=int, default=None,
-                   help="MLA: a value head's channels (default: --hidden / --heads)")
-    p.add_argument("--rope-type", choices=["rope", "yarn"], default="rope",
-                   help="MLA's rotary embedding: rope, or YaRN stretched --rotary-scaling-factor times")
-    p.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="MLA with --rope-type yarn")
-    p.add_argument("--mscale", type=float, default=1.0, help="MLA with --rope-type yarn: YaRN's mscale")
-    p.add_argument("--mscale-all-dim", type=float, default=0.0,
-                   help="MLA with --rope-type yarn: YaRN's mscale_all_dim (also scales the softmax)")
-    p.add_argument("--mtp-num-layers", type=int, default=None,
-                   help="multi-token prediction: this many depths after the decoder, depth k predicting the "
-                        "token k + 1 ahead (its loss logged as mtp_k loss)")
-    p.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
-                   help="the multi-token prediction losses' mean over the depths joins the backward times "
-                        "this")
-    p.add_argument(
-        "--vocab-size", type=int, default=None,
-        help=">= 256 (bytes; the default) or the tokenizer's vocabulary; padded rows are never targets"
-    )
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--train-iters", "--steps", dest="steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="cuda: one GPU per process over NCCL; cpu: gloo; auto: cuda when a GPU is present")
-    p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--schedule", choices=["1f1b", "gpipe", "zb-h1", "zb-v"], default="1f1b",
                    help="zb-h1 / zb-v: the zero-bubble schedules (backward split into input and "
                         "weight halves); zb-v runs two model chunks per rank in a V")
-    p.add_argument("--virtual-pipeline", type=int, default=None,
+    p.add_argument("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline", dest="virtual_pipeline",
+                   type=int, default=None,
                    help="model chunks per pipeline stage: the interleaved 1F1B schedule (needs --pp >= 2)")
-    p.add_argument(
-        "--no-bias-gelu-fusion", action="store_true", help="bias + GeLU as two torch ops, not one kernel"
-    )
-    p.add_argument("--no-bias-dropout-fusion", action="store_true",
-                   help="bias + dropout + residual add as torch ops, not one kernel")
-    p.add_argument("--recompute", action="store_true",
-                   help="recompute each layer's activations in backward (the same as --recompute-granularity "
-                        "full --recompute-method uniform --recompute-num-layers 1)")
-    p.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
-                   help="full: recompute whole layers (see --recompute-method); selective: recompute the "
-                        "modules of --recompute-modules inside each layer")
-    p.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
-                   help="with full recomputation: uniform checkpoints chunks of --recompute-num-layers "
-                        "layers; block checkpoints the first --recompute-num-layers layers of each stage")
-    p.add_argument("--recompute-num-layers", type=int, default=None,
-                   help="layers per recomputed chunk (uniform) or recomputed layers per stage (block)")
-    p.add_argument("--recompute-modules", nargs="+", default=None,
-                   help="with selective recomputation: any of core_attn, mlp, layernorm and, in MoE layers, "
-                        "moe, moe_act (needs --moe-grouped-gemm), shared_experts (default core_attn)")
     p.add_argument(
         "--sequence-parallel",
         action="store_true",
@@ -184,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split", default="969,30,1",
                    help="with --data-path: the train,valid,test shares of each corpus's documents; with "
                    "--sft: of the records")
-    p.add_argument("--tokenizer", default=None,
+    p.add_argument("--tokenizer-model", "--tokenizer", dest="tokenizer", default=None,
                    help="a Hugging Face tokenizer directory: its vocabulary sizes the model (default with "
                    "--load-hf: the model directory's tokenizer)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
@@ -214,59 +172,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds a collective may wait before failing (default: 120 on CPU; 600 on GPUs, where "
         "NCCL's watchdog ends the process instead)",
     )
-    p.add_argument("--num-experts", type=int, default=None,
-                   help="mixture of experts: this many experts in every layer's MLP (default: dense MLPs)")
-    p.add_argument("--moe-router-topk", type=int, default=2, help="experts per token")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (the experts split over it)")
-    p.add_argument("--etp", type=int, default=None,
+    p.add_argument("--expert-model-parallel-size", "--ep", dest="ep", type=int, default=1,
+                   help="expert-parallel size (the experts split over it)")
+    p.add_argument("--expert-tensor-parallel-size", "--etp", dest="etp", type=int, default=None,
                    help="expert-tensor-parallel size (each expert's MLP split over it; default: --tp)")
-    p.add_argument("--moe-grouped-gemm", action="store_true",
-                   help="the experts as GroupedMLP (one grouped GEMM per projection)")
-    p.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
-                   help="coefficient of the load-balancing loss (0: none); the loss is logged with the loss")
-    p.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"],
-                   default=None,
-                   help="the balance loss --moe-aux-loss-coeff weighs: over the micro-batch's tokens "
-                   "(aux_loss, the default) or per sequence (seq_aux_loss)")
-    p.add_argument("--moe-z-loss-coeff", type=float, default=None,
-                   help="coefficient of the router's z-loss (default: none)")
-    p.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default=None,
-                   help="the router's expert scores (default: softmax, or the --load-hf model's)")
-    p.add_argument("--moe-router-enable-expert-bias", action="store_true",
-                   help="aux-loss-free balancing: a per-expert bias added to the routing scores, moved "
-                   "after each step towards the mean load (needs --moe-router-score-function sigmoid)")
-    p.add_argument("--moe-router-bias-update-rate", type=float, default=None,
-                   help="with --moe-router-enable-expert-bias: the bias's step per update (default 1e-3)")
-    p.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather",
-                   help="how tokens reach their experts' ranks")
-    p.add_argument("--moe-ffn-hidden-size", type=int, default=None,
-                   help="each expert's MLP width (default: the dense MLP's)")
-    p.add_argument("--moe-expert-capacity-factor", type=float, default=None,
-                   help="drop an expert's tokens beyond capacity factor x tokens x topk / experts "
-                   "(default: none dropped)")
-    p.add_argument("--moe-layer-freq", default="1",
-                   help="which layers are MoE layers: every N-th (an int), or a python list expression of "
-                   "0/1 per layer, e.g. \"([0]*1+[1]*3)\": one dense layer, then three MoE layers")
-    p.add_argument("--moe-router-num-groups", type=int, default=None,
-                   help="group-limited routing: the experts in this many groups (consecutive experts; "
-                   "with --moe-router-group-topk)")
-    p.add_argument("--moe-router-group-topk", type=int, default=None,
-                   help="group-limited routing: each token's experts come from its this many best groups")
-    p.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
-                   help="multiplies the routing weights (default: none)")
-    p.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
-                   help="a shared expert of this width beside the routed ones in every MoE layer")
-    p.add_argument("--quick-geglu", action="store_true",
-                   help="gated MLPs with quick GELU, x sigmoid(1.702 x), as gpt-oss's experts (instead of "
-                   "the arch's activation)")
-    p.add_argument("--glu-linear-offset", type=float, default=0.0,
-                   help="gated MLPs: act(gate) x (up + this offset); gpt-oss: 1")
-    p.add_argument("--activation-func-clamp-value", type=float, default=None,
-                   help="gated MLPs: the gate clamped to at most this, the linear half to within it; "
-                   "gpt-oss: 7")
-    p.add_argument("--add-bias-linear", action="store_true",
-                   help="biases in every linear layer (attention, MLPs, the router, the experts) with "
-                   "--arch llama, as gpt-oss; --arch gpt has them")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--save", default=None, help="directory to save checkpoints in (also after the last step)")
     p.add_argument("--save-interval", type=int, default=None, help="save every this many steps")
@@ -313,27 +222,96 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --export-hf: replace the model in that directory (its config.json, "
                         "*.safetensors and index are removed first)")
     p.add_argument("--no-load-rng", action="store_true", help="with --load, keep the fresh random states")
-    p.set_defaults(hf_config=None)  # --load-hf's config.json, read by check_args
     p.add_argument("--no-load-optim", action="store_true", help="with --load, keep the fresh optimizer state")
-    return p.parse_args(argv)
+    p.add_argument("--min-lr", type=float, default=0.0, help="the learning rate the decay ends at")
+    p.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                   default="constant", help="the learning rate after the warm-up (Megatron-LM's default is "
+                   "linear)")
+    p.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="steps the decay lasts (default: --train-iters)")
+    p.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="steps of linear warm-up from --lr-warmup-init to --lr")
+    p.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="the warm-up as a share of --lr-decay-iters (instead of --lr-warmup-iters)")
+    p.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="the learning rate the warm-up starts at")
+    p.add_argument("--lr-wsd-decay-style", choices=["exponential", "linear", "cosine", "minus_sqrt"],
+                   default="exponential", help="with --lr-decay-style WSD: the shape of its final decay")
+    p.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="with --lr-decay-style WSD: the steps of its final decay")
+    p.add_argument("--start-weight-decay", type=float, default=None,
+                   help="the weight decay at the first step (default: --weight-decay)")
+    p.add_argument("--end-weight-decay", type=float, default=None,
+                   help="the weight decay at the last step (default: --weight-decay)")
+    p.add_argument("--weight-decay-incr-style", choices=["constant", "linear", "cosine"], default="constant",
+                   help="how the weight decay goes from --start-weight-decay to --end-weight-decay")
+    p.add_argument("--adam-beta1", type=float, default=0.9, help="Adam's first-moment decay")
+    p.add_argument("--adam-beta2", type=float, default=0.999, help="Adam's second-moment decay")
+    p.add_argument("--adam-eps", type=float, default=1e-8, help="Adam's epsilon")
+    p.add_argument("--log-interval", type=int, default=None,
+                   help="print a line (step, loss, learning rate, grad norm, tokens/s) every this many steps "
+                   "instead of the progress bar")
+    p.add_argument("--tensorboard-dir", default=None,
+                   help="write TensorBoard scalars here (loss, validation loss and perplexity, learning "
+                   "rate, "
+                   "grad norm, tokens/s, loss scale, MoE and MTP losses, memory); needs the tensorboard "
+                   "package")
+    p.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="with --tensorboard-dir: the scalars of every this many steps")
+    p.add_argument("--wandb-project", default=None,
+                   help="log the same scalars to this Weights & Biases project; needs the wandb package")
+    p.add_argument("--wandb-exp-name", default=None, help="with --wandb-project: the run's name")
+    p.add_argument("--wandb-save-dir", default=None, help="with --wandb-project: wandb's local directory")
+    p.add_argument("--distributed-timeout-minutes", type=float, default=None,
+                   help="--timeout in minutes, Megatron-LM's name (the two exclude each other)")
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="layers per model chunk: the same as --virtual-pipeline --num-layers / (--pp x this)")
+    p.add_argument("--tokenizer-type", choices=["HuggingFaceTokenizer", "NullTokenizer"], default=None,
+                   help="HuggingFaceTokenizer: --tokenizer-model's (the default when one is given); "
+                   "NullTokenizer: no tokenizer, the ids 0 to --vocab-size - 1 and an end-of-document id "
+                   "--vocab-size (with --mock-data)")
+    p.add_argument("--mock-data", action="store_true",
+                   help="Megatron-core's MockGPTDataset: synthetic documents (each 1, 2, 3, ... then the "
+                   "end-of-document id) in the place of --data-path")
+    p.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist",
+                   help="the checkpoints' format: Megatron-core's torch_dist (the only one here)")
+    for flag, kwargs, why in SAME_NUMBERS_FLAGS:
+        p.add_argument(flag, **kwargs, help=f"accepted: {why}")
+    # --load-hf's config.json, and the NullTokenizer's --vocab-size, as check_args records them
+    p.set_defaults(hf_config=None, null_tokenizer_vocab=None)
+    return p
 
 
-def moe_freq_type(value: str | int | list[int]) -> int | list[int]:
-    """``--moe-layer-freq`` as Megatron-LM reads it: an int, or a python list expression made of
-    digits, commas, brackets, parentheses, + and * only."""
-    if not isinstance(value, str):
-        return value
-    if "[" not in value:
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"--moe-layer-freq {value!r} is not an int or a list expression") from None
-    if re.search(r"[^,\d\[\]()+*]", value):
-        raise ValueError(f"--moe-layer-freq {value!r} may hold only digits , [ ] ( ) + *")
-    try:
-        pattern = eval(value, {"__builtins__": {}})  # noqa: S307  (only the characters above)
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"--moe-layer-freq {value!r} does not evaluate: {e}") from None
-    if not isinstance(pattern, list):
-        raise ValueError(f"--moe-layer-freq {value!r} is not a list")
-    return pattern
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags of ``argv`` (default: the command line) after those of its ``--config`` file."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    config = [i for i, token in enumerate(argv) if token == "--config" or token.startswith("--config=")]
+    if len(config) > 1:
+        raise ValueError("--config is given more than once: one file per run, the command line overrides it")
+    if config:
+        i = config[0]
+        if argv[i] == "--config":
+            if i + 1 == len(argv):
+                raise ValueError("argument --config: expected one argument")
+            path, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+        else:
+            path, argv = argv[i].split("=", 1)[1], argv[:i] + argv[i + 1:]
+        from megatron_ext.training.config_file import config_argv
+
+        argv = config_argv(path, parser) + argv
+    args, unknown = parser.parse_known_args(argv)
+    flags = [token.split("=", 1)[0] for token in unknown if token.startswith("-")]
+    if flags:
+        megatron = megatron_lm_flags()
+        lacking = [flag for flag in flags if flag in megatron]
+        if lacking:
+            raise ValueError(f"{' '.join(lacking)}: Megatron-LM flag{'s' if len(lacking) > 1 else ''} that "
+                             "megatron_ext does not implement (docs/training_cli.md lists the flags it has)")
+        raise ValueError(f"unrecognized argument{'s' if len(flags) > 1 else ''} {' '.join(flags)} "
+                         "(docs/training_cli.md lists the flags)")
+    if unknown:
+        raise ValueError(f"unrecognized arguments: {' '.join(unknown)}")
+    return args

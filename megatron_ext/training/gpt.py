@@ -90,7 +90,7 @@ def loss_func(loss_mask: torch.Tensor | None,
     return output.sum() / totals[1], {"lm loss": totals[0] / totals[1]}
 
 
-def token_sum_loss_func(loss_mask: torch.Tensor,
+def token_sum_loss_func(loss_mask: torch.Tensor | None,
                         output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The loss summed over the micro-batch's tokens of ``loss_mask`` and their count, Megatron-LM's
     three values under ``calculate_per_token_loss``: the schedule sums them over the micro-batches,
@@ -98,6 +98,8 @@ def token_sum_loss_func(loss_mask: torch.Tensor,
     context-parallel ranks, so the step's loss is the mean over every masked-in token of the global
     batch, however they lie in rows, micro-batches and ranks. Reported: the [sum, count] pair."""
     output = output.float() if output.dtype != torch.float64 else output
+    if loss_mask is None:  # every token counts
+        loss_mask = torch.ones_like(output)
     total = (output * loss_mask.to(output.dtype)).sum()
     count = loss_mask.sum().to(torch.int)
     return total, count, {"lm loss": torch.stack([total.detach(), count.to(total.dtype)])}

@@ -21,6 +21,8 @@ from megatron_ext.datasets import (
     GPTDataset,
     GPTDatasetConfig,
     HuggingFaceTokenizer,
+    MockGPTDataset,
+    NullTokenizer,
     SFTDataset,
     SFTDatasetConfig,
     Split,
@@ -32,6 +34,7 @@ from megatron_ext.datasets.utils import check_blend_weights
 
 __all__ = [
     "HuggingFaceTokenizer",
+    "NullTokenizer",
     "SFT_KEYS",
     "TOKENIZER_FILES",
     "build_datasets",
@@ -97,7 +100,7 @@ def split_sizes(steps: int, global_batch_size: int, eval_interval: int | None, e
 
 
 def build_datasets(
-    data_path: list[str],
+    data_path: list[str] | None,
     split: str,
     tokenizer: HuggingFaceTokenizer,
     seq_len: int,
@@ -106,8 +109,8 @@ def build_datasets(
     path_to_cache: str | None = None,
 ) -> list:
     """The train, valid and test datasets (None for an empty split) of the blend ``data_path``
-    (``[W1] PREFIX1 [W2 PREFIX2 ...]``)."""
-    blend = get_blend_from_list(data_path)
+    (``[W1] PREFIX1 [W2 PREFIX2 ...]``), or Megatron-core's mock documents where it is None."""
+    blend = get_blend_from_list(data_path) if data_path is not None else None
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_len,
@@ -120,7 +123,8 @@ def build_datasets(
         eod_mask_loss=False,
         create_attention_mask=False,
     )
-    return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    dataset_type = GPTDataset if data_path is not None else MockGPTDataset
+    return BlendedMegatronDatasetBuilder(dataset_type, sizes, lambda: True, config).build()
 
 
 def build_sft_datasets(

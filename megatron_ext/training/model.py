@@ -30,9 +30,45 @@ def llama_ffn_hidden(hidden: int) -> int:
     return -(-8 * hidden // 3 // 32) * 32
 
 
+def megatron_swiglu_ffn_hidden(hidden: int) -> int:
+    """Megatron-LM's MLP width with --swiglu: 2/3 of 4 x the hidden size, rounded down to a multiple
+    of 64."""
+    return int(4 * hidden * 2 / 3 / 64) * 64
+
+
+def architecture(args: argparse.Namespace) -> dict:
+    """The model's parts: --arch's (gpt: LayerNorm, GeLU, learned positions, tied output layer,
+    biases; llama and deepseek: RMSNorm, SwiGLU, rotary positions, untied, no biases), each replaced
+    by its Megatron-LM flag where one is given."""
+    llama = args.arch in ("llama", "deepseek")
+    swiglu = llama or args.swiglu
+    if args.ffn_hidden is not None:
+        ffn = args.ffn_hidden
+    else:
+        ffn = (llama_ffn_hidden(args.hidden) if llama
+               else megatron_swiglu_ffn_hidden(args.hidden) if swiglu else None)
+    return dict(
+        normalization=args.normalization or ("RMSNorm" if llama else "LayerNorm"),
+        swiglu=swiglu,
+        position_embedding_type=args.position_embedding_type or ("rope" if llama else "learned_absolute"),
+        untied=llama or args.untie_embeddings_and_output_weights,
+        add_bias_linear=(not llama or args.add_bias_linear) and not args.disable_bias_linear,
+        # DeepSeek's value, the one its Hugging Face models normalise the latents with
+        norm_epsilon=(args.norm_epsilon if args.norm_epsilon is not None
+                      else 1e-6 if args.arch == "deepseek" else 1e-5),
+        ffn_hidden=ffn,
+    )
+
+
 def recompute_settings(args: argparse.Namespace) -> dict:
     """The TransformerConfig recomputation fields of the flags; ``--recompute`` is full
     recomputation of each layer on its own."""
+    if args.recompute_activations:  # Megatron-LM's shorthand
+        if args.recompute or args.recompute_granularity not in (None, "selective"):
+            raise ValueError("--recompute-activations is selective recomputation; it cannot be combined with "
+                             "--recompute or --recompute-granularity full")
+        return dict(recompute_granularity="selective", recompute_method=args.recompute_method,
+                    recompute_num_layers=args.recompute_num_layers, recompute_modules=args.recompute_modules)
     if args.recompute:
         if args.recompute_granularity not in (None, "full"):
             raise ValueError(f"--recompute is full recomputation; it cannot be combined with "
@@ -93,8 +129,8 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
         pipeline_model_parallel_size=args.pp,
         context_parallel_size=args.cp,
         cp_comm_type=args.cp_comm_type,
-        hidden_dropout=args.dropout,
-        attention_dropout=args.dropout,
+        hidden_dropout=args.dropout if args.hidden_dropout is None else args.hidden_dropout,
+        attention_dropout=args.dropout if args.attention_dropout is None else args.attention_dropout,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=args.bf16,
@@ -105,8 +141,8 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
         bias_dropout_fusion=not args.no_bias_dropout_fusion,
         sequence_parallel=args.sequence_parallel,
         finalize_model_grads_func=finalize_model_grads,
-        # packed rows: the loss per token of the global batch (Megatron-LM's --calculate-per-token-loss)
-        calculate_per_token_loss=args.sft is not None,
+        # packed rows: the loss per token of the global batch
+        calculate_per_token_loss=args.sft is not None or args.calculate_per_token_loss,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline,
         **moe_settings(args),
     )
@@ -122,30 +158,37 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
     if args.hf_config is not None:
         config, model_kwargs = config_from_hf(args.hf_config, **training)
     else:
-        llama = args.arch in ("llama", "deepseek")
-        activation = torch.nn.functional.silu if llama else torch.nn.functional.gelu
+        parts = architecture(args)
+        activation = torch.nn.functional.silu if parts["swiglu"] else torch.nn.functional.gelu
+        rotary = dict(rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
+        attention = {"qk_layernorm": True} if args.qk_layernorm else {}
+        if args.multi_latent_attention:  # its rotary embedding is the config's
+            attention.update(mla_settings(args), **rotary)
         config = (MLATransformerConfig if args.multi_latent_attention else TransformerConfig)(
             num_layers=args.layers,
             hidden_size=args.hidden,
             num_attention_heads=args.heads,
             num_query_groups=args.num_query_groups,
-            ffn_hidden_size=args.ffn_hidden or (llama_ffn_hidden(args.hidden) if llama else None),
-            normalization="RMSNorm" if llama else "LayerNorm",
-            # DeepSeek's value, the one its Hugging Face models normalise the latents with
-            layernorm_epsilon=1e-6 if args.arch == "deepseek" else 1e-5,
-            gated_linear_unit=llama or args.quick_geglu,
+            kv_channels=args.kv_channels,
+            ffn_hidden_size=parts["ffn_hidden"],
+            normalization=parts["normalization"],
+            layernorm_epsilon=parts["norm_epsilon"],
+            gated_linear_unit=parts["swiglu"] or args.quick_geglu,
             activation_func=quick_gelu if args.quick_geglu else activation,
             glu_linear_offset=args.glu_linear_offset,
             activation_func_clamp_value=args.activation_func_clamp_value,
-            add_bias_linear=not llama or args.add_bias_linear,
-            **mla_settings(args),
+            add_bias_linear=parts["add_bias_linear"],
+            init_method_std=args.init_method_std,
+            **attention,
             **training,
         )
         # --vocab-size left unset and check_args not run (a script building the model alone): bytes
         vocab_size = BYTE_VOCAB if args.vocab_size is None else args.vocab_size
-        model_kwargs = dict(vocab_size=vocab_size, max_sequence_length=args.seq_len,
-                            share_embeddings_and_output_weights=not llama,
-                            position_embedding_type="rope" if llama else "learned_absolute")
+        model_kwargs = dict(vocab_size=vocab_size,
+                            max_sequence_length=args.max_position_embeddings or args.seq_len,
+                            share_embeddings_and_output_weights=not parts["untied"],
+                            position_embedding_type=parts["position_embedding_type"],
+                            **({} if args.multi_latent_attention else rotary))
     torch.manual_seed(args.seed)  # the CPU generator: dropout outside tensor-parallel regions on CPU
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     stages = [None] if args.virtual_pipeline is None else range(args.virtual_pipeline)

@@ -36,7 +36,13 @@ from megatron_ext.training.gpt import forward_step, load_corpus, step_microbatch
 from megatron_ext.training.initialize import device_of, init_process_group
 from megatron_ext.training.model import build_model, params_dtype
 from megatron_ext.training.outputs import export_hf, log_event, run_config, summary, write_outputs
-from megatron_ext.training.validation import check_args, resolve_timeout, tokenizer_dir, uses_gpu
+from megatron_ext.training.validation import (
+    check_args,
+    resolve_timeout,
+    tokenizer_dir,
+    tokenizer_of,
+    uses_gpu,
+)
 
 
 def train(args: argparse.Namespace, model_provider=None, forward_step_func=None) -> dict:
@@ -48,7 +54,7 @@ def train(args: argparse.Namespace, model_provider=None, forward_step_func=None)
     world_size = dist.get_world_size()
     check_args(args, world_size)
     corpus = None
-    if args.data_path is None and args.sft is None:  # datasets are built once the groups exist
+    if args.data_path is None and args.sft is None and not args.mock_data:  # datasets: once the groups exist
         corpus = load_corpus(args.data, args.seq_len + 2, tokenizer_dir(args))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tp,
@@ -64,10 +70,10 @@ def train(args: argparse.Namespace, model_provider=None, forward_step_func=None)
     if args.schedule == "zb-v":
         parallel_state.set_pipeline_model_parallel_layout("v")
     try:
-        if args.data_path is not None:
+        if args.data_path is not None or args.mock_data:
             sizes = gpt_data.split_sizes(args.steps, args.global_batch_size, args.eval_interval,
                                          args.eval_iters)
-            tokenizer = gpt_data.HuggingFaceTokenizer(tokenizer_dir(args))
+            tokenizer = tokenizer_of(args)
             corpus = gpt_data.build_datasets(args.data_path, args.split, tokenizer, args.seq_len, args.seed,
                                              sizes, args.data_cache_path)
         elif args.sft is not None:
@@ -191,7 +197,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list, model_pro
 
     losses, tokens_per_s, grad_norms, skipped, aux_losses, mtp, val_losses = [], [], [], 0, [], [], []
     loss_tokens = []  # --sft: the response tokens of each step's global batch
-    datasets = corpus if args.data_path is not None or args.sft is not None else None
+    datasets = corpus if args.data_path is not None or args.sft is not None or args.mock_data else None
     get_moe_layer_wise_logging_tracker().clear()  # nothing tracked by an earlier run in this process
     MTPLossLoggingHelper.tracker.clear()
     tokens_per_step = args.global_batch_size * args.seq_len

@@ -13,7 +13,6 @@ from megatron_ext.models.hf import (
     hf_config_of,
     hf_tensor_names,
 )
-from megatron_ext.optimizer import OptimizerConfig
 from megatron_ext.training import gpt_data
 from megatron_ext.training.checkpointing import (
     find_checkpoint,
@@ -21,9 +20,9 @@ from megatron_ext.training.checkpointing import (
     read_marker,
 )
 from megatron_ext.training.arguments import BYTE_VOCAB
-from megatron_ext.training.model import llama_ffn_hidden
+from megatron_ext.training.model import architecture
+from megatron_ext.training.validation_rules import check_rules, resolve_megatron_flags
 from megatron_ext.training.validation_model import (
-    FLOAT32_MAX,
     apply_deepseek_defaults,
     check_gated_unit_args,
     check_mla_args,
@@ -33,11 +32,15 @@ from megatron_ext.training.validation_model import (
 
 def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Every rank runs this on the same arguments, so every rank raises the same error."""
-    check_numbers(args)
+    check_rules(args)
+    resolve_megatron_flags(args)
     args.hf_config = read_hf_config(args.load_hf) if args.load_hf is not None else None
-    if args.export_hf is not None and args.arch not in ("llama", "deepseek") and args.load_hf is None:
-        raise ValueError("--export-hf writes Llama- or DeepSeek-shaped models: use --arch llama, --arch "
-                         "deepseek or --load-hf")
+    parts = architecture(args)
+    llama_shaped = (parts["normalization"] == "RMSNorm" and parts["swiglu"] and parts["untied"]
+                    and parts["position_embedding_type"] == "rope")
+    if args.export_hf is not None and not llama_shaped and args.load_hf is None:
+        raise ValueError("--export-hf writes Llama- or DeepSeek-shaped models (RMSNorm, SwiGLU, rotary "
+                         "positions, an untied output layer): use --arch llama, --arch deepseek or --load-hf")
     check_export_dir(args)
     if args.save is not None:
         check_writable_dir("--save", args.save)
@@ -108,7 +111,13 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     check_moe_args(args, world_size)
     if args.heads % args.tp != 0:
         raise ValueError(f"--heads {args.heads} is not divisible by --tp {args.tp}")
-    if args.hidden % args.heads != 0 and args.hf_config is None:
+    if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_len:
+        raise ValueError(f"--max-position-embeddings {args.max_position_embeddings} is less than --seq-len "
+                         f"{args.seq_len}")
+    if args.kv_channels is not None and args.multi_latent_attention:
+        raise ValueError("--kv-channels with multi-latent attention: its heads' channels are --qk-head-dim, "
+                         "--qk-pos-emb-head-dim and --v-head-dim")
+    if args.hidden % args.heads != 0 and args.hf_config is None and args.kv_channels is None:
         raise ValueError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
     if args.num_query_groups is not None:
         groups = args.num_query_groups
@@ -120,9 +129,11 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
             raise ValueError(f"--num-query-groups {groups} must be a multiple or a divisor of --tp {args.tp}")
     if args.ffn_hidden is not None and (args.ffn_hidden < 1 or args.ffn_hidden % args.tp != 0):
         raise ValueError(f"--ffn-hidden {args.ffn_hidden} must be >= 1 and divisible by --tp {args.tp}")
-    if args.arch == "llama" and args.ffn_hidden is None and llama_ffn_hidden(args.hidden) % args.tp != 0:
-        raise ValueError(f"the MLP width {llama_ffn_hidden(args.hidden)} is not divisible by --tp {args.tp}; "
-                         "set --ffn-hidden")
+    width = parts["ffn_hidden"]
+    if args.hf_config is None and args.ffn_hidden is None and width is not None and width % args.tp:
+        raise ValueError(f"the MLP width {width} is not divisible by --tp {args.tp}; set --ffn-hidden")
+    if args.hf_config is None and width is not None and width < 1:
+        raise ValueError(f"the MLP width {width} of --hidden {args.hidden} is not >= 1; set --ffn-hidden")
     if args.layers % args.pp != 0:
         raise ValueError(f"--layers {args.layers} is not divisible by --pp {args.pp}")
     if args.schedule in ("zb-h1", "zb-v") and args.pp < 2:
@@ -185,6 +196,14 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     resolve_timeout(args)
 
 
+def tokenizer_of(args: argparse.Namespace):
+    """The run's tokenizer: Megatron-LM's NullTokenizer (--tokenizer-type NullTokenizer), or the
+    Hugging Face one of ``tokenizer_dir``."""
+    if args.null_tokenizer_vocab is not None:
+        return gpt_data.NullTokenizer(args.null_tokenizer_vocab)
+    return gpt_data.HuggingFaceTokenizer(tokenizer_dir(args))
+
+
 def tokenizer_dir(args: argparse.Namespace) -> str | None:
     """--tokenizer, or the --load-hf directory when it holds a tokenizer; None: byte-level."""
     if args.tokenizer is not None:
@@ -209,8 +228,14 @@ def check_data_args(args: argparse.Namespace) -> None:
             raise ValueError("--data-cache-path is where the index caches of --data-path go: it needs "
                              "--data-path (--data and --sft build none)")
         check_writable_dir("--data-cache-path", args.data_cache_path)
+    if args.mock_data:
+        if tokenizer_dir(args) is None and args.tokenizer_type != "NullTokenizer":
+            raise ValueError("--mock-data needs a tokenizer (its vocabulary and end of document): "
+                             "--tokenizer-type NullTokenizer --vocab-size N, or --tokenizer DIR")
+        if gpt_data.split_share(args.split, "train") == 0:
+            raise ValueError(f"--split {args.split!r} leaves no documents to train on")
     if args.data_path is not None:
-        if tokenizer_dir(args) is None:
+        if tokenizer_dir(args) is None and args.tokenizer_type != "NullTokenizer":
             raise ValueError("--data-path needs the corpus's tokenizer: --tokenizer DIR, or --load-hf "
                              "with one")
         prefixes, weights = gpt_data.parse_blend(args.data_path, args.split)
@@ -223,15 +248,15 @@ def check_data_args(args: argparse.Namespace) -> None:
                                  "is a "
                                  "PREFIX.bin and a PREFIX.idx file)")
     if args.eval_interval is not None:
-        if args.data_path is None and args.sft is None:
-            raise ValueError("--eval-interval needs --data-path or --sft (its validation split)")
+        if args.data_path is None and args.sft is None and not args.mock_data:
+            raise ValueError("--eval-interval needs --data-path, --mock-data or --sft (its validation split)")
         if args.eval_interval < 1 or args.eval_iters < 1:
             raise ValueError(f"--eval-interval {args.eval_interval} and --eval-iters {args.eval_iters} "
                              "must be >= 1")
         if gpt_data.split_share(args.split, "valid") == 0:
             raise ValueError(f"--eval-interval needs a validation share in --split {args.split!r}")
     directory = tokenizer_dir(args)
-    tokens = gpt_data.HuggingFaceTokenizer(directory).vocab_size if directory is not None else None
+    tokens = tokenizer_of(args).vocab_size if directory is not None or args.null_tokenizer_vocab else None
     if args.make_vocab_size_divisible_by < 1:
         raise ValueError(
             f"--make-vocab-size-divisible-by must be >= 1, got {args.make_vocab_size_divisible_by}")
@@ -279,24 +304,6 @@ def check_sft_args(args: argparse.Namespace) -> None:
             f"--pad-seq-to-mult a multiple of {2 * args.cp}, got {args.pad_seq_to_mult} (the same value at "
             "every layout the run trains or resumes at, so that all train the same rows)"
         )
-
-
-# Adam's first step moves the weights by --lr / (1 - beta1), a float32 scalar: at most FLOAT32_MAX.
-LR_MAX = FLOAT32_MAX * (1 - OptimizerConfig.adam_beta1)
-
-
-def check_numbers(args: argparse.Namespace) -> None:
-    for flag, value, low, high, closed in (
-        ("--lr", args.lr, 0.0, LR_MAX, True),
-        ("--clip-grad", args.clip_grad, 0.0, FLOAT32_MAX, True),
-        ("--weight-decay", args.weight_decay, 0.0, FLOAT32_MAX, True),
-        ("--dropout", args.dropout, 0.0, 1.0, False),
-    ):
-        if not (low <= value <= high and (closed or value < high)):
-            bounds = f"[{low:g}, {high:g}" + ("]" if closed else ")")
-            raise ValueError(f"{flag} must be a finite number in {bounds}, got {value}")
-    if args.timeout is not None and not 0 < args.timeout < 1e9:
-        raise ValueError(f"--timeout must be a positive finite number of seconds, got {args.timeout}")
 
 
 def check_writable_dir(flag: str, path: str) -> None:
@@ -369,9 +376,11 @@ def check_context_parallel_args(args: argparse.Namespace) -> None:
                 f"--cp-comm-type a2a splits each tensor-parallel rank's {heads} query heads and {groups} "
                 f"key/value groups over --cp {args.cp} ranks; both must be divisible by it"
             )
-    if args.dropout > 0:
-        raise ValueError(f"--dropout {args.dropout} with --cp {args.cp}: attention dropout is not supported "
-                         "with context parallelism")
+    attention_dropout = args.dropout if args.attention_dropout is None else args.attention_dropout
+    if attention_dropout > 0:
+        flag = "--dropout" if args.attention_dropout is None else "--attention-dropout"
+        raise ValueError(f"{flag} {attention_dropout} with --cp {args.cp}: attention dropout is not "
+                         "supported with context parallelism")
 
 
 def check_attention_args(args: argparse.Namespace) -> None:

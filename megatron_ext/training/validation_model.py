@@ -5,16 +5,12 @@ from __future__ import annotations
 import argparse
 import math
 
-import torch
 
 from megatron_ext.transformer.transformer_config import check_group_limited_routing
-from megatron_ext.training.arguments import moe_freq_type
-from megatron_ext.training.model import llama_ffn_hidden
+from megatron_ext.training.arguments_model import moe_freq_type
+from megatron_ext.training.validation_rules import FLOAT32_MAX
+from megatron_ext.training.model import architecture, llama_ffn_hidden
 
-
-# The float flags: each finite (and in float32's range, where the optimizer takes it as a float32
-# scalar) and within its bounds. NaN passes no comparison, so every check is written as what holds.
-FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
@@ -141,7 +137,7 @@ def check_gated_unit_args(args: argparse.Namespace) -> None:
     clamp = args.activation_func_clamp_value
     if clamp is not None and not 0.0 < clamp < FLOAT32_MAX:
         raise ValueError(f"--activation-func-clamp-value must be a finite number > 0, got {clamp}")
-    gated = args.arch == "llama" or args.quick_geglu
+    gated = architecture(args)["swiglu"] or args.quick_geglu
     if not gated and (args.glu_linear_offset != 0.0 or clamp is not None):
         raise ValueError("--glu-linear-offset and --activation-func-clamp-value shape a gated MLP: use "
                          "--arch llama or --quick-geglu")
@@ -185,10 +181,10 @@ def check_mla_args(args: argparse.Namespace) -> None:
         if not 0.0 <= args.mtp_loss_scaling_factor < FLOAT32_MAX:
             raise ValueError(f"--mtp-loss-scaling-factor must be a finite number >= 0, got "
                              f"{args.mtp_loss_scaling_factor}")
-        if args.arch == "gpt" and args.pp > 1:
-            raise ValueError(f"--mtp-num-layers with --arch gpt (learned positions) and --pp {args.pp}: the "
+        if architecture(args)["position_embedding_type"] == "learned_absolute" and args.pp > 1:
+            raise ValueError(f"--mtp-num-layers with learned positions (--arch gpt) and --pp {args.pp}: the "
                              "last stage would need its own copy of the position embedding; use --arch llama "
-                             "or deepseek")
+                             "or deepseek, or --position-embedding-type rope")
 
 
 def apply_deepseek_defaults(args: argparse.Namespace) -> None:
