@@ -60,7 +60,8 @@ def _settings(style: dict, warmup: int, wd_style: str) -> dict:
 
 @pytest.mark.parametrize("style", STYLES, ids=lambda s: s.get("lr_wsd_decay_style", s["lr_decay_style"]))
 def test_same_lr_and_wd_as_megatron_core_at_every_step(style):
-    for warmup in (0, 12):
+    # 0.25 * 120: a warmup given as a fraction of the decay (--lr-warmup-fraction) is a float
+    for warmup in (0, 12, 0.25 * 120):
         for wd_style in ("linear", "cosine", "constant"):
             groups = CONSTANT_WD_GROUPS if wd_style == "constant" else GROUPS
             theirs, ours = _pair(groups, **_settings(style, warmup, wd_style))
