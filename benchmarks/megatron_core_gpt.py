@@ -54,6 +54,7 @@ MCORE_MODULES = (
     "distributed",
     "optimizer",
     "dist_checkpointing",
+    "optimizer_param_scheduler",  # a module: the learning-rate scheduler Megatron-LM's loop builds
 )
 _ON_MEGATRON_EXT = False
 
@@ -88,7 +89,8 @@ class _MegatronCoreFallback(importlib.abc.MetaPathFinder):
 
 def use_megatron_ext() -> None:
     """Resolves ``megatron.core.{parallel_state, tensor_parallel, pipeline_parallel, distributed,
-    optimizer, dist_checkpointing}`` and their submodules (at any depth) to megatron_ext's modules;
+    optimizer, dist_checkpointing, optimizer_param_scheduler}`` and the packages' submodules (at any
+    depth) to megatron_ext's modules;
     a submodule megatron_ext does not have is Megatron-core's own (listed in
     MEGATRON_CORE_FALLBACKS). Call before anything imports ``megatron.core``."""
     global _ON_MEGATRON_EXT

@@ -114,6 +114,8 @@ def _train_on_megatron_ext() -> dict:
     cpu_patches(full=False)
     out = {name: train(run) for name, (run, _, _) in RUNS.items()}
     out["fallbacks"] = list(MEGATRON_CORE_FALLBACKS)
+    # the scheduler setup() built: megatron_ext's, through the alias
+    out["scheduler"] = importlib.import_module("megatron.core.optimizer_param_scheduler").__name__
     at_cp1 = {name + " at cp 1": dataclasses.replace(run, cp=1) for name, run in CP_RUNS.items()}
     cp_runs = {**CP_RUNS, **at_cp1}
     out["context parallel"] = {name: train(run) for name, run in cp_runs.items()}
@@ -135,6 +137,7 @@ def test_megatron_core_gpt_model_trains_on_megatron_ext_as_on_megatron_core(on_m
     reference = run_distributed(4, _train_on_megatron_core, timeout=900)
     ours = on_megatron_ext
     assert [r["fallbacks"] for r in ours] == [EXPECTED_FALLBACKS] * 4
+    assert [r["scheduler"] for r in ours] == ["megatron_ext.optimizer_param_scheduler"] * 4
     for name, (run, loss_tolerance, param_tolerance) in RUNS.items():
         if loss_tolerance is None:
             _assert_float32_adam_runs_agree(name, run, reference, ours)

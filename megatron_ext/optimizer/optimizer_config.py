@@ -70,8 +70,9 @@ class OptimizerConfig:
     and 1-D parameters, Megatron's default), ``fp16``/``bf16``, ``loss_scale``,
     ``initial_loss_scale``, ``min_loss_scale``, ``loss_scale_window``, ``hysteresis``,
     ``adam_beta1/2``, ``adam_eps``, ``decoupled_weight_decay`` (AdamW), ``sgd_momentum``,
-    ``use_distributed_optimizer``, ``clip_grad`` and ``log_num_zeros_in_grad``. Learning-rate
-    schedules (``min_lr``, ``decoupled_lr``) belong to the training loop, as in Megatron-core.
+    ``use_distributed_optimizer``, ``clip_grad`` and ``log_num_zeros_in_grad``. ``min_lr``,
+    ``decoupled_lr`` and ``decoupled_min_lr`` become the groups' ``max_lr`` / ``min_lr``, which
+    ``OptimizerParamScheduler`` (the training loop's) reads, as in Megatron-core.
     ``overlap_param_gather`` is accepted and meant to equal the ``DistributedDataParallelConfig``
     field of that name, which is what turns the overlap on (as in Megatron-core). Options of
     features megatron_ext lacks (precision-aware optimizer, CPU offload, fp8, Muon,
