@@ -206,7 +206,7 @@ def test_bad_stack_arguments_raise():
 
 
 def test_moe_layer_freq_parses_as_megatron_lm():
-    from megatron_ext.training.arguments import moe_freq_type
+    from megatron_ext.training.arguments_model import moe_freq_type
 
     assert moe_freq_type("2") == 2
     assert moe_freq_type("([0]*1+[1]*3)") == [0, 1, 1, 1]

@@ -110,8 +110,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "half of --hidden / --heads)")
     p.add_argument("--v-head-dim", type=int, default=None,
                    help="MLA: a value head's channels (default: --hidden / --heads)")
-    p.add_argument("--rope-type", choices=["rope", "yarn"], default="rope",
-                   help="MLA's rotary embedding: rope, or YaRN stretched --rotary-scaling-factor times")
+    p.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
+                   help="MLA's rotary embedding: rope, or YaRN stretched --rotary-scaling-factor times "
+                        "(default: yarn, as Megatron-LM's, which at the default factor 1 is rope)")
     p.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="MLA with --rope-type yarn")
     p.add_argument("--mscale", type=float, default=1.0, help="MLA with --rope-type yarn: YaRN's mscale")
     p.add_argument("--mscale-all-dim", type=float, default=0.0,

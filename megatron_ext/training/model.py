@@ -111,13 +111,27 @@ def moe_settings(args: argparse.Namespace) -> dict:
     )
 
 
+def yarn_flags(args: argparse.Namespace) -> tuple:
+    """The YaRN flags of multi-latent attention: (flag, value, default)."""
+    return (("--rotary-scaling-factor", args.rotary_scaling_factor, 1.0), ("--mscale", args.mscale, 1.0),
+            ("--mscale-all-dim", args.mscale_all_dim, 0.0))
+
+
+def mla_rope_type(args: argparse.Namespace) -> str:
+    """--rope-type, or its default: Megatron-LM's YaRN, built as the plain rotation (the same one)
+    when every YaRN flag keeps its default (a factor of 1 stretches nothing)."""
+    if args.rope_type is not None:
+        return args.rope_type
+    return "yarn" if any(value != default for _, value, default in yarn_flags(args)) else "rope"
+
+
 def mla_settings(args: argparse.Namespace) -> dict:
     """The MLATransformerConfig fields of the multi-latent attention flags (none without them)."""
     if not args.multi_latent_attention or args.hf_config is not None:
         return {}
     return dict(q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
                 qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim, qk_layernorm=True,
-                rope_type=args.rope_type, rotary_scaling_factor=args.rotary_scaling_factor,
+                rope_type=mla_rope_type(args), rotary_scaling_factor=args.rotary_scaling_factor,
                 mscale=args.mscale, mscale_all_dim=args.mscale_all_dim)
 
 

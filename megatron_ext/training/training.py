@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -31,7 +30,10 @@ from megatron_ext.transformer import TransformerConfig
 from megatron_ext.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron_ext.transformer.transformer_layer import is_moe_layer
 from megatron_ext.transformer.moe.router_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
+from megatron_ext.optimizer_param_scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
 from megatron_ext.training.arguments import parse_args
+from megatron_ext.training.progress import RunLog
+from megatron_ext.training.report import step_report
 from megatron_ext.training.gpt import forward_step, load_corpus, step_microbatches
 from megatron_ext.training.initialize import device_of, init_process_group
 from megatron_ext.training.model import build_model, params_dtype
@@ -165,7 +167,11 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list, model_pro
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             lr=args.lr,
+            min_lr=args.min_lr,
             weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
             bf16=args.bf16,
             fp16=args.fp16,
             params_dtype=params_dtype(args),
@@ -177,9 +183,15 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list, model_pro
     )
     if args.fp16:
         config.grad_scale_func = optimizer.scale_loss
-    start_step = resume(args, model, optimizer)
+    scheduler = build_scheduler(args, optimizer)
+    start_step = resume(args, model, optimizer, scheduler)
     log_event(args, event="start", attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
               resumed_from=start_step, config=run_config(args))
+    report = step_report(chunks, optimizer, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp,
+                         dp=args.dp, vpp=args.virtual_pipeline, global_batch_size=args.global_batch_size,
+                         seq_length=args.seq_len)
+    if dist.get_rank() == 0:
+        print(report, flush=True)
     if args.virtual_pipeline is not None and args.schedule == "1f1b":
         forward_backward = get_forward_backward_func()  # interleaved 1F1B
     else:
@@ -188,13 +200,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list, model_pro
     # Only the chunk that embeds and the one that computes the loss read the batch; with packed
     # rows every chunk reads it, for the sequence boundaries its attention needs.
     needs_data = [args.sft is not None or c.module.pre_process or c.module.post_process for c in chunks]
-    rank0 = dist.get_rank() == 0
-    progress = None
-    if rank0 and not args.no_progress:
-        from tqdm import tqdm
-
-        progress = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True)
-
+    run_log = RunLog(args, start_step, run_config(args), device)
     losses, tokens_per_s, grad_norms, skipped, aux_losses, mtp, val_losses = [], [], [], 0, [], [], []
     loss_tokens = []  # --sft: the response tokens of each step's global batch
     datasets = corpus if args.data_path is not None or args.sft is not None or args.mock_data else None
@@ -238,12 +244,17 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list, model_pro
                 f"step {step + 1}: {nonfinite}; stopped before the update, so no checkpoint holds it "
                 f"(--skip-nonfinite skips such steps)"
             )
+        # the rate this step uses
+        groups = optimizer.param_groups
+        learning_rate = get_canonical_lr_for_logging(groups) or groups[0]["lr"]
+        loss_scale = optimizer.get_loss_scale().item() if args.fp16 else None
         if nonfinite:
             update_successful, grad_norm = False, None
-            if rank0:
-                print(f"step {step + 1}: {nonfinite}; the step is skipped", file=sys.stderr, flush=True)
+            run_log.notice(f"step {step + 1}: {nonfinite}; the step is skipped")
         else:
             update_successful, grad_norm, _ = optimizer.step()
+        if update_successful:  # as Megatron-LM: a skipped step does not move the schedule
+            scheduler.step(increment=args.global_batch_size)
         skipped += not update_successful
         grad_norms.append(grad_norm)
         losses.append(total / weight if weight > 0 else 0.0)
@@ -253,29 +264,22 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list, model_pro
         mtp.append(mtp_losses(args, num_microbatches, device))
         tokens_per_s.append(tokens_per_step / (time.perf_counter() - start))
         # the norm before clipping; none for a skipped step
-        log_event(args, step=step + 1, loss=losses[-1], tokens_per_s=tokens_per_s[-1],
-                  grad_norm=grad_norm, skipped=not update_successful,
-                  **({"loss_tokens": loss_tokens[-1]} if args.sft is not None else {}),
-                  **aux_losses[-1], **mtp[-1])
+        run_log.step(step + 1, loss=losses[-1], learning_rate=learning_rate, grad_norm=grad_norm,
+                     skipped=not update_successful, tokens_per_s=tokens_per_s[-1], loss_scale=loss_scale,
+                     extra={"loss_tokens": loss_tokens[-1]} if args.sft is not None else {},
+                     losses={**aux_losses[-1], **mtp[-1]})
         if args.eval_interval is not None and (step + 1) % args.eval_interval == 0:
             val, val_weight = evaluate(args, (step + 1) // args.eval_interval - 1, datasets[1], model, chunks,
                                        forward_backward, forward_step_func, num_microbatches, needs_data,
                                        device)
             val_losses.append((step + 1, val))
-            log_event(args, event="eval", step=step + 1, val_loss=val, val_ppl=math.exp(min(val, 700.0)),
-                      **({"loss_tokens": int(val_weight)} if args.sft is not None else {}))
-        if progress is not None:
-            aux = {name: f"{value:.4f}" for name, value in {**aux_losses[-1], **mtp[-1]}.items()}
-            if val_losses:
-                val = val_losses[-1][1]
-                aux.update(val_loss=f"{val:.4f}", val_ppl=f"{math.exp(min(val, 700.0)):.1f}")
-            progress.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s[-1]:.0f}", **aux)
-            progress.update(1)
+            run_log.evaluation(step + 1, val,
+                               {"loss_tokens": int(val_weight)} if args.sft is not None else {})
         at_interval = args.save_interval is not None and (step + 1) % args.save_interval == 0
         if args.save and (at_interval or step + 1 == args.steps):
-            log_event(args, event="save", iteration=step + 1, path=save(args, step + 1, model, optimizer))
-    if progress is not None:
-        progress.close()
+            log_event(args, event="save", iteration=step + 1,
+                      path=save(args, step + 1, model, optimizer, scheduler))
+    run_log.close()
     if args.export_hf is not None:
         log_event(args, event="export_hf", path=export_hf(args, [c.module for c in chunks]))
     log_event(args, event="end", steps=len(losses), skipped_steps=skipped)
@@ -387,20 +391,42 @@ def moe_aux_losses(
     return {name: float(value) for name, value in totals.items()}
 
 
+def build_scheduler(args: argparse.Namespace, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:
+    """Megatron-LM's learning-rate and weight-decay schedule of the flags, counted in samples (a step
+    is --global-batch-size of them), the warm-up's fraction of the decay's samples where given."""
+    samples = args.global_batch_size
+    decay = (args.lr_decay_iters or args.steps) * samples
+    warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
+              else args.lr_warmup_iters * samples)
+    start_wd = args.weight_decay if args.start_weight_decay is None else args.start_weight_decay
+    end_wd = args.weight_decay if args.end_weight_decay is None else args.end_weight_decay
+    return OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=decay, lr_decay_style=args.lr_decay_style, start_wd=start_wd, end_wd=end_wd,
+        wd_incr_steps=args.steps * samples, wd_incr_style=args.weight_decay_incr_style,
+        wsd_decay_steps=None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * samples,
+        lr_wsd_decay_style=args.lr_wsd_decay_style)
+
+
 def save(
-    args: argparse.Namespace, iteration: int, model: torch.nn.Module, optimizer: MegatronOptimizer
+    args: argparse.Namespace, iteration: int, model: torch.nn.Module, optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
 ) -> str:
     # The data position is the step: step k always reads the same global batch.
     data = {"consumed_samples": iteration * args.global_batch_size,
             "global_batch_size": args.global_batch_size}
     if args.sft is not None:  # what, besides the records, decides the rows
         data["pad_seq_to_mult"] = args.pad_seq_to_mult
-    return save_checkpoint(args.save, iteration, model, optimizer, metadata={"data": data, "seed": args.seed},
+    metadata = {"data": data, "seed": args.seed, "opt_param_scheduler": scheduler.state_dict()}
+    return save_checkpoint(args.save, iteration, model, optimizer, metadata=metadata,
                            overwrite=args.allow_overwrite, keep_last=args.keep_last)
 
 
-def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: MegatronOptimizer) -> int:
-    """Loads --load if given; returns the step to continue from."""
+def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: MegatronOptimizer,
+           scheduler: OptimizerParamScheduler) -> int:
+    """Loads --load if given; returns the step to continue from. The schedule continues from the
+    checkpoint's position (its samples; before the schedule was saved: the step's), under this run's
+    schedule flags."""
     if args.load is None:
         return 0
     if find_checkpoint(args.load) is None:  # allowed by check_checkpoint_paths
@@ -422,6 +448,8 @@ def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: Megatron
             f"{data['pad_seq_to_mult']}, this run has {args.pad_seq_to_mult}: other rows; give "
             f"--pad-seq-to-mult {data['pad_seq_to_mult']}"
         )
+    position = marker["metadata"].get("opt_param_scheduler", {}).get("num_steps")
+    scheduler.step(increment=marker["iteration"] * args.global_batch_size if position is None else position)
     if dist.get_rank() == 0:
         print(f"resumed from iteration {marker['iteration']} ({marker['path']})", flush=True)
         if not marker["rng_loaded"] and not args.no_load_rng:

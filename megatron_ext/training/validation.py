@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 
 import torch
@@ -47,6 +48,14 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     for flag, file in (("--log-json", args.log_json), ("--plot", args.plot)):
         if file:
             check_writable_file(flag, file)
+    for flag, directory, package in (("--tensorboard-dir", args.tensorboard_dir, "tensorboard"),
+                                     ("--wandb-save-dir", args.wandb_save_dir, None)):
+        if directory is not None:
+            check_writable_dir(flag, directory)
+        if directory is not None and package and importlib.util.find_spec(package) is None:
+            raise ValueError(f"{flag} needs the {package} package (pip install {package})")
+    if args.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        raise ValueError("--wandb-project needs the wandb package (pip install wandb)")
     if args.hf_config is not None:
         config, kwargs = config_from_hf(args.hf_config)
         args.arch, args.layers, args.hidden = "hf", config.num_layers, config.hidden_size
@@ -114,9 +123,6 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_len:
         raise ValueError(f"--max-position-embeddings {args.max_position_embeddings} is less than --seq-len "
                          f"{args.seq_len}")
-    if args.kv_channels is not None and args.multi_latent_attention:
-        raise ValueError("--kv-channels with multi-latent attention: its heads' channels are --qk-head-dim, "
-                         "--qk-pos-emb-head-dim and --v-head-dim")
     if args.hidden % args.heads != 0 and args.hf_config is None and args.kv_channels is None:
         raise ValueError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
     if args.num_query_groups is not None:

@@ -9,7 +9,7 @@ import math
 from megatron_ext.transformer.transformer_config import check_group_limited_routing
 from megatron_ext.training.arguments_model import moe_freq_type
 from megatron_ext.training.validation_rules import FLOAT32_MAX
-from megatron_ext.training.model import architecture, llama_ffn_hidden
+from megatron_ext.training.model import architecture, llama_ffn_hidden, yarn_flags
 
 
 
@@ -152,6 +152,8 @@ def check_mla_args(args: argparse.Namespace) -> None:
                  ("--qk-pos-emb-head-dim", args.qk_pos_emb_head_dim, None),
                  ("--v-head-dim", args.v_head_dim, None))
     if not args.multi_latent_attention:
+        mla_flags += (("--rope-type", args.rope_type, None),
+                      *yarn_flags(args))
         for flag, value, default in mla_flags:
             if value != default:
                 raise ValueError(f"{flag} {value} needs --multi-latent-attention (or --arch deepseek)")
@@ -174,6 +176,14 @@ def check_mla_args(args: argparse.Namespace) -> None:
                             ("--mscale", args.mscale), ("--mscale-all-dim", args.mscale_all_dim)):
             if not 0.0 <= value < FLOAT32_MAX:
                 raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
+        yarn = [flag for flag, value, default in yarn_flags(args) if value != default]
+        if args.rope_type == "rope" and yarn:
+            raise ValueError(f"{' '.join(yarn)} shape YaRN: they need --rope-type yarn (multi-latent "
+                             "attention's default when they are given)")
+        if args.kv_channels not in (None, args.v_head_dim):
+            raise ValueError(f"--kv-channels {args.kv_channels} with multi-latent attention: its heads' "
+                             f"channels are --qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim "
+                             f"({args.v_head_dim}); give none or --v-head-dim's")
     depths = args.mtp_num_layers
     if depths is not None:
         if depths < 1:

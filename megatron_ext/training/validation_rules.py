@@ -44,10 +44,19 @@ POSITIVE_INTS = ("--max-position-embeddings", "--kv-channels", "--rotary-base", 
 # (flag, what it needs): a flag that only means something beside another; the need as a test of args.
 NEEDS = (
     ("--wandb-exp-name", "--wandb-project", lambda a: a.wandb_project is not None),
+    ("--wandb-project", "--wandb-exp-name (the run's name)", lambda a: a.wandb_exp_name is not None),
     ("--wandb-save-dir", "--wandb-project", lambda a: a.wandb_project is not None),
     ("--tensorboard-log-interval", "--tensorboard-dir", lambda a: a.tensorboard_dir is not None),
     ("--lr-wsd-decay-iters", "--lr-decay-style WSD", lambda a: a.lr_decay_style == "WSD"),
     ("--min-lr", "a decaying --lr-decay-style (not constant)", lambda a: a.lr_decay_style != "constant"),
+    ("--start-weight-decay", "--weight-decay-incr-style linear or cosine (constant: --weight-decay)",
+     lambda a: a.weight_decay_incr_style != "constant"),
+    ("--end-weight-decay", "--weight-decay-incr-style linear or cosine (constant: --weight-decay)",
+     lambda a: a.weight_decay_incr_style != "constant"),
+    ("--weight-decay-incr-style linear", "--start-weight-decay and --end-weight-decay",
+     lambda a: a.start_weight_decay is not None and a.end_weight_decay is not None),
+    ("--weight-decay-incr-style cosine", "--start-weight-decay and --end-weight-decay",
+     lambda a: a.start_weight_decay is not None and a.end_weight_decay is not None),
     ("--tokenizer-type NullTokenizer", "--mock-data or --data-path (it has no text to tokenize)",
      lambda a: a.mock_data or a.data_path is not None),
 )
@@ -131,6 +140,8 @@ def resolve_megatron_flags(args: argparse.Namespace) -> None:
                              f"x --num-layers-per-virtual-pipeline-stage = {args.pp} x {per_chunk}")
         args.virtual_pipeline = args.layers // (args.pp * per_chunk)
         args.num_layers_per_virtual_pipeline_stage = None
+    if args.tp == 1:  # as Megatron-LM: nothing to split the sequence over
+        args.sequence_parallel = False
     if args.group_query_attention and args.num_query_groups is None:
         args.num_query_groups = 1
     if args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer is None and args.load_hf is None:
