@@ -59,7 +59,7 @@ case "$cmd" in
   train)
     setup
     # torchrun, ending a failed run with the workers' first `error:` line (after torchrun's report)
-    exec "$PY" -m megatron_ext.training.launch --standalone --nproc-per-node "${NPROC:-4}" examples/train_gpt.py "$@"
+    exec "$PY" -m megatron_ext.training.launch --standalone --nproc-per-node "${NPROC:-4}" examples/train_gpt.py --tp 2 --pp 2 "$@"
     ;;
   test)
     setup

@@ -212,7 +212,7 @@ def test_bad_cp_arguments_raise_on_every_rank():
             ],
             "a2a splits each tensor-parallel rank's 2 query heads and 1 key/value groups over --cp 2",
         ),
-        (["--cp", "4"], "world size 2 is not divisible by tp x cp x pp = 1 x 4 x 2"),
+        (["--cp", "4"], "world size 2 is not divisible by tp x cp x pp = 1 x 4 x 1"),
         (["--cp", "2", "--dropout", "0.1", "--pp", "1"], "attention dropout is not supported"),
     ]
     for messages in run_distributed(2, _bad_arguments_worker, [["--tp", "1", *argv] for argv, _ in cases]):

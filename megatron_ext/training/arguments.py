@@ -77,10 +77,10 @@ def build_parser() -> ArgumentParser:
                    help="a YAML or TOML file of flags (keys: the flags' names without the dashes, "
                    "optionally in sections); the command line overrides it")
     add_model_arguments(p)
-    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=2,
-                   help="tensor-parallel size (Megatron-LM's default is 1)")
-    p.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=2,
-                   help="pipeline-parallel size (Megatron-LM's default is 1)")
+    p.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1,
+                   help="tensor-parallel size")
+    p.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1,
+                   help="pipeline-parallel size")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel size (default: world / (tp x cp x pp))")
     p.add_argument("--context-parallel-size", "--cp", dest="cp", type=int, default=1,

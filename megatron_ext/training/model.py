@@ -135,8 +135,10 @@ def mla_settings(args: argparse.Namespace) -> dict:
                 mscale=args.mscale, mscale_all_dim=args.mscale_all_dim)
 
 
-def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") -> list[GPTModel]:
-    """This rank's model chunks: one GPTModel, or one per virtual pipeline stage."""
+def core_transformer_config_from_args(args: argparse.Namespace) -> tuple[TransformerConfig, dict]:
+    """The TransformerConfig the flags describe (Megatron-LM's function of this name), a --load-hf
+    model's with its config.json, and the GPTModel arguments beside it (vocabulary, positions, tied
+    output layer, rotary embedding)."""
     dtype = params_dtype(args)
     training = dict(
         tensor_model_parallel_size=args.tp,
@@ -203,6 +205,12 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
                             share_embeddings_and_output_weights=not parts["untied"],
                             position_embedding_type=parts["position_embedding_type"],
                             **({} if args.multi_latent_attention else rotary))
+    return config, model_kwargs
+
+
+def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") -> list[GPTModel]:
+    """This rank's model chunks: one GPTModel, or one per virtual pipeline stage."""
+    config, model_kwargs = core_transformer_config_from_args(args)
     torch.manual_seed(args.seed)  # the CPU generator: dropout outside tensor-parallel regions on CPU
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     stages = [None] if args.virtual_pipeline is None else range(args.virtual_pipeline)
