@@ -14,28 +14,8 @@ import pytest
 
 from megatron_ext.training.arguments import parse_args
 
-TINY = [
-    "--tp",
-    "1",
-    "--pp",
-    "2",
-    "--layers",
-    "2",
-    "--hidden",
-    "32",
-    "--heads",
-    "4",
-    "--seq-len",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "4",
-    "--lr",
-    "1e-2",
-    "--plot",
-    "",
-]
+TINY = ("--tp 1 --pp 2 --layers 2 --hidden 32 --heads 4 --seq-len 16 --micro-batch-size 2 "
+        "--global-batch-size 4 --lr 1e-2").split() + ["--plot", ""]
 
 
 def _scalars(directory) -> dict[str, list[tuple[int, float]]]:
@@ -51,38 +31,11 @@ def test_console_script_reports_logs_and_writes_tensorboard(tmp_path):
     script = os.path.join(os.path.dirname(sys.executable), "megatron-ext-train")
     assert os.access(script, os.X_OK), f"{script}: the console script is not installed"
     tb, log = tmp_path / "tb", tmp_path / "log.jsonl"
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--no-python",
-        script,
-        *TINY,
-        "--train-iters",
-        "4",
-        "--mock-data",
-        "--tokenizer-type",
-        "NullTokenizer",
-        "--vocab-size",
-        "255",
-        "--eval-interval",
-        "2",
-        "--eval-iters",
-        "1",
-        "--log-interval",
-        "2",
-        "--lr-decay-style",
-        "linear",
-        "--min-lr",
-        "1e-3",
-        "--tensorboard-dir",
-        str(tb),
-        "--log-json",
-        str(log),
-    ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    flags = ("--train-iters 4 --mock-data --tokenizer-type NullTokenizer --vocab-size 255 --eval-interval 2 "
+             "--eval-iters 1 --log-interval 2 --lr-decay-style linear --min-lr 1e-3").split()
+    argv = [*torchrun, "--no-python", script, *TINY, *flags, "--tensorboard-dir", str(tb),
+            "--log-json", str(log)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     out = done.stdout.splitlines()
