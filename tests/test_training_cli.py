@@ -144,3 +144,34 @@ def test_config_file_holds_flags_and_the_command_line_overrides_them(tmp_path):
     bad.write_text("tensor-parallel-size: 2\n")
     with pytest.raises(ValueError, match="tensor-parallel-size"):
         parse_args(["--config", str(bad)])
+
+
+def test_config_file_errors_name_the_file_and_the_key(tmp_path):
+    cases = {
+        "switch.yaml": ("swiglu: 1\n", "swiglu: --swiglu is a switch, expected true or false, got 1"),
+        "twice.yaml": ("tp: 2\nparallel:\n  tensor_model_parallel_size: 4\n",
+                       "parallel.tensor_model_parallel_size sets what tp sets: give it once"),
+        "list.yaml": ("num-layers: [2, 4]\n",
+                      "num-layers: --num-layers takes one value, got the list [2, 4]"),
+        "none.yaml": ("lr:\n", "lr: expected a value for --lr, got None"),
+        "nested.yaml": ("config: other.yaml\n", "config: a --config file cannot name another"),
+        "top.yaml": ("- tp\n- 2\n", "expected a mapping of flags at the top, got list"),
+        "broken.yaml": ("tp: [2\n", "not valid YAML"),
+        "broken.toml": ("tp = \n", "not valid TOML"),
+        "run.json": ("{}", "expected a .yaml, .yml or .toml file"),
+        "unknown.toml": ("[model]\nhidden-sise = 64\n", "model.hidden-sise: not a flag of this program"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError) as error:
+            parse_args(["--config", str(tmp_path / name)])
+        assert str(error.value).startswith(f"--config {str(tmp_path / name)!r}: "), name
+        assert message in str(error.value), (name, str(error.value))
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("seed: 1 # \xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match="cannot be read as UTF-8"):
+        parse_args(["--config", str(latin)])
+    # a switch set false in the file is off; store_false switches turn off with true
+    (tmp_path / "off.yaml").write_text("swiglu: false\nno-check-for-nan-in-loss-and-grad: true\n")
+    args = parse_args(["--config", str(tmp_path / "off.yaml")])
+    assert not args.swiglu and not args.check_for_nan_in_loss_and_grad

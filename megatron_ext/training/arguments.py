@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 
 from megatron_ext.distributed.distributed_data_parallel import DEFAULT_BUCKET_SIZE_BYTES
 from megatron_ext.training.arguments_model import add_model_arguments
+from megatron_ext.training.config_file import config_argv
 
 DTYPES = {
     "float32": torch.float32,
@@ -284,8 +286,6 @@ def build_parser() -> ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags of ``argv`` (default: the command line) after those of its ``--config`` file."""
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     config = [i for i, token in enumerate(argv) if token == "--config" or token.startswith("--config=")]
@@ -299,8 +299,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             path, argv = argv[i + 1], argv[:i] + argv[i + 2:]
         else:
             path, argv = argv[i].split("=", 1)[1], argv[:i] + argv[i + 1:]
-        from megatron_ext.training.config_file import config_argv
-
         argv = config_argv(path, parser) + argv
     args, unknown = parser.parse_known_args(argv)
     flags = [token.split("=", 1)[0] for token in unknown if token.startswith("-")]

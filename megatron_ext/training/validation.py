@@ -40,8 +40,9 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     llama_shaped = (parts["normalization"] == "RMSNorm" and parts["swiglu"] and parts["untied"]
                     and parts["position_embedding_type"] == "rope")
     if args.export_hf is not None and not llama_shaped and args.load_hf is None:
-        raise ValueError("--export-hf writes Llama- or DeepSeek-shaped models (RMSNorm, SwiGLU, rotary "
-                         "positions, an untied output layer): use --arch llama, --arch deepseek or --load-hf")
+        raise ValueError("--export-hf writes Llama- or DeepSeek-shaped models: use --arch llama, --arch "
+                         "deepseek or --load-hf (or --normalization RMSNorm --swiglu "
+                         "--position-embedding-type rope --untie-embeddings-and-output-weights)")
     check_export_dir(args)
     if args.save is not None:
         check_writable_dir("--save", args.save)
