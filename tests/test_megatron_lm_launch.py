@@ -176,6 +176,18 @@ def test_what_megatron_ext_lacks_is_refused_by_name(tmp_path):
         parse_args(["--tensor-parallel-size", "2"])
     with pytest.raises(ValueError, match="invalid choice: 'GPT2BPETokenizer'"):
         parse_args(["--tokenizer-type", "GPT2BPETokenizer"])
+    with pytest.raises(
+        ValueError, match="--lr-warmup-iters gives a warm-up of 3 steps, not shorter than the decay's 3"
+    ):
+        check_args(parse_args(["--train-iters", "3", "--lr-warmup-iters", "3"]), 1)
+    with pytest.raises(ValueError, match="--min-lr needs a decaying --lr-decay-style"):
+        check_args(parse_args(["--min-lr", "1e-5"]), 1)
+    with pytest.raises(
+        ValueError, match="--start-weight-decay needs --weight-decay-incr-style linear or cosine"
+    ):
+        check_args(parse_args(["--start-weight-decay", "0.1"]), 1)
+    with pytest.raises(ValueError, match="--weight-decay-incr-style linear needs --start-weight-decay and"):
+        check_args(parse_args(["--weight-decay-incr-style", "linear"]), 1)
     with pytest.raises(ValueError, match="--timeout and --distributed-timeout-minutes exclude each other"):
         check_args(parse_args(["--timeout", "10", "--distributed-timeout-minutes", "1"]), WORLD)
 

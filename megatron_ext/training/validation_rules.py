@@ -113,6 +113,12 @@ def check_rules(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.lr_warmup_iters < 0:
         raise ValueError(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    decay = args.lr_decay_iters or args.steps
+    warmup = args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None else args.lr_warmup_iters
+    if warmup >= decay:
+        flag = "--lr-warmup-fraction" if args.lr_warmup_fraction is not None else "--lr-warmup-iters"
+        raise ValueError(f"{flag} gives a warm-up of {warmup:g} steps, not shorter than the decay's {decay} "
+                         "(--lr-decay-iters, default --train-iters)")
     for flag, need, holds in NEEDS:
         if given(args, flag) and not holds(args):
             raise ValueError(f"{flag} needs {need}")
