@@ -175,3 +175,12 @@ def test_config_file_errors_name_the_file_and_the_key(tmp_path):
     (tmp_path / "off.yaml").write_text("swiglu: false\nno-check-for-nan-in-loss-and-grad: true\n")
     args = parse_args(["--config", str(tmp_path / "off.yaml")])
     assert not args.swiglu and not args.check_for_nan_in_loss_and_grad
+
+
+def test_the_example_is_a_short_program_over_the_package():
+    from tests.conftest import ROOT
+
+    example = (ROOT / "examples" / "train_gpt.py").read_text()
+    assert len(example.splitlines()) < 200
+    # the program's pieces (model provider, forward step) handed to the package's run
+    assert "run(model_provider=model_provider, forward_step_func=forward_step)" in example
