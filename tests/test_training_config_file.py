@@ -116,8 +116,6 @@ def test_each_bad_file_or_key_is_one_error_naming_both(tmp_path):
             config_argv(str(path), toy_parser())
 
 
-@pytest.mark.xfail(strict=True, reason="yaml.safe_load keeps the last of a key repeated in one mapping; "
-                   "config_file needs a loader that refuses it")
 def test_a_key_repeated_in_one_yaml_mapping_is_refused(tmp_path):
     path = tmp_path / "repeated.yaml"
     path.write_text("lr: 1.0\nlr: 2.0\n")

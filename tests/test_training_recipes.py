@@ -19,6 +19,7 @@ CONFIGS = ROOT / "examples" / "configs"
 REAL = {
     "llama3_8b": (64, 8_030_261_248),
     "qwen3_8b": (32, 8_190_735_360),
+    "qwen3_30b_a3b": (32, 30_532_122_624),
     "mixtral_8x7b": (64, 46_702_792_704),
     "gpt_oss_20b": (32, 20_914_757_184),
     "deepseek_v3": (256, None),  # multi-latent attention: its count is not written out here

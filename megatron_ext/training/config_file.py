@@ -9,6 +9,22 @@ import argparse
 import os
 
 
+def _unique_key_loader(yaml):
+    """PyYAML's safe loader refusing a key repeated in one mapping (``safe_load`` keeps the last)."""
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+            for i, key in enumerate(keys):
+                if key in keys[:i]:
+                    mark = node.value[i][0].start_mark
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"{key!r} given twice in one mapping", mark)
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
+
+
 def _read(path: str) -> dict:
     if not os.path.isfile(path):
         raise ValueError(f"--config {path!r}: no such file")
@@ -34,7 +50,7 @@ def _read(path: str) -> dict:
             raise ValueError(f"--config {path!r}: YAML files need the PyYAML package (pip install pyyaml)"
                              ) from None
         try:
-            content = yaml.safe_load(text)
+            content = yaml.load(text, Loader=_unique_key_loader(yaml))  # noqa: S506  (a SafeLoader)
         except yaml.YAMLError as e:
             raise ValueError(f"--config {path!r}: not valid YAML ({' '.join(str(e).split())})") from None
     if content is None:
