@@ -2,6 +2,7 @@
 
 from megatron_ext.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron_ext.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron_ext.distributed.fully_sharded_data_parallel import FullyShardedDataParallel
 from megatron_ext.distributed.finalize_model_grads import (
     allreduce_embedding_grads,
     allreduce_gradients,
@@ -12,6 +13,7 @@ from megatron_ext.distributed.finalize_model_grads import (
 __all__ = [
     "DistributedDataParallel",
     "DistributedDataParallelConfig",
+    "FullyShardedDataParallel",
     "allreduce_embedding_grads",
     "allreduce_gradients",
     "allreduce_layernorm_grads",

@@ -135,6 +135,11 @@ class DistributedDataParallel(torch.nn.Module):
             check_config_object(config, "DistributedDataParallel")
         megatron_mode = ddp_config is not None
         ddp_config = as_ddp_config(ddp_config) if megatron_mode else None
+        if megatron_mode and ddp_config.use_megatron_fsdp and not getattr(self, "_is_fsdp", False):
+            raise ValueError(
+                "DistributedDataParallelConfig(use_megatron_fsdp=True) is for "
+                "megatron_ext.distributed.FullyShardedDataParallel, not DistributedDataParallel"
+            )
         if bucket_size_bytes is not None and (
             isinstance(bucket_size_bytes, bool)
             or not isinstance(bucket_size_bytes, int)
@@ -500,6 +505,21 @@ class DistributedDataParallel(torch.nn.Module):
         size = bucket.padded_numel // dist.get_world_size(group)
         rank = dist.get_rank(group)
         return rank * size, (rank + 1) * size
+
+    def param_shard(self, bucket: _ParamAndGradBucket) -> torch.Tensor:
+        """The part of ``bucket``'s parameters this rank's optimizer updates (``shard_range``), a
+        view of the parameters themselves."""
+        lo, hi = self.shard_range(bucket)
+        if bucket.param_data is None:
+            raise RuntimeError(
+                "param_shard needs DistributedDataParallelConfig(use_distributed_optimizer=True)"
+            )
+        return bucket.param_data[lo:hi]
+
+    def grad_shard(self, bucket: _ParamAndGradBucket) -> torch.Tensor:
+        """The part of ``bucket``'s gradients this rank owns once they are reduced."""
+        lo, hi = self.shard_range(bucket)
+        return bucket.grad_data[lo:hi]
 
     def _require_param_gather(self, what: str) -> None:
         if not self._reduce_scatter:

@@ -62,9 +62,6 @@ class DistributedDataParallelConfig:
             "check_for_large_grads": False,
             "fp8_param_gather": False,
             "reuse_grad_buf_for_mxfp8_param_ag": False,
-            "use_megatron_fsdp": False,
-            "use_custom_fsdp": False,
-            "data_parallel_sharding_strategy": "no_shard",
             "outer_dp_sharding_strategy": "no_shard",
             "nccl_ub": False,
             "fsdp_double_buffer": False,
@@ -76,6 +73,20 @@ class DistributedDataParallelConfig:
                     f"DistributedDataParallelConfig.{name}={getattr(self, name)!r} is not supported by "
                     f"megatron_ext (only {default!r})"
                 )
+        strategies = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+        if self.data_parallel_sharding_strategy not in strategies:
+            raise ValueError(
+                "DistributedDataParallelConfig.data_parallel_sharding_strategy must be one of "
+                f"{list(strategies)}, got {self.data_parallel_sharding_strategy!r}"
+            )
+        if self.use_custom_fsdp and not self.use_megatron_fsdp:
+            self.use_megatron_fsdp = True  # the deprecated name, as Megatron-LM maps it
+        if self.data_parallel_sharding_strategy != "no_shard" and not self.use_megatron_fsdp:
+            raise ValueError(
+                f"DistributedDataParallelConfig.data_parallel_sharding_strategy="
+                f"{self.data_parallel_sharding_strategy!r} needs use_megatron_fsdp=True "
+                "(FullyShardedDataParallel)"
+            )
         if self.bucket_size is not None and (
             isinstance(self.bucket_size, bool)
             or not isinstance(self.bucket_size, int)

@@ -87,15 +87,19 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for bucket in ddp.grad_buckets:
                 buckets.append((ddp, bucket))
                 lo, hi = ddp.shard_range(bucket)
+                param_shard, grad_shard = ddp.param_shard(bucket), ddp.grad_shard(bucket)
                 for p in bucket.params_list:
                     offset = bucket.param_to_index[p][0]
                     a, b = max(offset, lo), min(offset + p.numel(), hi)
                     if a >= b:
                         continue
-                    piece = p.detach().view(-1)[a - offset : b - offset]
+                    # The shard's piece: a view of the parameter itself, except under fully
+                    # sharded parameters, whose shards have storage of their own.
+                    piece = param_shard[a - lo : b - lo]
                     main = piece.float().clone() if p.dtype in SIXTEEN_BIT else piece
-                    grad = bucket.grad_data[a:b]
-                    slots.append(_Slot(names[id(p)], p, a - offset, b - offset, main, lambda g=grad: g))
+                    grad = grad_shard[a - lo : b - lo]
+                    slots.append(_Slot(names[id(p)], p, a - offset, b - offset, main, lambda g=grad: g,
+                                       model_piece=piece))
         torch_optimizer = build_torch_optimizer(config, slots, param_groups)
         optimizer = cls(torch_optimizer, config, grad_scaler, slots, model_chunks)
         optimizer._buckets = buckets
@@ -127,8 +131,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         ``force_sync``)."""
         with torch.no_grad():
             copy_into_model_params([  # where the main parameter is not a view of the model's
-                (s.model_param.view(-1)[s.start : s.end], s.main) for s in self._slots
-                if s.main.dtype != s.model_param.dtype
+                (s.piece(), s.main) for s in self._slots if s.main.dtype != s.model_param.dtype
             ])
         for ddp in self._ddps():
             ddp.start_param_sync(force_sync=force_sync)
@@ -192,6 +195,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def load_param_state_by_name(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
         self._finish_param_sync()  # a gather in flight would overwrite the loaded values
         super().load_param_state_by_name(d)
+        sharded = [ddp for ddp in self._ddps() if getattr(ddp, "params_are_sharded", False)]
+        for ddp in sharded:  # the shards are loaded; gathered copies are stale
+            ddp.start_param_sync(force_sync=True)
+        if sharded:
+            return
         with torch.no_grad():  # the parameters without a slice on this rank
             for name, p in named_model_parameters(self.model_chunks):
                 p.copy_(d[name]["param"])

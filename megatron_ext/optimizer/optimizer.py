@@ -236,7 +236,7 @@ class MegatronOptimizer:
     def _copy_main_params_to_model_params(self) -> None:
         with torch.no_grad():
             copy_into_model_params([
-                (s.model_param.view(-1)[s.start : s.end], s.main) for s in self._slots
+                (s.piece(), s.main) for s in self._slots
                 if s.main is not s.model_param
             ])
 
@@ -486,7 +486,7 @@ class MegatronOptimizer:
                     piece = entry[key].reshape(-1)[s.start : s.end].view_as(s.main)
                     state[key] = piece.to(s.main.dtype).clone()
                 self.optimizer.state[s.main] = state
-                s.model_param.copy_(entry["param"])
+                s.piece().copy_(entry["param"].reshape(-1)[s.start : s.end])
 
 
 def _with_per_param_step(optim: dict[str, Any]) -> tuple[dict[str, Any], int | None]:

@@ -24,6 +24,14 @@ class _Slot:
     end: int
     main: torch.Tensor
     grad_source: Callable[[], torch.Tensor | None]
+    # Where ``main`` is written back to: ``model_param.view(-1)[start:end]`` unless given (a fully
+    # sharded parameter's shard).
+    model_piece: torch.Tensor | None = None
+
+    def piece(self) -> torch.Tensor:
+        if self.model_piece is not None:
+            return self.model_piece
+        return self.model_param.view(-1)[self.start : self.end]
 
 
 def chunk_prefix(index: int, num_chunks: int) -> str:

@@ -118,6 +118,15 @@ def build_parser() -> ArgumentParser:
                    help="fp16 model parameters, float32 main parameters and gradients, dynamic loss scaling")
     p.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the main parameters and Adam state over the data-parallel group")
+    p.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="wrap each model chunk in FullyShardedDataParallel "
+                        "(with --data-parallel-sharding-strategy)")
+    p.add_argument("--data-parallel-sharding-strategy", default="no_shard",
+                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+                   help="with --use-megatron-fsdp: what is sharded over the data-parallel group (optimizer "
+                        "state; and gradients; and parameters)")
+    p.add_argument("--suggested-communication-unit-size", type=int, default=None,
+                   help="with --use-megatron-fsdp: the most elements a unit may gather at once")
     p.add_argument("--overlap-param-gather", action="store_true",
                    help="with --use-distributed-optimizer: overlap the all-gather of the updated parameters "
                         "with the next forward")

@@ -256,11 +256,23 @@ def _hash_my_share(directory: str, names: list[str]) -> dict[str, str]:
 
 def _finish_param_gathers(model: torch.nn.Module | list[torch.nn.Module]) -> None:
     """Waits for the parameter all-gathers a distributed optimizer left in flight
-    (``overlap_param_gather``): a save must read, and a load must not be overwritten by, them."""
+    (``overlap_param_gather``): a save must read, and a load must not be overwritten by, them.
+    Fully sharded parameters are gathered whole until ``_reshard``."""
     for chunk in model_chunks(model):
         ddp = _find_ddp(chunk)
         if ddp is not None:
             ddp.finish_param_sync()
+            if hasattr(ddp, "gather_all_params"):
+                ddp.gather_all_params()
+
+
+def _reshard(model: torch.nn.Module | list[torch.nn.Module], write_back: bool) -> None:
+    """Frees what ``_finish_param_gathers`` gathered of fully sharded parameters; ``write_back``
+    (after a load) first takes each rank's shard from the loaded values."""
+    for chunk in model_chunks(model):
+        ddp = _find_ddp(chunk)
+        if ddp is not None and hasattr(ddp, "reshard_params"):
+            ddp.reshard_params(write_back=write_back)
 
 
 def _model_config(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, Any] | None:
@@ -346,6 +358,14 @@ def save_checkpoint(
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     _finish_param_gathers(model)
+    try:
+        return _save(save_dir, iteration, model, optimizer, metadata, overwrite, keep_last)
+    finally:
+        _reshard(model, write_back=False)
+
+
+def _save(save_dir: str, iteration: int, model: Any, optimizer: Any, metadata: dict[str, Any] | None,
+          overwrite: bool, keep_last: int | None) -> str:
     final = checkpoint_dir(save_dir, iteration)
     param_state = optimizer.param_state_by_name() if optimizer is not None else {}
     newest = _newest_left(save_dir) if dist.get_rank() == 0 else None
@@ -687,6 +707,7 @@ def load_checkpoint(
     with torch.no_grad():
         for copy, original in copies:
             copy.copy_(original)
+    _reshard(model, write_back=True)
     if optimizer is not None:
         scalars = {"step": loaded["optimizer"]["step"]}
         if "grad_scaler" in loaded["optimizer"]:

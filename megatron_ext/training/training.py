@@ -17,6 +17,7 @@ from megatron_ext.dist_checkpointing import CheckpointingException
 from megatron_ext.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
+    FullyShardedDataParallel,
 )
 from megatron_ext.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron_ext.training import gpt_data
@@ -150,16 +151,23 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list, model_pro
         overlap_grad_reduce=True,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
+        use_megatron_fsdp=args.use_megatron_fsdp,
+        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
+        suggested_communication_unit_size=args.suggested_communication_unit_size,
     )
-    chunks = [
-        DistributedDataParallel(
-            chunk,
-            data_parallel_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-            bucket_size_bytes=args.grad_bucket_bytes,
-            ddp_config=ddp_config,
-        )
-        for chunk in model_provider(args, device)
-    ]
+    if args.use_megatron_fsdp:
+        chunks = [FullyShardedDataParallel(chunk.config, ddp_config, chunk)
+                  for chunk in model_provider(args, device)]
+    else:
+        chunks = [
+            DistributedDataParallel(
+                chunk,
+                data_parallel_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+                bucket_size_bytes=args.grad_bucket_bytes,
+                ddp_config=ddp_config,
+            )
+            for chunk in model_provider(args, device)
+        ]
     # One chunk: a plain model, as before; several: the list the interleaved schedule takes.
     model = chunks[0] if len(chunks) == 1 else chunks
     config = chunks[0].module.config

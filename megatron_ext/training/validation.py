@@ -183,6 +183,16 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+    strategy = args.data_parallel_sharding_strategy
+    if strategy != "no_shard" and not args.use_megatron_fsdp:
+        raise ValueError(f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp")
+    if args.suggested_communication_unit_size is not None and not args.use_megatron_fsdp:
+        raise ValueError("--suggested-communication-unit-size needs --use-megatron-fsdp")
+    if strategy != "no_shard" and not args.use_distributed_optimizer:
+        raise ValueError(
+            f"--data-parallel-sharding-strategy {strategy} shards the optimizer state: it needs "
+            "--use-distributed-optimizer"
+        )
     if args.sequence_parallel and args.seq_len % args.tp != 0:
         raise ValueError(
             f"--seq-len {args.seq_len} is not divisible by --tp {args.tp} (needed by --sequence-parallel)"
