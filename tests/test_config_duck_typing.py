@@ -53,7 +53,7 @@ def _duck_worker() -> dict:
         get_megatron_optimizer({"lr": 1.0}, [model])
     with pytest.raises(TypeError, match="ddp_config must be a DistributedDataParallelConfig .* got list"):
         DistributedDataParallel(SimpleNamespace(), [True], model)
-    with pytest.raises(NotImplementedError, match="use_megatron_fsdp"):
+    with pytest.raises(ValueError, match="use_megatron_fsdp=True.* is for .*FullyShardedDataParallel"):
         DistributedDataParallel(SimpleNamespace(), SimpleNamespace(use_megatron_fsdp=True), model)
     return out
 

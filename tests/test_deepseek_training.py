@@ -91,11 +91,22 @@ def _train(layouts: list, base: list[str] = DEEPSEEK, flags: dict = LAYOUTS) -> 
     build, destroy = train_gpt.build_model, ps.destroy_model_parallel
     train_gpt.build_model = lambda *a, **k: built.append(build(*a, **k)) or built[-1]
 
+    wrappers: list = []  # fully sharded parameters are gathered before they are read
+
+    class Recorded(train_gpt.FullyShardedDataParallel):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            wrappers.append(self)
+
     def gather_then_destroy() -> None:
         if len(weights) < len(built):
+            for wrapper in wrappers:
+                wrapper.gather_all_params()
             weights.append(_full_weights(built[-1]))
+        wrappers.clear()
         destroy()
 
+    train_gpt.FullyShardedDataParallel = Recorded
     train_gpt.parallel_state = types.SimpleNamespace(**vars(ps))
     train_gpt.parallel_state.destroy_model_parallel = gather_then_destroy
     out = {}

@@ -456,8 +456,10 @@ def _ddp_config_worker() -> dict:
     model = torch.nn.Linear(4, 4).to(torch.bfloat16)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     assert ddp.module is model and model.weight.main_grad.dtype == torch.float32
-    with pytest.raises(NotImplementedError, match="use_megatron_fsdp"):
-        DistributedDataParallelConfig(use_megatron_fsdp=True)
+    with pytest.raises(ValueError, match="use_megatron_fsdp=True.* is for .*FullyShardedDataParallel"):
+        DistributedDataParallel(config, DistributedDataParallelConfig(use_megatron_fsdp=True), model)
+    with pytest.raises(ValueError, match="'optim_grads' needs use_megatron_fsdp=True"):
+        DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads")
     return out
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from megatron_ext.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron_ext.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -38,6 +39,7 @@ from megatron_ext.optimizer.param_groups import (
 )
 from megatron_ext.optimizer_param_scheduler import ParamGroupOverride
 from megatron_ext.process_groups_config import ProcessGroupCollection
+from megatron_ext.resolve import find_wrapper
 
 
 def _grad_scaler(config: OptimizerConfig) -> MegatronGradScaler | None:
@@ -100,6 +102,17 @@ def get_megatron_optimizer(
         groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
             pg_collection, model_chunks, use_gloo_process_groups
         )
+    if not config.use_distributed_optimizer:
+        for chunk in model_chunks:
+            wrapper = find_wrapper(chunk, DistributedDataParallel)
+            strategy = getattr(wrapper, "sharding_strategy", "no_shard")
+            if strategy != "no_shard":
+                raise ValueError(
+                    "get_megatron_optimizer: a model chunk is fully sharded with "
+                    f"data_parallel_sharding_strategy={strategy!r}, whose optimizer state is sharded: give "
+                    "OptimizerConfig("
+                    "use_distributed_optimizer=True)"
+                )
     param_groups = _get_param_groups(model_chunks, config, config_overrides)
     grad_scaler = _grad_scaler(config)
     if config.use_distributed_optimizer:
