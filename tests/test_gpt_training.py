@@ -188,6 +188,13 @@ def test_zero_bubble_schedules_match_serial(serial_losses):
             "--load-hf",
         ),
         (["--load-hf", "/nonexistent/model"], 1, "--load-hf '/nonexistent/model' holds no config.json"),
+        (["--data-parallel-sharding-strategy", "optim"], 2,
+         "--data-parallel-sharding-strategy optim needs --use-megatron-fsdp"),
+        (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"], 2,
+         "--data-parallel-sharding-strategy optim_grads_params shards the optimizer state: it needs "
+         "--use-distributed-optimizer"),
+        (["--suggested-communication-unit-size", "1000"], 2,
+         "--suggested-communication-unit-size needs --use-megatron-fsdp"),
     ],
 )
 def test_bad_arguments_raise_before_training(argv, world, message):
