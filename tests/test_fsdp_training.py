@@ -1,6 +1,7 @@
 """The training program under fully sharded data parallelism (``--use-megatron-fsdp``): each
 sharding strategy, with tensor (sequence-parallel), context, pipeline (1F1B, interleaved, ZB-H1)
-and expert parallelism (expert tensor parallelism included), trains a Llama model with two
+and expert parallelism (expert tensor parallelism included), trains every ``--arch``: a GPT (its
+embedding tied to the output layer across pipeline stages), a Llama model with two
 multi-token-prediction depths and a DeepSeek-V3-style model (multi-latent attention, routed
 experts, a multi-token-prediction depth) to the serial run's losses, grad norms and final weights
 in float64. Every run has several micro-batches per rank: a micro-batch's gradient reduced twice,
@@ -15,12 +16,15 @@ from tests.distributed import run_distributed
 from tests.test_deepseek_training import DEEPSEEK, LLAMA_MTP, MTP_RTOL, _train
 from tests.test_moe_training import _merged
 
-pytestmark = pytest.mark.slow  # 42 trainings of 3 steps at 4 ranks
+pytestmark = pytest.mark.slow  # 57 trainings of 3 steps at 4 ranks
 
 STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--data-parallel-sharding-strategy"]
 # 16 rows a step: 2 micro-batches of 2 per rank at dp 4, 4 at dp 2, 8 serially.
 BASES = {
+    "gpt": ["--arch", "gpt", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--micro-batch-size", "2",
+            "--steps", "3", "--lr", "1e-2", "--clip-grad", "0.5", "--dtype", "float64", "--no-progress",
+            "--plot", "", "--layers", "4", "--global-batch-size", "16"],  # the tied embedding across stages
     "deepseek": DEEPSEEK + ["--layers", "4", "--global-batch-size", "16"],
     "llama": LLAMA_MTP + ["--layers", "4", "--global-batch-size", "16"],
 }
@@ -54,7 +58,7 @@ def test_every_strategy_and_layout_trains_like_serial(arch):
     ref_losses, ref_mtp, ref_norms, ref_weights = serial[arch]
     assert ref_losses[-1] < ref_losses[0] and all(n > 0 for n in ref_norms), (ref_losses, ref_norms)
     runs = [(layout, schedule, s) for (layout, schedule) in LAYOUTS for s in STRATEGIES]
-    if arch == "llama":  # no experts: the expert layout is the dp 4 one
+    if arch != "deepseek":  # no experts: the expert layout is the dp 4 one
         runs = [r for r in runs if r[0][3] == 1]
     results = _merged(run_distributed(4, _runs, arch, runs, timeout=1500))
     assert len(results) == len(runs)
@@ -64,6 +68,10 @@ def test_every_strategy_and_layout_trains_like_serial(arch):
                                       ("grad norms", norms, ref_norms, 1e-9)):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=rtol, atol=0,
                                        msg=lambda m: f"{arch} {run} {what}: {m}")
+        if "output_layer.weight" in set(weights) - set(ref_weights):  # the last stage's tied copy
+            tied = [n for n in ref_weights if n.endswith("word_embeddings.weight")]
+            torch.testing.assert_close(torch.tensor(weights.pop("output_layer.weight")),
+                                       torch.tensor(ref_weights[tied[0]]), rtol=1e-9, atol=1e-12)
         assert set(weights) == set(ref_weights), (run, set(weights) ^ set(ref_weights))
         for name, value in ref_weights.items():
             torch.testing.assert_close(torch.tensor(weights[name]), torch.tensor(value), rtol=1e-9,
