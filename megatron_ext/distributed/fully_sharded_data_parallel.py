@@ -149,7 +149,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         effective = as_ddp_config(
             ddp_config,
             use_distributed_optimizer=strategy != "no_shard" or ddp_config.use_distributed_optimizer,
-            overlap_param_gather=ddp_config.overlap_param_gather and not self._shard_grads,
+            overlap_param_gather=ddp_config.overlap_param_gather and not self._shard_params,
             overlap_grad_reduce=ddp_config.overlap_grad_reduce and not self._shard_grads,
         )
         self._unit_classes = self._resolve_unit_classes(fsdp_unit_modules, strategy)
@@ -418,8 +418,10 @@ class FullyShardedDataParallel(DistributedDataParallel):
 
     def gather_all_params(self) -> None:
         """Gathers every unit's parameters and keeps them until the next forward of the unit or
-        ``reshard_params()``: for reading or loading a state dict, or a checkpoint."""
+        ``reshard_params()``: for reading or loading a state dict, or a checkpoint. Without
+        sharded parameters it waits for the gathers the optimizer step left in flight."""
         if not self._shard_params:
+            self.finish_param_sync()
             return
         for unit in self._units:
             self._wait_gather(unit)
@@ -460,6 +462,16 @@ class FullyShardedDataParallel(DistributedDataParallel):
         for unit in self._units:
             if unit.gather_works:
                 self._wait_gather(unit)
+
+    def enable_forward_pre_hook(self) -> None:
+        """As ``DistributedDataParallel``'s; under ``optim_grads_params`` the units' own hooks
+        always gather, and this does nothing (Megatron-LM's loop calls it around evaluations)."""
+        if not self._shard_params:
+            super().enable_forward_pre_hook()
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        if not self._shard_params:
+            super().disable_forward_pre_hook(param_sync)
 
     @property
     def param_gather_in_flight(self) -> bool:
