@@ -64,7 +64,7 @@ def _batches(step: int, world: int) -> list[torch.Tensor]:
 
 
 def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(x).pow(2).mean()
+    return model(x.to(next(model.parameters()).device)).pow(2).mean()
 
 
 def _opt_config(**kw) -> OptimizerConfig:
@@ -191,6 +191,30 @@ def _gathers_worker() -> dict:
         out[reshard] = len(calls)
     ps.destroy_model_parallel()
     return out
+
+
+def _cuda_worker() -> None:
+    """dp 1 on a GPU: the buffers' storage is freed and given back on the device."""
+    ps.initialize_model_parallel()
+    torch.manual_seed(0)
+    reference = Stack().double().cuda()
+    ref = _serial(copy.deepcopy(reference), 1)
+    for strategy in STRATEGIES[1:]:
+        fsdp = _sharded(copy.deepcopy(reference), strategy)
+        assert fsdp.module.blocks[0].up.weight.is_cuda
+        got = _train_sharded(fsdp, 1, 0)
+        torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(ref[0]), rtol=1e-12, atol=0)
+        for name, value in ref[2].items():
+            torch.testing.assert_close(got[2][name], value, rtol=1e-12, atol=1e-14)
+        freed = fsdp.module.blocks[0].up.weight.untyped_storage().nbytes() == 0
+        assert freed == (strategy == "optim_grads_params"), strategy
+    ps.destroy_model_parallel()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_single_rank_on_cuda():
+    run_distributed(1, _cuda_worker)
 
 
 def test_units_are_gathered_freed_and_regathered():

@@ -344,6 +344,10 @@ class FullyShardedDataParallel(DistributedDataParallel):
         for buffer in unit.buffers:
             _allocate(buffer.param_data)
             group = buffer.data_parallel_group
+            if dist.get_world_size(group) == 1:  # the shard is the whole buffer
+                for bucket in buffer.buckets:
+                    bucket.param_data.copy_(bucket.param_shard)
+                continue
             for bucket in buffer.buckets:
                 what = f"all-gather of the parameters of unit {unit.name!r}"
                 with reported(what, group, tensor=bucket.param_shard):
