@@ -168,18 +168,21 @@ def _gathers_worker() -> dict:
         assert len(units) == 3 and all(isinstance(u.module, Block) for u in units)
         weight = fsdp.module.blocks[0].up.weight
         assert weight.untyped_storage().nbytes() == 0  # sharded from construction on
-        calls = []
-        original = fsdp_module.dist_all_gather_func
-        fsdp_module.dist_all_gather_func = lambda *a, **k: calls.append(1) or original(*a, **k)
+        calls, scatters = [], []
+        gather, scatter = fsdp_module.dist_all_gather_func, fsdp_module.dist_reduce_scatter_func
+        fsdp_module.dist_all_gather_func = lambda *a, **k: calls.append(1) or gather(*a, **k)
+        fsdp_module.dist_reduce_scatter_func = lambda *a, **k: scatters.append(1) or scatter(*a, **k)
         try:
-            for x in _batches(0, world)[:MICRO]:
-                _loss(fsdp, x).backward()
+            for i, x in enumerate(_batches(0, world)[:MICRO]):
+                with fsdp.no_sync() if i < MICRO - 1 else torch.enable_grad():
+                    _loss(fsdp, x).backward()
                 if reshard:  # freed after its backward, until the next forward
                     assert weight.untyped_storage().nbytes() == 0
             finalize_model_grads([fsdp])
             opt.step()
         finally:
-            fsdp_module.dist_all_gather_func = original
+            fsdp_module.dist_all_gather_func = gather
+            fsdp_module.dist_reduce_scatter_func = scatter
         # Freed after the step: the next forward gathers the updated shards.
         assert weight.untyped_storage().nbytes() == 0
         assert fsdp.module.inp.weight.untyped_storage().nbytes() == 0  # the root's too
@@ -188,7 +191,7 @@ def _gathers_worker() -> dict:
         owned = torch.tensor(shard.numel())
         dist.all_reduce(owned)
         assert shard.dim() == 1 and int(owned) == weight.numel()
-        out[reshard] = len(calls)
+        out[reshard] = (len(calls), len(scatters))
     ps.destroy_model_parallel()
     return out
 
@@ -220,9 +223,11 @@ def test_single_rank_on_cuda():
 def test_units_are_gathered_freed_and_regathered():
     for out in run_distributed(2, _gathers_worker):
         # One all-gather per bucket: the root (1 bucket) once a step; each of the 3 units before
-        # every forward and every backward, or once a step without resharding.
-        assert out[True] == 1 + 3 * 2 * MICRO, out
-        assert out[False] == 1 + 3, out
+        # every forward and every backward, or once a step without resharding. One
+        # reduce-scatter per unit and root in every backward (no_sync does not defer them, as in
+        # Megatron-FSDP), or once a step without resharding, where no_sync defers them.
+        assert out[True] == (1 + 3 * 2 * MICRO, 4 * MICRO), out
+        assert out[False] == (1 + 3, 4), out
 
 
 def _mixed_precision_worker() -> dict:

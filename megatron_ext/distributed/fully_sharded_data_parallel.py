@@ -121,9 +121,10 @@ class FullyShardedDataParallel(DistributedDataParallel):
     the transformer layers. ``device`` must be the parameters' device when given.
     ``reshard_after_forward`` (keyword only; not in Megatron-core): False keeps a unit's gathered
     parameters from its first forward of a step to the optimizer step, one gather per step instead
-    of two per micro-batch, at the memory of the whole model. Under ``optim_grads`` and
-    ``optim_grads_params`` gradients are reduced in every backward (``no_sync`` does not defer
-    them: their full copies are freed), as Megatron-FSDP does.
+    of two per micro-batch, at the memory of the whole model; ``no_sync`` then defers the
+    gradient reduction to the next backward outside it (once per step in the schedules). With
+    resharding (the default) gradients are reduced in every backward, ``no_sync`` or not, as
+    Megatron-FSDP does: their full copies are freed.
     """
 
     def __init__(
@@ -169,6 +170,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self._check_communication_size(ddp_config.suggested_communication_unit_size)
         self._shard()
         self._forward_order: list[_Unit] = []
+        self._deferring = False
         self._hooks: list[Any] = []
         for unit in self._units:
             if unit.module is not None:
@@ -501,6 +503,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
         with torch.no_grad():
             buffer.grad_view(param).add_(param.grad)
         param.grad = None
+        if self._deferring:  # inside no_sync without resharding: summed, reduced at the sync pass
+            return
         unit.arrived.add(param)
         if len(unit.arrived) == len(unit.params):
             self._reduce_ready_units()
@@ -575,10 +579,21 @@ class FullyShardedDataParallel(DistributedDataParallel):
         if self.reshard_after_forward and unit is not self._root:
             self._release(unit)
 
+    @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
+        """Under ``optim_grads`` and ``optim_grads_params`` backwards inside it still reduce (as in
+        Megatron-FSDP), unless ``reshard_after_forward=False``: then the units, whole for the step
+        anyway, sum their full gradients until the next backward outside it, which reduces once."""
         if not self._shard_grads:
-            return super().no_sync()
-        return contextlib.nullcontext()
+            with super().no_sync():
+                yield
+            return
+        previous = self._deferring
+        self._deferring = not self.reshard_after_forward
+        try:
+            yield
+        finally:
+            self._deferring = previous
 
     def start_grad_sync(self, *unused: Any) -> None:
         if not self._shard_grads:
@@ -588,7 +603,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
 
     def _flush(self) -> None:
         for unit in self._unit_order():
-            if unit.arrived:
+            if unit.arrived or any(_is_allocated(b.grad_data) for b in unit.buffers):
                 self._start_reduction(unit)
             elif unit.reductions:
                 self._finish_reductions(unit)
