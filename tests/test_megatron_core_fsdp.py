@@ -37,6 +37,7 @@ LAYOUTS = {
     4: ("llama tp2 dp2 sequence-parallel",
         Run(arch="llama", tp=2, sequence_parallel=True, global_batch=12, steps=3)),
 }
+MICRO_BATCHES = 3
 FSDP_CLASS = "megatron_ext.distributed.fully_sharded_data_parallel.FullyShardedDataParallel"
 MEGATRON_CORE_LAYER = "megatron.core.transformer.transformer_layer.TransformerLayer"
 
@@ -52,10 +53,23 @@ def _train(run: Run) -> dict[str, Any]:
 
     model, optimizer, scheduler = setup(run)
     (chunk,) = model
-    out: dict[str, Any] = {"losses": [], "grad_norms": [], "storage": []}
+    out: dict[str, Any] = {"losses": [], "grad_norms": [], "storage": [], "in flight": []}
+    hook = None
+    if run.fsdp is not None:
+        # In the first layer's forward the next layer's gather is in flight (optim_grads_params);
+        # stop_communication() waits for it, and the training goes on as before.
+        def stop(*unused: Any) -> None:
+            before = chunk.param_gather_in_flight
+            chunk.stop_communication()
+            out["in flight"].append((before, chunk.param_gather_in_flight))
+
+        hook = chunk.module.decoder.layers[0].register_forward_hook(stop)
     try:
         for step in range(run.steps):
             loss, norm = train_step(run, model, optimizer, scheduler, step)
+            if hook is not None:
+                hook.remove()
+                hook = None
             out["losses"].append(loss)
             out["grad_norms"].append(norm)
             if run.fsdp is not None:
@@ -66,7 +80,13 @@ def _train(run: Run) -> dict[str, Any]:
             out["wrapper"] = type(chunk).__module__ + "." + type(chunk).__qualname__
             out["units"] = [type(u.module).__module__ + "." + type(u.module).__qualname__
                             for u in chunk._units if u.module is not None]
+            # Megatron-core's FSDP wrapper's name; the whole parameters, resharded after
+            checkpoint = chunk.state_dict_for_save_checkpoint()
+            out["storage after checkpoint"] = _layer_weight(chunk).untyped_storage().nbytes()
             chunk.gather_all_params()
+        else:
+            checkpoint = chunk.state_dict()
+        out["checkpoint"] = {k: v.flatten().tolist() for k, v in checkpoint.items() if torch.is_tensor(v)}
         # plain lists: tensors would travel back through shared memory the rank may free first
         out["params"] = {n: p.detach().flatten().tolist() for n, p in chunk.module.named_parameters()}
     finally:
@@ -107,9 +127,19 @@ def test_megatron_core_gpt_model_under_megatron_ext_fsdp_trains_as_under_ddp(wor
                 torch.testing.assert_close(torch.tensor(got["params"][param]), torch.tensor(value),
                                            rtol=1e-9, atol=1e-12,
                                            msg=lambda m: f"{where} {param}: {m}")
+            assert sorted(got["checkpoint"]) == sorted(ddp["checkpoint"]), where
+            for key, value in ddp["checkpoint"].items():
+                torch.testing.assert_close(torch.tensor(got["checkpoint"][key]), torch.tensor(value),
+                                           rtol=1e-9, atol=1e-12, msg=lambda m: f"{where} {key}: {m}")
+            # The first step's micro-batches, in the first layer: from the second on (the units'
+            # order known) the next layer's gather is in flight under sharded parameters; waited for.
+            prefetch = strategy == "optim_grads_params"
+            in_flight = [(False, False)] + [(prefetch, False)] * (MICRO_BATCHES - 1)
+            assert got["in flight"] == in_flight, (where, got["in flight"])
             # After each optimizer step: the full parameters' storage is freed only when sharded.
             for layer, embedding in got["storage"]:
                 if strategy == "optim_grads_params":
                     assert (layer, embedding) == (0, 0), (where, got["storage"])
+                    assert got["storage after checkpoint"] == 0, where
                 else:
                     assert layer > 0 and embedding > 0, (where, got["storage"])
