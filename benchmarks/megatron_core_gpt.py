@@ -218,6 +218,9 @@ class Run:
     aux_loss_coeff: float = 0.0  # the router's balance loss (Megatron-core's default: none)
     z_loss_coeff: float | None = None  # the router's z-loss
     packed: bool = False  # packed rows (thd): Megatron-core's local spec with megatron_ext's core_attention
+    # A data_parallel_sharding_strategy: FullyShardedDataParallel (use_megatron_fsdp) instead of
+    # DistributedDataParallel; megatron_ext underneath only (Megatron-core's needs CUDA)
+    fsdp: str | None = None
 
 
 def config_fields(run: Run) -> dict[str, Any]:
@@ -441,13 +444,12 @@ def setup(run: Run, stack: str = "megatron.core", weights_from: list[torch.nn.Mo
     if weights_from is not None:
         for source, target in zip(weights_from, model):
             copy_weights(getattr(source, "module", source), target)
+    fsdp = {} if run.fsdp is None else dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=run.fsdp)
     ddp_config = distributed.DistributedDataParallelConfig(
-        use_distributed_optimizer=run.distributed_optimizer, overlap_grad_reduce=False,
+        use_distributed_optimizer=run.distributed_optimizer, overlap_grad_reduce=False, **fsdp,
     )
-    model = [
-        distributed.DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
-        for i, chunk in enumerate(model)
-    ]
+    wrapper = distributed.FullyShardedDataParallel if fsdp else distributed.DistributedDataParallel
+    model = [wrapper(config, ddp_config, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(model)]
     optimizer = optim.get_megatron_optimizer(
         optim.OptimizerConfig(
             # Megatron-core clips float32 gradients only (clip_grads asserts their type).

@@ -479,6 +479,16 @@ class FullyShardedDataParallel(DistributedDataParallel):
         if not self._shard_params:
             super().disable_forward_pre_hook(param_sync)
 
+    def stop_communication(self) -> None:
+        """Megatron-core's: waits for every collective in flight (parameter gathers, gradient
+        reductions) without ending the step; ``finish_grad_sync`` still completes the reductions."""
+        for unit in self._units:
+            self._finish_reductions(unit) if unit.reductions else None
+        for group in [*self.bucket_groups, *self.expert_parallel_bucket_groups]:
+            if group.grad_reduce_handle is not None:
+                group.grad_reduce_handle.wait()
+        self.finish_param_sync()
+
     @property
     def param_gather_in_flight(self) -> bool:
         if not self._shard_params:
@@ -667,6 +677,10 @@ class FullyShardedDataParallel(DistributedDataParallel):
             out = type(out)((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items())
             self.reshard_params()
         return out
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
+        """Megatron-core's FSDP wrapper's name for ``state_dict`` (Megatron-LM's torch checkpoints)."""
+        return self.state_dict(prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False) -> Any:
         self.gather_all_params()
