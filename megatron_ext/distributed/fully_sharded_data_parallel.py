@@ -50,6 +50,17 @@ import torch.distributed as dist
 from megatron_ext.comm_errors import ReportedWork, reported
 from megatron_ext.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron_ext.distributed.distributed_data_parallel_config import as_ddp_config
+from megatron_ext.distributed.fsdp_units import (
+    Unit,
+    allocate,
+    backward_order,
+    class_names,
+    find_units,
+    free,
+    is_allocated,
+    output_tensors,
+    unit_classes,
+)
 from megatron_ext.distributed.param_and_grad_buffer import (
     _ParamAndGradBucket,
     _ParamAndGradBucketGroup,
@@ -65,51 +76,6 @@ from megatron_ext.distributed.reduce_scatter_with_fp32_accumulation import (
 )
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-# The classes whose instances are units by default: megatron_ext's transformer layers and, by
-# name (this floor imports no model code), Megatron-core's.
-DEFAULT_UNIT_CLASS_NAMES = (
-    "ParallelTransformerLayer", "TransformerLayer", "MultiTokenPredictionLayer", "MambaLayer",
-)
-
-
-def _free(tensor: torch.Tensor) -> None:
-    tensor.untyped_storage().resize_(0)
-
-
-def _allocate(tensor: torch.Tensor) -> bool:
-    """Gives ``tensor`` its storage back; True if it had none (its values are then undefined)."""
-    storage = tensor.untyped_storage()
-    if storage.nbytes() == 0 and tensor.numel() > 0:
-        storage.resize_(tensor.numel() * tensor.element_size())
-        return True
-    return False
-
-
-def _is_allocated(tensor: torch.Tensor) -> bool:
-    return tensor.numel() == 0 or tensor.untyped_storage().nbytes() > 0
-
-
-class _Unit:
-    """One unit's buffers and where it stands: gathered or not, gathers and reductions in
-    flight, the parameters whose gradient arrived since its last reduction."""
-
-    def __init__(self, name: str, module: torch.nn.Module | None) -> None:
-        self.name = name
-        self.module = module
-        self.buffers: list[_ParamAndGradBuffer] = []
-        self.params: list[torch.nn.Parameter] = []
-        self.gather_works: list[Any] = []
-        self.gathered = False
-        self.held = False  # gathered for a state dict: kept until the next forward or reshard
-        self.arrived: set[torch.nn.Parameter] = set()
-        self.reductions: list[tuple[Any, torch.Tensor, torch.Tensor, float]] = []
-        self.reduced_in_step = False
-
-    @property
-    def buckets(self) -> list[_ParamAndGradBucket]:
-        return [b for buffer in self.buffers for b in buffer.buckets]
-
-
 class FullyShardedDataParallel(DistributedDataParallel):
     _is_fsdp = True
 
@@ -153,10 +119,10 @@ class FullyShardedDataParallel(DistributedDataParallel):
             overlap_param_gather=ddp_config.overlap_param_gather and not self._shard_params,
             overlap_grad_reduce=ddp_config.overlap_grad_reduce and not self._shard_grads,
         )
-        self._unit_classes = self._resolve_unit_classes(fsdp_unit_modules, strategy)
-        self._units: list[_Unit] = []
-        self._unit_of: dict[torch.nn.Parameter, _Unit] = {}
-        self._unit_of_module: dict[torch.nn.Module, _Unit] = {}
+        self._unit_classes = unit_classes(fsdp_unit_modules)
+        self._units: list[Unit] = []
+        self._unit_of: dict[torch.nn.Parameter, Unit] = {}
+        self._unit_of_module: dict[torch.nn.Module, Unit] = {}
         super().__init__(config, effective, module, disable_bucketing, pg_collection)
         self.ddp_config = effective
         self.fsdp_unit_modules = list(self._unit_classes)
@@ -164,12 +130,12 @@ class FullyShardedDataParallel(DistributedDataParallel):
             return
         if not any(u.module is not None for u in self._units) and fsdp_unit_modules is not None:
             self._refuse(
-                f"fsdp_unit_modules {self._unit_names(fsdp_unit_modules)} name no module of "
+                f"fsdp_unit_modules {class_names(fsdp_unit_modules)} name no module of "
                 f"{type(module).__name__}"
             )
         self._check_communication_size(ddp_config.suggested_communication_unit_size)
         self._shard()
-        self._forward_order: list[_Unit] = []
+        self._forward_order: list[Unit] = []
         self._deferring = False
         self._hooks: list[Any] = []
         for unit in self._units:
@@ -182,10 +148,6 @@ class FullyShardedDataParallel(DistributedDataParallel):
     @staticmethod
     def _refuse(message: str) -> None:
         raise ValueError(f"FullyShardedDataParallel: {message}")
-
-    @staticmethod
-    def _unit_names(classes: list[type | str]) -> list[str]:
-        return [c if isinstance(c, str) else c.__name__ for c in classes]
 
     def _check_options(self, config: Any, ddp_config: Any, module: Any, device: Any) -> None:
         strategy = ddp_config.data_parallel_sharding_strategy
@@ -213,24 +175,6 @@ class FullyShardedDataParallel(DistributedDataParallel):
                 "supported by megatron_ext"
             )
 
-    def _resolve_unit_classes(self, fsdp_unit_modules: Any, strategy: str) -> tuple:
-        if fsdp_unit_modules is None:
-            return DEFAULT_UNIT_CLASS_NAMES
-        if not isinstance(fsdp_unit_modules, (list, tuple)) or not all(
-            isinstance(c, (type, str)) for c in fsdp_unit_modules
-        ):
-            raise TypeError(
-                "fsdp_unit_modules must be a list of module classes (or class names), got "
-                f"{fsdp_unit_modules!r}"
-            )
-        return tuple(fsdp_unit_modules)
-
-    def _is_unit(self, module: torch.nn.Module) -> bool:
-        names = {cls.__name__ for cls in type(module).__mro__}
-        return any(
-            (c in names) if isinstance(c, str) else isinstance(module, c) for c in self._unit_classes
-        )
-
     def _allocate_buffers(
         self, named: list[tuple[str, torch.nn.Parameter]], disable_bucketing: bool, expert: bool = False
     ) -> tuple[list[_ParamAndGradBuffer], list[_ParamAndGradBucketGroup]]:
@@ -240,7 +184,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
         if not self._shard_grads:
             return super()._allocate_buffers(named, disable_bucketing, expert)
         if not self._units:
-            self._find_units()
+            self._units, self._unit_of, self._unit_of_module = find_units(self.module, self._unit_classes)
+            self._root = self._units[-1]
         buffers: list[_ParamAndGradBuffer] = []
         by_unit: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
         for name, p in named:
@@ -257,25 +202,6 @@ class FullyShardedDataParallel(DistributedDataParallel):
         finally:
             self.bucket_size, self.bucket_size_bytes = saved
         return buffers, partition_buckets(buffers)
-
-    def _find_units(self) -> None:
-        root = _Unit("(root)", None)
-
-        def visit(module: torch.nn.Module, prefix: str, owner: _Unit) -> None:
-            if owner is root and self._is_unit(module) and module is not self.module:
-                owner = _Unit(prefix or type(module).__name__, module)
-                self._units.append(owner)
-                self._unit_of_module[module] = owner
-            for p in module.parameters(recurse=False):
-                if p.requires_grad and p not in self._unit_of:
-                    self._unit_of[p] = owner
-                    owner.params.append(p)
-            for name, child in module.named_children():
-                visit(child, f"{prefix}.{name}" if prefix else name, owner)
-
-        visit(self.module, "", root)
-        self._units.append(root)
-        self._root = root
 
     def _check_communication_size(self, size: int | None) -> None:
         if size is None:
@@ -302,9 +228,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
                     bucket.param_shard = local.clone() if self._shard_params else local
                     bucket.grad_shard = torch.zeros_like(shard_buffer(bucket.grad_data, size)[rank])
                     bucket.shard_start = rank * local.numel()
-                _free(buffer.grad_data)
+                free(buffer.grad_data)
                 if self._shard_params:
-                    _free(buffer.param_data)
+                    free(buffer.param_data)
         for unit in self._units:
             unit.gathered = not self._shard_params
         self._point_main_grads_at_shards()
@@ -340,11 +266,11 @@ class FullyShardedDataParallel(DistributedDataParallel):
 
     # Parameters --------------------------------------------------------------------------------
 
-    def _start_gather(self, unit: _Unit) -> None:
+    def _start_gather(self, unit: Unit) -> None:
         if unit.gathered or unit.gather_works:
             return
         for buffer in unit.buffers:
-            _allocate(buffer.param_data)
+            allocate(buffer.param_data)
             group = buffer.data_parallel_group
             if dist.get_world_size(group) == 1:  # the shard is the whole buffer
                 for bucket in buffer.buckets:
@@ -358,7 +284,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
                     )
                 unit.gather_works.append(ReportedWork(work, what, group, tensor=bucket.param_shard))
 
-    def _wait_gather(self, unit: _Unit) -> None:
+    def _wait_gather(self, unit: Unit) -> None:
         if unit.gathered:
             return
         self._start_gather(unit)
@@ -367,15 +293,15 @@ class FullyShardedDataParallel(DistributedDataParallel):
             work.wait()
         unit.gathered = True
 
-    def _release(self, unit: _Unit) -> None:
+    def _release(self, unit: Unit) -> None:
         """Frees ``unit``'s gathered parameters (under ``optim_grads_params``)."""
         if not self._shard_params or not unit.gathered or unit.held:
             return
         for buffer in unit.buffers:
-            _free(buffer.param_data)
+            free(buffer.param_data)
         unit.gathered = False
 
-    def _next_in_forward(self, unit: _Unit, step: int) -> _Unit | None:
+    def _next_in_forward(self, unit: Unit, step: int) -> Unit | None:
         order = self._forward_order
         if unit not in order:
             return None
@@ -395,7 +321,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
     def _unit_post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         unit = self._unit_of_module[module]
         if torch.is_grad_enabled():
-            tensors = [t for t in _tensors(output) if t.requires_grad]
+            tensors = [t for t in output_tensors(output) if t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads, unit=unit: self._unit_pre_backward(unit), mode="any"
@@ -404,7 +330,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
             self._release(unit)
         return output
 
-    def _unit_pre_backward(self, unit: _Unit) -> None:
+    def _unit_pre_backward(self, unit: Unit) -> None:
         self._wait_gather(unit)
         prev = self._next_in_forward(unit, -1)
         if prev is not None and self._shard_params:
@@ -507,7 +433,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         if unit.reductions:
             self._finish_reductions(unit)
         for buffer in unit.buffers:
-            if _allocate(buffer.grad_data):
+            if allocate(buffer.grad_data):
                 buffer.grad_data.zero_()
         buffer = next(b for b in unit.buffers if param in b.param_index_map)
         with torch.no_grad():
@@ -519,25 +445,15 @@ class FullyShardedDataParallel(DistributedDataParallel):
         if len(unit.arrived) == len(unit.params):
             self._reduce_ready_units()
 
-    def _unit_order(self) -> list[_Unit]:
-        """The order units finish their backward: the reverse of the forward, the root last."""
-        units = [u for u in self._units if u.module is not None]
-        if self._forward_order:
-            ordered = [u for u in reversed(self._forward_order)]
-            units = ordered + [u for u in units[::-1] if u not in ordered]
-        else:
-            units = units[::-1]
-        return units + [self._root]
-
     def _reduce_ready_units(self) -> None:
-        for unit in self._unit_order():
+        for unit in backward_order(self._units, self._forward_order):
             if not unit.arrived:
                 continue
             if len(unit.arrived) < len(unit.params):
                 return
             self._start_reduction(unit)
 
-    def _start_reduction(self, unit: _Unit) -> None:
+    def _start_reduction(self, unit: Unit) -> None:
         """Reduce-scatters ``unit``'s full gradient buffers (what arrived since the last
         reduction; zeros for the rest) and frees them once added into the shards."""
         config = self._buffer_config
@@ -547,7 +463,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
             else dist_reduce_scatter_func
         )
         for buffer in unit.buffers:
-            if not _is_allocated(buffer.grad_data):
+            if not is_allocated(buffer.grad_data):
                 continue
             group = buffer.data_parallel_group
             size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -570,10 +486,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
                     work = ReportedWork(work, what, group, tensor=bucket.grad_data)
                 unit.reductions.append((work, local, bucket.grad_shard, size if average else 1))
         unit.arrived = set()
-        unit.reduced_in_step = True
         self._finish_reductions(unit)
 
-    def _finish_reductions(self, unit: _Unit) -> None:
+    def _finish_reductions(self, unit: Unit) -> None:
         """Waits for ``unit``'s reduce-scatters, adds their results into the shards, frees the full
         gradient buffers and, when the unit is no longer needed gathered, its parameters."""
         reductions, unit.reductions = unit.reductions, []
@@ -584,8 +499,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
                 local.div_(divisor)
             shard.add_(local)
         for buffer in unit.buffers:
-            if _is_allocated(buffer.grad_data):
-                _free(buffer.grad_data)
+            if is_allocated(buffer.grad_data):
+                free(buffer.grad_data)
         if self.reshard_after_forward and unit is not self._root:
             self._release(unit)
 
@@ -612,8 +527,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self._flush()
 
     def _flush(self) -> None:
-        for unit in self._unit_order():
-            if unit.arrived or any(_is_allocated(b.grad_data) for b in unit.buffers):
+        for unit in backward_order(self._units, self._forward_order):
+            if unit.arrived or any(is_allocated(b.grad_data) for b in unit.buffers):
                 self._start_reduction(unit)
             elif unit.reductions:
                 self._finish_reductions(unit)
@@ -630,8 +545,6 @@ class FullyShardedDataParallel(DistributedDataParallel):
                 "gradient to all-reduce)"
             )
         self._flush()
-        for unit in self._units:
-            unit.reduced_in_step = False
 
     def zero_grad_buffer(self) -> None:
         if not self._shard_grads:
@@ -641,8 +554,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
             self._finish_reductions(unit) if unit.reductions else None
             unit.arrived = set()
             for buffer in unit.buffers:
-                if _is_allocated(buffer.grad_data):
-                    _free(buffer.grad_data)
+                if is_allocated(buffer.grad_data):
+                    free(buffer.grad_data)
         for buffer in self.buffers:
             for bucket in buffer.buckets:
                 bucket.grad_shard.zero_()
@@ -699,16 +612,6 @@ class FullyShardedDataParallel(DistributedDataParallel):
     def extra_repr(self) -> str:
         units = sum(u.module is not None for u in self._units) if self._units else 0
         return f"data_parallel_size={self._dp_size}, strategy={self.sharding_strategy}, units={units}"
-
-
-def _tensors(output: Any) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _tensors(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors(item)]
-    return []
 
 
 __all__ = ["FullyShardedDataParallel", "STRATEGIES", "SIXTEEN_BIT"]
