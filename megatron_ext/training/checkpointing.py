@@ -36,6 +36,7 @@ the world group so every rank raises the same error.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -43,7 +44,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -275,13 +276,24 @@ def _reshard(model: torch.nn.Module | list[torch.nn.Module], write_back: bool) -
             ddp.reshard_params(write_back=write_back)
 
 
+@contextlib.contextmanager
+def gathered_params(model: torch.nn.Module | list[torch.nn.Module]) -> Iterator[None]:
+    """The model's whole parameters while inside (a fully sharded model's are freed after each
+    use): for reading them, as a save or an export does."""
+    _finish_param_gathers(model)
+    try:
+        yield
+    finally:
+        _reshard(model, write_back=False)
+
+
 def _model_config(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, Any] | None:
     """The hyperparameters that give the stored tensors their meaning, read from the model's
     ``config`` (a TransformerConfig) and, for a GPTModel, its vocabulary and sequence length;
     None for a model without a config."""
-    inner = model_chunks(model)[0]
-    while not hasattr(inner, "config") and hasattr(inner, "module"):
-        inner = inner.module  # DDP and other wrappers
+    # the model inside the wrappers: FullyShardedDataParallel keeps the config too, without the
+    # model's vocabulary and sequence length
+    inner = _unwrap(model_chunks(model)[0])
     config = getattr(inner, "config", None)
     if config is None or not hasattr(config, "num_layers"):
         return None
@@ -357,11 +369,8 @@ def save_checkpoint(
     :class:`CheckpointingException` on every rank."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    _finish_param_gathers(model)
-    try:
+    with gathered_params(model):
         return _save(save_dir, iteration, model, optimizer, metadata, overwrite, keep_last)
-    finally:
-        _reshard(model, write_back=False)
 
 
 def _save(save_dir: str, iteration: int, model: Any, optimizer: Any, metadata: dict[str, Any] | None,

@@ -24,6 +24,7 @@ from megatron_ext.training import gpt_data
 from megatron_ext.pipeline_parallel import get_forward_backward_func
 from megatron_ext.training.checkpointing import (
     find_checkpoint,
+    gathered_params,
     load_checkpoint,
     save_checkpoint,
 )
@@ -289,7 +290,9 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list, model_pro
                       path=save(args, step + 1, model, optimizer, scheduler))
     run_log.close()
     if args.export_hf is not None:
-        log_event(args, event="export_hf", path=export_hf(args, [c.module for c in chunks]))
+        with gathered_params(chunks):
+            path = export_hf(args, [c.module for c in chunks])
+        log_event(args, event="export_hf", path=path)
     log_event(args, event="end", steps=len(losses), skipped_steps=skipped)
     return {
         "config": run_config(args),

@@ -1,0 +1,108 @@
+"""Checkpoints of fully sharded runs (--use-megatron-fsdp): a run saved under FSDP loads under the
+plain distributed optimizer and the reverse, and under FSDP at another data-parallel size, each
+at another (tp, pp, dp) layout, and continues with the uninterrupted serial run's losses (float64,
+1e-9); --export-hf of a fully sharded run writes the tensors of the same run without FSDP."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.conftest import TIGHT, checkpoint_run
+from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.slow  # trains the example GPT nine times at four ranks
+
+FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--data-parallel-sharding-strategy"]
+DISTOPT = ["--use-distributed-optimizer"]
+CKPT = "iter_0000002"
+
+
+def _serial_losses() -> list[float]:
+    return checkpoint_run((1, 1, 1))["losses"]
+
+
+def _fsdp_checkpoints_worker(tmp: str):
+    """Saves after step 2 of 4 under FSDP optim_grads_params at dp 4 and under the distributed
+    optimizer at tp 2 x pp 2, resumes each at other layouts and sharding; exports a Llama-shaped
+    run with and without FSDP. Returns the saving runs' losses, the resumed runs' (start, losses)
+    and the two exports' tensors (as lists, on rank 0)."""
+    from safetensors.torch import load_file
+
+    fsdp_dir, distopt_dir = os.path.join(tmp, "fsdp"), os.path.join(tmp, "distopt")
+    every_2 = ["--save-interval", "2"]
+    saved = {
+        "fsdp": checkpoint_run((1, 1, 4), *FSDP, "optim_grads_params", "--save", fsdp_dir, *every_2),
+        "distopt": checkpoint_run((2, 2, 1), *DISTOPT, "--save", distopt_dir, *every_2),
+    }
+    resumes = {
+        "fsdp dp4 -> distributed optimizer tp2 pp2": ((2, 2, 1), fsdp_dir, DISTOPT),
+        "fsdp dp4 -> fsdp optim_grads_params pp2 dp2": ((1, 2, 2), fsdp_dir, [*FSDP, "optim_grads_params"]),
+        "fsdp dp4 -> fsdp optim_grads tp2 dp2": ((2, 1, 2), fsdp_dir, [*FSDP, "optim_grads"]),
+        "distributed optimizer tp2 pp2 -> fsdp optim_grads_params dp4":
+            ((1, 1, 4), distopt_dir, [*FSDP, "optim_grads_params"]),
+        "distributed optimizer tp2 pp2 -> fsdp optim_grads pp2 dp2":
+            ((1, 2, 2), distopt_dir, [*FSDP, "optim_grads"]),
+        # the weights reach the shards from the model's loaded values alone
+        "fsdp dp4 -> fsdp optim_grads_params pp2 dp2, no optimizer state":
+            ((1, 2, 2), fsdp_dir, [*FSDP, "optim_grads_params", "--no-load-optim"]),
+        "fsdp dp4 -> distributed optimizer tp2 pp2, no optimizer state":
+            ((2, 2, 1), fsdp_dir, [*DISTOPT, "--no-load-optim"]),
+    }
+    resumed = {}
+    for label, (layout, save_dir, flags) in resumes.items():
+        run = checkpoint_run(layout, *flags, "--load", os.path.join(save_dir, CKPT))
+        resumed[label] = (run["start_step"], run["losses"])
+    exports = {}
+    for label, flags in {"fsdp": [*FSDP, "optim_grads_params"], "distopt": DISTOPT}.items():
+        hf_dir = os.path.join(tmp, f"hf_{label}")
+        checkpoint_run((1, 2, 2), "--arch", "llama", *flags, "--export-hf", hf_dir)
+        tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+        exports[label] = {k: v.tolist() for k, v in tensors.items()}
+    return {k: v["losses"] for k, v in saved.items()}, resumed, exports
+
+
+@pytest.fixture(scope="module")
+def fsdp_checkpoints(tmp_path_factory):
+    (serial,) = run_distributed(1, _serial_losses)
+    results = run_distributed(4, _fsdp_checkpoints_worker, str(tmp_path_factory.mktemp("fsdp_ckpt")))
+    for r in results[1:]:  # every rank reports the same global losses
+        assert r[:2] == results[0][:2]
+    return serial, *results[0]
+
+
+def test_saving_runs_match_serial(fsdp_checkpoints):
+    serial, saved, _, _ = fsdp_checkpoints
+    assert len(serial) == 4 and serial[-1] < serial[0]
+    for label, losses in saved.items():  # saving after step 2 changes nothing the run computes
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(serial), rtol=1e-9, atol=0, msg=lambda m: f"{label}: {m}"
+        )
+
+
+def test_resumed_across_sharding_and_layouts_match_serial(fsdp_checkpoints):
+    serial, _, resumed, _ = fsdp_checkpoints
+    fresh_adam = resumed.pop("fsdp dp4 -> distributed optimizer tp2 pp2, no optimizer state")[1]
+    for label, (start, losses) in resumed.items():
+        assert start == 2 and len(losses) == 2, label
+        # without the optimizer state: the same weights give the same first loss, a fresh Adam
+        # another second step, the one it takes without FSDP
+        expected = fresh_adam if label.endswith("no optimizer state") else serial[2:]
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(expected), rtol=1e-9, atol=0, msg=lambda m: f"{label}: {m}"
+        )
+    assert abs(fresh_adam[0] - serial[2]) <= 1e-9 * serial[2] and abs(fresh_adam[1] - serial[3]) > 1e-6
+
+
+def test_export_hf_of_fully_sharded_run_equals_unsharded(fsdp_checkpoints):
+    *_, exports = fsdp_checkpoints
+    fsdp, distopt = exports["fsdp"], exports["distopt"]
+    assert sorted(fsdp) == sorted(distopt) and "model.layers.3.mlp.down_proj.weight" in fsdp
+    for name, expected in distopt.items():
+        # float64: the two runs reduce the same gradients in another order
+        torch.testing.assert_close(
+            torch.tensor(fsdp[name], dtype=torch.float64), torch.tensor(expected, dtype=torch.float64),
+            msg=lambda m: f"{name}: {m}", **TIGHT,
+        )
