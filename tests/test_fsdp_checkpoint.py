@@ -1,7 +1,8 @@
 """Checkpoints of fully sharded runs (--use-megatron-fsdp): a run saved under FSDP loads under the
 plain distributed optimizer and the reverse, and under FSDP at another data-parallel size, each
 at another (tp, pp, dp) layout, and continues with the uninterrupted serial run's losses (float64,
-1e-9); --export-hf of a fully sharded run writes the tensors of the same run without FSDP."""
+1e-9); --export-hf of a fully sharded run writes the tensors of the same run without FSDP;
+--no-load-optim starts 16-bit main copies from the loaded weights, with and without FSDP."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from tests.conftest import TIGHT, checkpoint_run
 from tests.distributed import run_distributed
 
-pytestmark = pytest.mark.slow  # trains the example GPT nine times at four ranks
+pytestmark = pytest.mark.slow  # trains the example GPT 15 times at four ranks
 
 FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--data-parallel-sharding-strategy"]
 DISTOPT = ["--use-distributed-optimizer"]
@@ -106,3 +107,37 @@ def test_export_hf_of_fully_sharded_run_equals_unsharded(fsdp_checkpoints):
             torch.tensor(fsdp[name], dtype=torch.float64), torch.tensor(expected, dtype=torch.float64),
             msg=lambda m: f"{name}: {m}", **TIGHT,
         )
+
+
+def _sixteen_bit_fresh_optimizer_worker(tmp: str) -> dict[str, float]:
+    """bf16 runs at dp 4 saved after 2 steps, resumed with --no-load-optim, with and without
+    FSDP: the largest difference, right after the load, between the optimizer's float32 main
+    copies and the loaded weights they update."""
+    from tests.conftest import SMALL, load_train_gpt
+
+    out = {}
+    for label, flags in {"distopt": DISTOPT, "fsdp": [*FSDP, "optim_grads_params"]}.items():
+        base = SMALL + ["--bf16", "--tp", "1", "--pp", "1", "--dp", "4", *flags]
+        train_gpt = load_train_gpt()
+        train_gpt.train(train_gpt.parse_args(base + ["--steps", "2", "--save", os.path.join(tmp, label)]))
+        train_gpt = load_train_gpt()
+        resume, differences = train_gpt.resume, []
+
+        def checked_resume(args, model, optimizer, scheduler, differences=differences, resume=resume):
+            start = resume(args, model, optimizer, scheduler)
+            differences += [(s.main - s.piece().float()).abs().max().item() for s in optimizer._slots]
+            return start
+
+        train_gpt.resume = checked_resume
+        train_gpt.train(train_gpt.parse_args(base + ["--steps", "3", "--no-load-optim",
+                                                     "--load", os.path.join(tmp, label, CKPT)]))
+        assert differences, label
+        out[label] = max(differences)
+    return out
+
+
+def test_no_load_optim_takes_main_params_from_loaded_weights(tmp_path):
+    # As Megatron-LM's load_checkpoint: without the optimizer state, the main copies of 16-bit
+    # weights start from the loaded weights, not from the weights the run was built with.
+    (differences, *_) = run_distributed(4, _sixteen_bit_fresh_optimizer_worker, str(tmp_path))
+    assert differences == {"distopt": 0.0, "fsdp": 0.0}

@@ -447,6 +447,9 @@ def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: Megatron
     marker = load_checkpoint(
         args.load, model, None if args.no_load_optim else optimizer, load_rng=not args.no_load_rng
     )
+    if args.no_load_optim:  # 16-bit weights: the main copies from the loaded ones, as Megatron-LM
+        with gathered_params(model):
+            optimizer.reload_model_params()
     data = marker["metadata"].get("data", {})
     if data.get("global_batch_size", args.global_batch_size) != args.global_batch_size:
         raise ValueError(
