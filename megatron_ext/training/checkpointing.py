@@ -75,6 +75,7 @@ from megatron_ext.optimizer.optimizer import chunk_prefix
 from megatron_ext.resolve import strip_wrapper_prefix as _strip_wrappers
 from megatron_ext.resolve import unwrap_model as _unwrap
 from megatron_ext.tensor_parallel.random import get_cuda_rng_tracker
+from megatron_ext.training.checkpoint_config import check_config, model_config
 from megatron_ext.training.finite_state import refuse_nonfinite
 from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict
 
@@ -287,58 +288,6 @@ def gathered_params(model: torch.nn.Module | list[torch.nn.Module]) -> Iterator[
         _reshard(model, write_back=False)
 
 
-def _model_config(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, Any] | None:
-    """The hyperparameters that give the stored tensors their meaning, read from the model's
-    ``config`` (a TransformerConfig) and, for a GPTModel, its vocabulary and sequence length;
-    None for a model without a config."""
-    # the model inside the wrappers: FullyShardedDataParallel keeps the config too, without the
-    # model's vocabulary and sequence length
-    inner = _unwrap(model_chunks(model)[0])
-    config = getattr(inner, "config", None)
-    if config is None or not hasattr(config, "num_layers"):
-        return None
-    activation = getattr(config, "activation_func", None)
-    return {
-        "num_layers": config.num_layers,
-        "hidden_size": config.hidden_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_query_groups": getattr(config, "num_query_groups", None) or config.num_attention_heads,
-        "kv_channels": getattr(config, "kv_channels", None),
-        "ffn_hidden_size": getattr(config, "ffn_hidden_size", None),
-        "vocab_size": getattr(inner, "vocab_size", None),
-        "max_sequence_length": getattr(inner, "max_sequence_length", None),
-        "normalization": getattr(config, "normalization", None),
-        "activation": getattr(activation, "__name__", repr(activation)),
-        "gated_linear_unit": getattr(config, "gated_linear_unit", None),
-        "add_bias_linear": getattr(config, "add_bias_linear", None),
-        "qk_layernorm": getattr(config, "qk_layernorm", None),
-        "rotary_interleaved": getattr(config, "rotary_interleaved", None),
-        "position_embedding_type": getattr(inner, "position_embedding_type", None),
-        "share_embeddings_and_output_weights": getattr(inner, "share_embeddings_and_output_weights", None),
-        "params_dtype": str(getattr(config, "params_dtype", None)).replace("torch.", ""),
-    }
-
-
-# Fields that may differ between the saved and the loading model: the values are converted.
-CONVERTIBLE_CONFIG_FIELDS = ("params_dtype",)
-
-
-def _check_config(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[str]:
-    if saved is None or current is None:  # a checkpoint or a model without a config
-        return []
-    differ = [
-        field
-        for field in current
-        if field in saved and field not in CONVERTIBLE_CONFIG_FIELDS and saved[field] != current[field]
-    ]
-    if not differ:
-        return []
-    return [
-        "the checkpoint was saved with " + ", ".join(f"{f}={saved[f]!r}" for f in differ)
-        + "; this model has " + ", ".join(f"{f}={current[f]!r}" for f in differ)
-    ]
-
-
 def _fsync_dir(path: str) -> None:
     """Makes the renames and creations inside directory ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -436,7 +385,7 @@ def _save(save_dir: str, iteration: int, model: Any, optimizer: Any, metadata: d
             if errors:
                 raise CheckpointingException("; ".join(errors))
             all_hashes = {name: digest for _, share in results for name, digest in share.items()}
-            _commit(save_dir, tmp, final, iteration, metadata, all_hashes, _model_config(model))
+            _commit(save_dir, tmp, final, iteration, metadata, all_hashes, model_config(model))
         except _FAILURES as e:
             shutil.rmtree(tmp, ignore_errors=True)  # what this save wrote, so a full disk frees up
             error = f"{_describe(e)} (removed {tmp!r}; {_newest_left(save_dir)})"
@@ -666,7 +615,7 @@ def load_checkpoint(
         if resolved is None:
             raise CheckpointingException(f"{path!r} is neither a checkpoint nor a directory with {TRACKER}")
         marker = read_marker(resolved)
-        problems += _check_config(marker.get("model_config"), _model_config(model))
+        problems += check_config(marker.get("model_config"), model_config(model))
         problems += verify_files(
             resolved, marker, sorted(marker["files"])[dist.get_rank() :: dist.get_world_size()]
         )
