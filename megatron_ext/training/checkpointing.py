@@ -36,6 +36,7 @@ the world group so every rank raises the same error.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -43,7 +44,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -74,6 +75,7 @@ from megatron_ext.optimizer.optimizer import chunk_prefix
 from megatron_ext.resolve import strip_wrapper_prefix as _strip_wrappers
 from megatron_ext.resolve import unwrap_model as _unwrap
 from megatron_ext.tensor_parallel.random import get_cuda_rng_tracker
+from megatron_ext.training.checkpoint_config import check_config, model_config
 from megatron_ext.training.finite_state import refuse_nonfinite
 from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict
 
@@ -275,56 +277,15 @@ def _reshard(model: torch.nn.Module | list[torch.nn.Module], write_back: bool) -
             ddp.reshard_params(write_back=write_back)
 
 
-def _model_config(model: torch.nn.Module | list[torch.nn.Module]) -> dict[str, Any] | None:
-    """The hyperparameters that give the stored tensors their meaning, read from the model's
-    ``config`` (a TransformerConfig) and, for a GPTModel, its vocabulary and sequence length;
-    None for a model without a config."""
-    inner = model_chunks(model)[0]
-    while not hasattr(inner, "config") and hasattr(inner, "module"):
-        inner = inner.module  # DDP and other wrappers
-    config = getattr(inner, "config", None)
-    if config is None or not hasattr(config, "num_layers"):
-        return None
-    activation = getattr(config, "activation_func", None)
-    return {
-        "num_layers": config.num_layers,
-        "hidden_size": config.hidden_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_query_groups": getattr(config, "num_query_groups", None) or config.num_attention_heads,
-        "kv_channels": getattr(config, "kv_channels", None),
-        "ffn_hidden_size": getattr(config, "ffn_hidden_size", None),
-        "vocab_size": getattr(inner, "vocab_size", None),
-        "max_sequence_length": getattr(inner, "max_sequence_length", None),
-        "normalization": getattr(config, "normalization", None),
-        "activation": getattr(activation, "__name__", repr(activation)),
-        "gated_linear_unit": getattr(config, "gated_linear_unit", None),
-        "add_bias_linear": getattr(config, "add_bias_linear", None),
-        "qk_layernorm": getattr(config, "qk_layernorm", None),
-        "rotary_interleaved": getattr(config, "rotary_interleaved", None),
-        "position_embedding_type": getattr(inner, "position_embedding_type", None),
-        "share_embeddings_and_output_weights": getattr(inner, "share_embeddings_and_output_weights", None),
-        "params_dtype": str(getattr(config, "params_dtype", None)).replace("torch.", ""),
-    }
-
-
-# Fields that may differ between the saved and the loading model: the values are converted.
-CONVERTIBLE_CONFIG_FIELDS = ("params_dtype",)
-
-
-def _check_config(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[str]:
-    if saved is None or current is None:  # a checkpoint or a model without a config
-        return []
-    differ = [
-        field
-        for field in current
-        if field in saved and field not in CONVERTIBLE_CONFIG_FIELDS and saved[field] != current[field]
-    ]
-    if not differ:
-        return []
-    return [
-        "the checkpoint was saved with " + ", ".join(f"{f}={saved[f]!r}" for f in differ)
-        + "; this model has " + ", ".join(f"{f}={current[f]!r}" for f in differ)
-    ]
+@contextlib.contextmanager
+def gathered_params(model: torch.nn.Module | list[torch.nn.Module]) -> Iterator[None]:
+    """The model's whole parameters while inside (a fully sharded model's are freed after each
+    use): for reading them, as a save or an export does."""
+    _finish_param_gathers(model)
+    try:
+        yield
+    finally:
+        _reshard(model, write_back=False)
 
 
 def _fsync_dir(path: str) -> None:
@@ -357,11 +318,8 @@ def save_checkpoint(
     :class:`CheckpointingException` on every rank."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    _finish_param_gathers(model)
-    try:
+    with gathered_params(model):
         return _save(save_dir, iteration, model, optimizer, metadata, overwrite, keep_last)
-    finally:
-        _reshard(model, write_back=False)
 
 
 def _save(save_dir: str, iteration: int, model: Any, optimizer: Any, metadata: dict[str, Any] | None,
@@ -427,7 +385,7 @@ def _save(save_dir: str, iteration: int, model: Any, optimizer: Any, metadata: d
             if errors:
                 raise CheckpointingException("; ".join(errors))
             all_hashes = {name: digest for _, share in results for name, digest in share.items()}
-            _commit(save_dir, tmp, final, iteration, metadata, all_hashes, _model_config(model))
+            _commit(save_dir, tmp, final, iteration, metadata, all_hashes, model_config(model))
         except _FAILURES as e:
             shutil.rmtree(tmp, ignore_errors=True)  # what this save wrote, so a full disk frees up
             error = f"{_describe(e)} (removed {tmp!r}; {_newest_left(save_dir)})"
@@ -657,7 +615,7 @@ def load_checkpoint(
         if resolved is None:
             raise CheckpointingException(f"{path!r} is neither a checkpoint nor a directory with {TRACKER}")
         marker = read_marker(resolved)
-        problems += _check_config(marker.get("model_config"), _model_config(model))
+        problems += check_config(marker.get("model_config"), model_config(model))
         problems += verify_files(
             resolved, marker, sorted(marker["files"])[dist.get_rank() :: dist.get_world_size()]
         )

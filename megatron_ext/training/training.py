@@ -24,6 +24,7 @@ from megatron_ext.training import gpt_data
 from megatron_ext.pipeline_parallel import get_forward_backward_func
 from megatron_ext.training.checkpointing import (
     find_checkpoint,
+    gathered_params,
     load_checkpoint,
     save_checkpoint,
 )
@@ -289,7 +290,9 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list, model_pro
                       path=save(args, step + 1, model, optimizer, scheduler))
     run_log.close()
     if args.export_hf is not None:
-        log_event(args, event="export_hf", path=export_hf(args, [c.module for c in chunks]))
+        with gathered_params(chunks):
+            path = export_hf(args, [c.module for c in chunks])
+        log_event(args, event="export_hf", path=path)
     log_event(args, event="end", steps=len(losses), skipped_steps=skipped)
     return {
         "config": run_config(args),
@@ -444,6 +447,9 @@ def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: Megatron
     marker = load_checkpoint(
         args.load, model, None if args.no_load_optim else optimizer, load_rng=not args.no_load_rng
     )
+    if args.no_load_optim:  # 16-bit weights: the main copies from the loaded ones, as Megatron-LM
+        with gathered_params(model):
+            optimizer.reload_model_params()
     data = marker["metadata"].get("data", {})
     if data.get("global_batch_size", args.global_batch_size) != args.global_batch_size:
         raise ValueError(
