@@ -287,7 +287,10 @@ class MegatronOptimizer:
                     continue
                 if state_dict is not None and s.name not in sources:
                     raise ValueError(f"reload_model_params: the state_dict has no tensor for {s.name!r}")
-                source = sources[s.name] if state_dict is not None else s.model_param
+                if state_dict is None:  # the model's piece (a shard, for fully sharded parameters)
+                    s.main.copy_(s.piece().detach().reshape(s.main.shape))
+                    continue
+                source = sources[s.name]
                 if tuple(source.shape) != tuple(s.model_param.shape):
                     raise ValueError(
                         f"reload_model_params: {s.name!r} has shape {tuple(source.shape)} in the state_dict, "

@@ -651,6 +651,7 @@ def load_checkpoint(
         config_lines = sum(map(is_config, lines))
         shown = config_lines + 8
         more = f"; and {len(lines) - shown} more" if len(lines) > shown else ""
+        _reshard(model, write_back=False)
         raise CheckpointingException(
             f"cannot load checkpoint {resolved or path!r}: " + "; ".join(lines[:shown]) + more
         )
