@@ -2,7 +2,9 @@
 a tied embedding, ep 2 x dp 4 and tp 2 x ep 2 x etp 2 with experts: the model's parameter count
 against the serial model built in the same processes, each rank's count, and each rank's state bytes
 against the bytes per parameter of the precision and optimizer (the layer sizes leave the distributed
-optimizer's buffers without padding, which the test checks first)."""
+optimizer's buffers without padding, which the test checks first); and FullyShardedDataParallel at dp 4
+under each sharding strategy, in bf16 with float32 gradients and in float64: the state a rank holds
+between steps (the shards of what is sharded) and the bound on what a step gathers on top."""
 
 from __future__ import annotations
 
@@ -59,6 +61,23 @@ def _wrapped(models: list, dtype: torch.dtype, distributed: bool):
         for chunk in chunks:
             for buffer in chunk.buffers:
                 assert buffer.numel == sum(p.numel() for p in buffer.params), buffer.numel
+    return chunks, optimizer
+
+
+def _fsdp(models: list, dtype: torch.dtype, strategy: str, reshard_after_forward: bool = True):
+    from megatron_ext.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
+    from megatron_ext.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=dtype == torch.bfloat16, use_distributed_optimizer=True, use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=strategy)
+    chunks = [FullyShardedDataParallel(m.config, ddp_config, m, reshard_after_forward=reshard_after_forward)
+              for m in models]
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        lr=1e-3, bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=True), chunks)
+    for chunk in chunks:  # the test's byte counts assume no padding in the buffers
+        for buffer in chunk.buffers:
+            assert buffer.numel == sum(p.numel() for p in buffer.params), buffer.numel
     return chunks, optimizer
 
 
@@ -126,6 +145,21 @@ def _worker() -> dict:
     experts = sum(p.numel() for p in params if not getattr(p, "allreduce", True))
     report = collect_step_report(chunks, optimizer, tp=2, pp=1, cp=1, ep=2, etp=2, dp=2, vpp=None, **batch)
     out[("ep2 etp2", fp32, True)] = (report, serial, _all(sum(p.numel() for p in params)), _all(experts))
+
+    # FSDP at dp 4: (the report, the parameters of one transformer layer (a unit), of the root)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel()
+    for dtype, strategy, reshard in [(d, s, True) for d in (bf16, torch.float64)
+                                     for s in ("optim", "optim_grads", "optim_grads_params")] + [
+                                         (bf16, "optim_grads_params", False)]:
+        (model,) = models = _models(_config(dtype))
+        chunks, optimizer = _fsdp(models, dtype, strategy, reshard)
+        layer = sum(p.numel() for p in model.decoder.layers[0].parameters())
+        assert all(sum(p.numel() for p in m.parameters()) == layer for m in model.decoder.layers)
+        root = sum(p.numel() for p in model.parameters()) - len(model.decoder.layers) * layer
+        report = collect_step_report(chunks, optimizer, tp=1, pp=1, cp=1, ep=1, etp=None, dp=4, vpp=None,
+                                     **batch)
+        out[("fsdp", dtype, strategy, reshard)] = (report, layer, root)
     return out
 
 
@@ -133,6 +167,8 @@ def test_step_report_counts_parameters_once_and_measures_state():
     results = run_distributed(4, _worker)
     out = results[0]
     assert all(str(r[k][0]) == str(out[k][0]) for r in results for k in out if k[0] != "tp2 stepped")
+    _check_fsdp({k: v for k, v in out.items() if k[0] == "fsdp"})
+    out = {k: v for k, v in out.items() if k[0] != "fsdp"}
     for key, (report, serial, local, *expert) in ((k, v) for k, v in out.items() if k[0] != "tp2 stepped"):
         assert report.model_parameters == serial, key
         assert [r.parameters for r in report.ranks] == local, key
@@ -174,3 +210,36 @@ def test_step_report_counts_parameters_once_and_measures_state():
                        f"per rank {per_rank:,} to {per_rank:,}")
     assert text[-1] == f"tokens per step: 8 x {SEQ} = {8 * SEQ:,}"
     assert text[3].endswith("(to be allocated by the optimizer's first step)")
+
+
+def _check_fsdp(out: dict) -> None:
+    """Per rank at dp 4 (no padding): the parameters, gradient buffers, main parameters and moments
+    between steps, and the bytes gathered in flight: the root's parameters and full gradients, two
+    units' parameters (the one computing and the next one prefetched; every unit without resharding
+    after the forward) and one unit's full gradients."""
+    dp = 4
+    for (_, dtype, strategy, reshard), (report, layer, root) in out.items():
+        n = 2 * layer + root
+        p, g = (2, 4) if dtype == torch.bfloat16 else (8, 8)  # bytes of a parameter, of a gradient
+        main = 4 if dtype == torch.bfloat16 else 0  # float32 copies of 16-bit parameters only
+        params = p * n // dp if strategy == "optim_grads_params" else p * n
+        grads = g * n if strategy == "optim" else g * n // dp
+        moments = 2 * max(main, p) * n // dp
+        gathered = root + 2 * layer if reshard else n
+        in_flight = {"optim": 0, "optim_grads": g * (root + layer),
+                     "optim_grads_params": p * gathered + g * (root + layer)}
+        key = (dtype, strategy, reshard)
+        state = [(r.parameter_bytes, r.gradient_bytes, r.main_bytes, r.moment_bytes) for r in report.ranks]
+        assert state == [(params, grads, main * n // dp, moments)] * dp, (key, state)
+        assert [r.in_flight_bytes for r in report.ranks] == [in_flight[strategy]] * dp, key
+        lines = [line for line in str(report).splitlines() if line.startswith("gathered in flight")]
+        if strategy == "optim":
+            assert lines == [], key
+        else:
+            assert lines[0].startswith(f"gathered in flight: up to {in_flight[strategy]:,} B "), (key, lines)
+    # per parameter with bf16 parameters, float32 gradients and Adam: 2 + 4 + 12 / dp, 2 + 16 / dp, 18 / dp
+    layer, root = out[("fsdp", torch.bfloat16, "optim", True)][1:]
+    n = 2 * layer + root
+    strategies = ("optim", "optim_grads", "optim_grads_params")
+    assert [out[("fsdp", torch.bfloat16, s, True)][0].ranks[0].state_bytes for s in strategies] == [
+        (6 + 12 // dp) * n, 2 * n + 16 * n // dp, 18 * n // dp]

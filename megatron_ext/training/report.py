@@ -23,6 +23,16 @@ buffer when the momentum is not zero. Adam's scalar ``step`` is not counted. So 
 parameter: float32 parameters 4 + 4 + 8 bytes (the distributed optimizer: 4 + 4 + 8 / dp); 16-bit
 parameters with float32 gradient buffers 2 + 4 + 4 + 8 (distributed: 2 + 4 + 12 / dp), where dp is the
 expert-data-parallel size for expert parameters.
+
+Under ``FullyShardedDataParallel`` the state is what a rank holds between steps: with
+``optim_grads_params`` the parameter shards (``bucket.param_shard``, this rank's slice of every
+bucket) instead of the parameters, whose gathered buffers exist only around a unit's forward and
+backward; with ``optim_grads`` and ``optim_grads_params`` the gradient shards (``bucket.grad_shard``)
+instead of the full gradient buffers, which exist only during a unit's backward. A float32 or float64
+parameter's main copy is a view of its shard and not counted again; a 16-bit parameter's is its
+float32 copy. So with Adam, 16-bit parameters and float32 gradients: ``optim`` 2 + 4 + 12 / dp,
+``optim_grads`` 2 + 16 / dp, ``optim_grads_params`` 18 / dp bytes per parameter. What a step holds on
+top, the line "gathered in flight", is bounded from the units' buffers (``_in_flight_bytes``).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from megatron_ext import parallel_state
 from megatron_ext._torch_compat import all_gather_single
 from megatron_ext.comm_errors import reported
 from megatron_ext.distributed.distributed_data_parallel import DistributedDataParallel
+from megatron_ext.distributed.fully_sharded_data_parallel import FullyShardedDataParallel
 from megatron_ext.resolve import find_wrapper
 from megatron_ext.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron_ext.tensor_parallel.utils import comm_device
@@ -51,6 +62,7 @@ class RankState:
     main_bytes: int
     moment_bytes: int
     moments_measured: bool  # False: the moments are what the optimizer's first step will allocate
+    in_flight_bytes: int = 0  # FSDP: the most a step gathers or holds full beyond the state
 
     @property
     def state_bytes(self) -> int:
@@ -85,6 +97,9 @@ class StepReport:
             f"  rank {largest}: parameters {_bytes(big.parameter_bytes)}, gradient buffers "
             f"{_bytes(big.gradient_bytes)}, main parameters {_bytes(big.main_bytes)}, "
             f"optimizer moments {_bytes(big.moment_bytes)}{moments}",
+            *([f"gathered in flight: up to {_bytes(in_flight)} (parameters gathered and full gradient "
+               "buffers of FSDP's units during a step, on top of the state)"]
+              if (in_flight := max(r.in_flight_bytes for r in self.ranks)) else []),
             f"tokens per step: {self.global_batch_size} x {self.seq_length} = {self.tokens_per_step:,}",
         ])
 
@@ -132,12 +147,55 @@ def _moments_per_element(torch_optimizer: torch.optim.Optimizer, group: dict[str
                      "expected torch.optim.Adam, AdamW or SGD")
 
 
+def _sharded(ddp: Any, what: str) -> bool:
+    """Whether ``ddp`` is a ``FullyShardedDataParallel`` whose ``what`` ("params" or "grads") exist
+    only as shards between steps."""
+    strategies = {"params": ("optim_grads_params",), "grads": ("optim_grads", "optim_grads_params")}
+    return isinstance(ddp, FullyShardedDataParallel) and ddp.sharding_strategy in strategies[what]
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _in_flight_bytes(fsdps: list[FullyShardedDataParallel]) -> int:
+    """The most bytes the FSDP chunks of a rank hold during a step on top of their shards. Each
+    chunk's root keeps its parameters gathered from the forward to the optimizer step and its full
+    gradient buffer through the backward; of the units, two are gathered at once (the one computing
+    and the next one's prefetch; with ``reshard_after_forward=False`` every unit stays gathered) and
+    one unit's full gradient buffer exists at a time. One chunk computes at a time, so its units'
+    part is counted for the largest chunk only. An upper bound: the two largest units need not be
+    neighbours."""
+    held, transient = 0, [0]
+    for fsdp in fsdps:
+        if not _sharded(fsdp, "grads"):
+            continue
+        units = [u for u in fsdp._units if u.module is not None]
+        root = [b for u in fsdp._units if u.module is None for b in u.buffers]
+        grads = max((_nbytes(b.grad_data for b in u.buffers) for u in units), default=0)
+        held += _nbytes(b.grad_data for b in root)
+        params: list[int] = []
+        if _sharded(fsdp, "params"):
+            params = sorted((_nbytes(b.param_data for b in u.buffers) for u in units), reverse=True)
+            held += _nbytes(b.param_data for b in root)
+            if not fsdp.reshard_after_forward:
+                held, params = held + sum(params), []
+        transient.append(sum(params[:2]) + grads)
+    return held + max(transient)
+
+
 def _rank_row(model_chunks: list[torch.nn.Module], optimizer: Any) -> list[int]:
     params = list({id(p): p for chunk in model_chunks for p in chunk.parameters()}.values())
+    ddps = [d for chunk in model_chunks if (d := find_wrapper(chunk, DistributedDataParallel)) is not None]
+    buckets = {what: [b for d in ddps if _sharded(d, what) for buffer in d.buffers for b in buffer.buckets]
+               for what in ("params", "grads")}
+    # A fully sharded parameter is resident as its shard; its gathered buffer is counted in flight.
+    shards = {p for b in buckets["params"] for p in b.params_list}
     seen: set[tuple[Any, int]] = set()
-    parameter_bytes = _new_storage_bytes(params, seen)
-    grads = [buffer.grad_data for chunk in model_chunks
-             if (ddp := find_wrapper(chunk, DistributedDataParallel)) is not None for buffer in ddp.buffers]
+    parameter_bytes = _new_storage_bytes(
+        [p for p in params if p not in shards] + [b.param_shard for b in buckets["params"]], seen)
+    grads = [b.grad_shard for b in buckets["grads"]]
+    grads += [buffer.grad_data for ddp in ddps if not _sharded(ddp, "grads") for buffer in ddp.buffers]
     grads += [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
     gradient_bytes = _new_storage_bytes(grads, seen)
     mains = optimizer.get_parameters() if optimizer is not None else []
@@ -155,7 +213,8 @@ def _rank_row(model_chunks: list[torch.nn.Module], optimizer: Any) -> list[int]:
                     moment_bytes += (_moments_per_element(torch_optimizer, group)
                                      * main.numel() * main.element_size())
     return [sum(p.numel() for p in params), sum(p.numel() for p in params if _counted_once(p)),
-            parameter_bytes, gradient_bytes, main_bytes, moment_bytes, int(measured)]
+            parameter_bytes, gradient_bytes, main_bytes, moment_bytes, int(measured),
+            _in_flight_bytes([d for d in ddps if isinstance(d, FullyShardedDataParallel)])]
 
 
 def collect_step_report(
@@ -187,7 +246,8 @@ def collect_step_report(
         all_gather_single(gathered, row.to(device))
     rows = gathered.view(world, -1).tolist()
     ranks = [RankState(parameters=r[0], parameter_bytes=r[2], gradient_bytes=r[3], main_bytes=r[4],
-                       moment_bytes=r[5], moments_measured=bool(r[6])) for r in rows]
+                       moment_bytes=r[5], moments_measured=bool(r[6]),
+                       in_flight_bytes=r[7]) for r in rows]
     return StepReport(
         layout={"tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp, "dp": dp, "vpp": vpp},
         model_parameters=sum(r[1] for r in rows),
