@@ -275,11 +275,9 @@ class MegatronOptimizer:
         return update_successful, float(grad_norm), num_zeros
 
     def reload_model_params(self, state_dict: dict[str, Any] | None = None) -> None:
-        """Sets the main parameters from the model parameters (after they were changed outside
-        the optimizer, e.g. loaded), or from ``state_dict``'s tensors (by parameter name, any
-        ``module.`` prefixes ignored; with several model chunks ``{"model0": ..., "model1": ...}``);
-        the model parameters are not changed. Nothing to do where the main parameters are the
-        model parameters."""
+        """Sets the main parameters from the model parameters (their shards, when fully sharded)
+        after they were changed outside the optimizer (e.g. loaded), or from ``state_dict``'s
+        tensors (by name, ``module.`` prefixes ignored; several chunks: ``{"model0": ...}``)."""
         sources = _state_dict_params(state_dict, self.model_chunks) if state_dict is not None else {}
         with torch.no_grad():
             for s in self._slots:
@@ -287,16 +285,14 @@ class MegatronOptimizer:
                     continue
                 if state_dict is not None and s.name not in sources:
                     raise ValueError(f"reload_model_params: the state_dict has no tensor for {s.name!r}")
-                if state_dict is None:  # the model's piece (a shard, for fully sharded parameters)
-                    s.main.copy_(s.piece().detach().reshape(s.main.shape))
-                    continue
-                source = sources[s.name]
-                if tuple(source.shape) != tuple(s.model_param.shape):
+                source = sources[s.name] if state_dict is not None else None
+                if source is not None and tuple(source.shape) != tuple(s.model_param.shape):
                     raise ValueError(
                         f"reload_model_params: {s.name!r} has shape {tuple(source.shape)} in the state_dict, "
                         f"the parameter {tuple(s.model_param.shape)}"
                     )
-                s.main.copy_(source.detach().reshape(-1)[s.start : s.end].view_as(s.main))
+                piece = s.piece() if source is None else source.detach().reshape(-1)[s.start : s.end]
+                s.main.copy_(piece.detach().reshape(s.main.shape))
 
     # State ---------------------------------------------------------------------------------------------
 
