@@ -1,6 +1,7 @@
 """The training program under fully sharded data parallelism (``--use-megatron-fsdp``): each
 sharding strategy, with tensor (sequence-parallel), context, pipeline (1F1B, interleaved, ZB-H1)
-and expert parallelism (expert tensor parallelism included), trains every ``--arch``: a GPT (its
+and expert parallelism (expert tensor parallelism included), and with full and selective
+recomputation, trains every ``--arch``: a GPT (its
 embedding tied to the output layer across pipeline stages), a Llama model with two
 multi-token-prediction depths and a DeepSeek-V3-style model (multi-latent attention, routed
 experts, a multi-token-prediction depth) to the serial run's losses, grad norms and final weights
@@ -16,7 +17,7 @@ from tests.distributed import run_distributed
 from tests.test_deepseek_training import DEEPSEEK, LLAMA_MTP, MTP_RTOL, _train
 from tests.test_moe_training import _merged
 
-pytestmark = pytest.mark.slow  # 57 trainings of 3 steps at 4 ranks
+pytestmark = pytest.mark.slow  # 75 trainings of 3 steps at 4 ranks
 
 STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--data-parallel-sharding-strategy"]
@@ -37,6 +38,10 @@ LAYOUTS = {
     ((1, 1, 2, 1, 2), "interleaved"): ["--tp", "1", "--pp", "2", "--virtual-pipeline", "2"],
     ((1, 1, 2, 1, 2), "zb-h1"): ["--tp", "1", "--pp", "2", "--schedule", "zb-h1"],
     ((1, 1, 1, 2, 2), "1f1b"): ["--tp", "1", "--pp", "1", "--ep", "2", "--etp", "2"],
+    # recomputation: a unit's forward runs again inside its backward
+    ((1, 1, 2, 1, 2), "full recompute"): ["--tp", "1", "--pp", "2", "--recompute"],
+    ((2, 1, 1, 1, 2), "selective recompute"): ["--tp", "2", "--pp", "1", "--sequence-parallel",
+                                               "--recompute-activations"],
 }
 SERIAL = {"serial": ["--tp", "1", "--pp", "1"]}
 
