@@ -186,6 +186,13 @@ def _gathers_worker() -> dict:
         # Freed after the step: the next forward gathers the updated shards.
         assert weight.untyped_storage().nbytes() == 0
         assert fsdp.module.inp.weight.untyped_storage().nbytes() == 0  # the root's too
+        # Megatron-LM's torch-format save: the whole parameters, gathered, then freed again.
+        saved = fsdp.state_dict_for_save_checkpoint()
+        assert set(saved) == set(fsdp.module.state_dict())
+        assert weight.untyped_storage().nbytes() == 0 and saved["blocks.0.up.weight"].abs().sum() > 0
+        fsdp.gather_all_params()
+        torch.testing.assert_close(saved["blocks.0.up.weight"], weight, rtol=0, atol=0)
+        fsdp.reshard_params()
         # The gradients live in the shards: main_grad is this rank's part, 1-D.
         shard = fsdp.module.blocks[0].up.weight.main_grad
         owned = torch.tensor(shard.numel())
@@ -310,6 +317,10 @@ def _bad_input_worker() -> list[str]:
            lambda: FullyShardedDataParallel(fused, fsdp_config, Stack(), [Block]))
     expect(ValueError, "device 'meta', but the module's parameters are on \\['cpu'\\]",
            lambda: FullyShardedDataParallel(_config(), fsdp_config, Stack(), [Block], device="meta"))
+    hybrid = cfg(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads",
+                 num_distributed_optimizer_instances=2)
+    expect(NotImplementedError, "num_distributed_optimizer_instances > 1 \\(hybrid sharding\\)",
+           lambda: FullyShardedDataParallel(_config(), hybrid, Stack(), [Block]))
     wrapped = FullyShardedDataParallel(_config(), fsdp_config, Stack(), [Block])
     expect(ValueError, "give OptimizerConfig\\(use_distributed_optimizer=True\\)",
            lambda: get_megatron_optimizer(OptimizerConfig(lr=1.0), [wrapped]))
@@ -320,4 +331,4 @@ def _bad_input_worker() -> list[str]:
 
 def test_bad_input_is_refused_alike_on_every_rank():
     results = run_distributed(2, _bad_input_worker)
-    assert results[0] == results[1] and len(results[0]) == 11
+    assert results[0] == results[1] and len(results[0]) == 12

@@ -357,6 +357,10 @@ class DistributedDataParallel(torch.nn.Module):
         """The wrapped module's state dict (no ``module.`` in the names)."""
         return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
+        """Megatron-core's name for ``state_dict`` (Megatron-LM's torch-format checkpoints)."""
+        return self.state_dict(prefix=prefix, keep_vars=keep_vars)
+
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False) -> Any:
         """Into the wrapped module (names as ``state_dict()`` gives them)."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

@@ -100,7 +100,7 @@ class DistributedDataParallelConfig:
                 f"DistributedDataParallelConfig.num_distributed_optimizer_instances must be an integer >= 1, "
                 f"got {instances!r}"
             )
-        if instances > 1 and not self.use_distributed_optimizer:
+        if instances > 1 and not self.use_distributed_optimizer and not self.use_megatron_fsdp:
             raise ValueError(
                 "DistributedDataParallelConfig.num_distributed_optimizer_instances > 1 needs "
                 "use_distributed_optimizer=True"

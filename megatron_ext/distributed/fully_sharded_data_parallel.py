@@ -591,10 +591,6 @@ class FullyShardedDataParallel(DistributedDataParallel):
             self.reshard_params()
         return out
 
-    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
-        """Megatron-core's FSDP wrapper's name for ``state_dict`` (Megatron-LM's torch checkpoints)."""
-        return self.state_dict(prefix=prefix, keep_vars=keep_vars)
-
     def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False) -> Any:
         self.gather_all_params()
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
