@@ -26,7 +26,7 @@ Reported per variant: step time (min / median / max of the slowest rank), CPU se
 resident memory per rank during a step (benchmarks/common.py), and state bytes per rank: what the
 model, its gradient buffers and shards and the optimizer state hold between steps (the distinct
 CPU tensor storages alive after the first two steps minus before the model was built;
-``torch.cuda.memory_allocated`` on a GPU).
+``torch.cuda.memory_allocated`` on a GPU); state + peak extra is the most a step holds.
 
 Megatron-core 0.16.1's own Megatron-FSDP is not a variant: it cannot run on CPU processes (it
 creates ``torch.cuda.Stream`` unconditionally and builds its device meshes on ``"cuda"``).
@@ -34,7 +34,8 @@ creates ``torch.cuda.Stream`` unconditionally and builds its device meshes on ``
 ``--device cuda`` runs the same variants on one process per GPU (NCCL), each step ending in
 ``torch.cuda.synchronize``; peak extra and state memory are then ``torch.cuda`` allocator figures.
 ``--profile VARIANT...`` runs ``--profile-steps`` more steps of each variant named under cProfile
-on rank 0 after the timing and prints the functions that cost the most (own time, cumulative).
+on rank 0 after the timing and prints the functions that cost the most (own time, cumulative;
+``--profile-clock cpu``: CPU seconds instead of wall seconds, for a machine shared with others).
 
     ./dev.sh bench fsdp [--nproc 4] [--arch gpt] [--layers 4] [--hidden 256] [--seq 128] [--reps 5]
     python benchmarks/fsdp.py --device cuda [--json runs/gpu_fsdp.json]
@@ -49,6 +50,7 @@ import io
 import os
 import pstats
 import sys
+import time
 import warnings
 from typing import Any, Callable
 
@@ -258,7 +260,7 @@ def _worker(args: argparse.Namespace) -> dict:
             timing[name]["peak_extra_mib"] = peaks[-args.reps:]
     profiles = {}
     for name in args.profile or []:
-        profiler = cProfile.Profile()
+        profiler = cProfile.Profile(time.process_time) if args.profile_clock == "cpu" else cProfile.Profile()
         for _ in range(args.profile_steps):
             micro = _batches(run, args.micro_batches, generator, device)
             profiler.enable() if dist.get_rank() == 0 else None
@@ -322,6 +324,9 @@ def main() -> None:
     p.add_argument("--profile", nargs="+", default=None, choices=list(VARIANTS),
                    help="after timing, run each of these variants under cProfile on rank 0")
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--profile-clock", default="wall", choices=["wall", "cpu"],
+                   help="cProfile's timer: wall seconds, or the process's CPU seconds (every thread's: "
+                   "gloo's work is charged to what runs meanwhile, often a wait)")
     p.add_argument("--profile-top", type=int, default=25)
     p.add_argument("--json", default=None, help="results path (default benchmarks/results/fsdp.json)")
     args = p.parse_args()
@@ -357,12 +362,12 @@ def main() -> None:
                 f"{args.micro_batches} micro-batches of {args.micro_batch} x {args.seq} per rank, "
                 f"{tokens} tokens per step",
                 summary, baseline="distopt" if "distopt" in summary else None, unit="s")
-    print(f"{'variant':<24} {'state MiB':>10} {'tokens/s':>9}  losses of the two same-batch steps "
-          "(largest difference from distopt)")
+    print(f"{'variant':<24} {'state MiB':>10} {'state + peak':>13} {'tokens/s':>9}  losses of the two "
+          "same-batch steps (largest difference from distopt)")
     for name, s in summary.items():
         diff = "" if s["max_loss_difference"] is None else f" ({s['max_loss_difference']:.1e})"
-        print(f"{name:<24} {s['state_mib']:>10.2f} {s['tokens_per_s']:>9.0f}  "
-              f"{', '.join(f'{v:.6f}' for v in s['losses'])}{diff}")
+        print(f"{name:<24} {s['state_mib']:>10.2f} {s['state_mib'] + s['peak_extra_mib']:>13.2f} "
+              f"{s['tokens_per_s']:>9.0f}  {', '.join(f'{v:.6f}' for v in s['losses'])}{diff}")
     for note in NOTES:
         print(f"note: {note}")
     for name, text in first["profiles"].items():
