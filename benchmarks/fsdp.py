@@ -47,6 +47,7 @@ import argparse
 import cProfile
 import gc
 import io
+import json
 import os
 import pstats
 import sys
@@ -222,7 +223,8 @@ def _worker(args: argparse.Namespace) -> dict:
 
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    torch.set_num_threads(1) if device.type == "cpu" else None
+    if not cuda:
+        torch.set_num_threads(1)
     ps.initialize_model_parallel(1, 1)
     run = _run(args)
     # The two steps before timing see the same batch in every variant (their losses compare the
@@ -259,14 +261,17 @@ def _worker(args: argparse.Namespace) -> dict:
         for name, peaks in gpu_peaks.items():
             timing[name]["peak_extra_mib"] = peaks[-args.reps:]
     profiles = {}
+    rank0 = dist.get_rank() == 0
     for name in args.profile or []:
         profiler = cProfile.Profile(time.process_time) if args.profile_clock == "cpu" else cProfile.Profile()
         for _ in range(args.profile_steps):
             micro = _batches(run, args.micro_batches, generator, device)
-            profiler.enable() if dist.get_rank() == 0 else None
+            if rank0:
+                profiler.enable()
             stacks[name].step(micro)
-            profiler.disable() if dist.get_rank() == 0 else None
-        if dist.get_rank() == 0:
+            if rank0:
+                profiler.disable()
+        if rank0:
             text = io.StringIO()
             stats = pstats.Stats(profiler, stream=text).strip_dirs()
             stats.sort_stats("tottime").print_stats(args.profile_top)
@@ -279,35 +284,47 @@ def _worker(args: argparse.Namespace) -> dict:
             "parameters": params}
 
 
-def _cuda_rank(rank: int, world: int, port: int, args: argparse.Namespace, results) -> None:
+def _cuda_rank(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     try:
-        results.put((rank, _worker(args)))
+        result = _worker(args)
     finally:
         dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
 
 
 def _run_on_gpus(args: argparse.Namespace) -> list[dict]:
     """One process per GPU (NCCL); each rank's result, in rank order."""
+    import tempfile
+
     import torch.multiprocessing as mp
 
     from tests.distributed import free_port
 
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_cuda_rank, args=(r, args.nproc, port, args, results))
-             for r in range(args.nproc)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode != 0 for p in procs):
-        raise SystemExit(f"benchmarks/fsdp.py: a GPU rank failed (exit codes {[p.exitcode for p in procs]})")
-    out = dict(results.get() for _ in procs)
-    return [out[r] for r in range(args.nproc)]
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_cuda_rank, args=(r, args.nproc, port, args, out_dir))
+                 for r in range(args.nproc)]
+        for p in procs:
+            p.start()
+        for p in procs:  # a rank that failed leaves the others waiting in a collective: stopped here
+            p.join(timeout=3600)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if any(p.exitcode != 0 for p in procs):
+            codes = [p.exitcode for p in procs]
+            raise SystemExit(f"benchmarks/fsdp.py: a GPU rank failed (exit codes {codes})")
+        results = []
+        for r in range(args.nproc):
+            with open(os.path.join(out_dir, f"{r}.json")) as f:
+                results.append(json.load(f))
+    return results
 
 
 def main() -> None:
