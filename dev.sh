@@ -11,7 +11,8 @@
 #                              no downloads): build in place, run the `cuda` tests, then the GPU
 #                              benchmarks against megatron-core (benchmarks/gpu.py ->
 #                              runs/gpu_bench.json, benchmarks/gpu_step.py -> runs/gpu_step.json,
-#                              benchmarks/moe.py --device cuda -> runs/gpu_moe.json;
+#                              benchmarks/moe.py --device cuda -> runs/gpu_moe.json,
+#                              benchmarks/fsdp.py --device cuda -> runs/gpu_fsdp.json;
 #                              megatron-core from .whl/ if not installed)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -102,6 +103,8 @@ PY
     "$GPU_PY" benchmarks/gpu_step.py --json runs/gpu_step.json || rc=$?
     echo "[gpu] MoE layer benchmark"
     "$GPU_PY" benchmarks/moe.py --device cuda --json runs/gpu_moe.json || rc=$?
+    echo "[gpu] FSDP training-step benchmark"
+    "$GPU_PY" benchmarks/fsdp.py --device cuda --json runs/gpu_fsdp.json || rc=$?
     exit "$rc"
     ;;
   *)

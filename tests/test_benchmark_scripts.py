@@ -224,6 +224,39 @@ def test_train_step_benchmark_script(tmp_path):
             assert v["max_loss_difference"] <= 1e-5, (case, name, v["losses"], reference)
 
 
+@pytest.mark.slow  # runs the benchmark script end to end
+def test_fsdp_benchmark_script(tmp_path):
+    """benchmarks/fsdp.py at a tiny size: every variant reported, all training alike from the same
+    weights on the same batch, and each strategy holding what it shards between steps."""
+    out = tmp_path / "fsdp.json"
+    layers, hidden, vocab, seq = 2, 32, 64, 16
+    _run_script("fsdp.py", "--layers", str(layers), "--hidden", str(hidden), "--heads", "4", "--seq",
+                str(seq), "--vocab", str(vocab), "--reps", "1", "--json", str(out))
+    result = json.loads(out.read_text())
+    summary = result["summary"]
+    assert list(summary) == ["distopt", "fsdp optim", "fsdp optim_grads", "fsdp optim_grads_params",
+                             "fsdp ogp no reshard", "torch fully_shard"]
+    # GPT: per layer QKV, projection and the two MLP matrices (12 h^2) with their biases (9 h) and two
+    # LayerNorms (4 h); word and position embeddings (the output layer tied), the final LayerNorm.
+    per_layer = 12 * hidden * hidden + 13 * hidden
+    assert result["parameters"] == layers * per_layer + (vocab + seq) * hidden + 2 * hidden
+    reference = summary["distopt"]["losses"]
+    for name, s in summary.items():
+        assert 0 < s["min_s"] <= s["median_s"] <= s["max_s"], name
+        assert len(s["losses"]) == 2 and s["losses"][1] < s["losses"][0], (name, s["losses"])
+        # Two float32 steps of the same computation in another order: rounding (some ulps of the loss).
+        assert s["max_loss_difference"] <= 1e-5 * reference[0], (name, s["losses"], reference)
+    # State per rank in units of the float32 parameters: what a strategy keeps whole (parameters,
+    # gradients) counts 1, each shard (its parameters, gradients, Adam's two moments) 1/4 at dp 4;
+    # FSDP2 frees its sharded gradients at zero_grad. Above that only padding (every parameter
+    # starts at a multiple of 64 elements: under a tenth at this size) and the step's small tensors.
+    state = {name: s["state_mib"] * 2**20 / (4 * result["parameters"]) for name, s in summary.items()}
+    expected = {"distopt": 2.5, "fsdp optim": 2.5, "fsdp optim_grads": 1.75, "fsdp optim_grads_params": 1.0,
+                "fsdp ogp no reshard": 1.0, "torch fully_shard": 0.75}
+    for name, ratio in expected.items():
+        assert ratio <= state[name] <= ratio * 1.25, (name, state[name], ratio)
+
+
 def test_gpu_step_time_categories():
     """The profile's categories of kernel names as an H200 profile of a step names them."""
     from benchmarks.gpu_step import time_category
