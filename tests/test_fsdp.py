@@ -230,10 +230,11 @@ def test_single_rank_on_cuda():
 def test_units_are_gathered_freed_and_regathered():
     for out in run_distributed(2, _gathers_worker):
         # One all-gather per bucket: the root (1 bucket) once a step; each of the 3 units before
-        # every forward and every backward, or once a step without resharding. One
+        # every forward and every backward (but the last unit, kept for its backward once the
+        # order is known: from the second micro-batch on), or once a step without resharding. One
         # reduce-scatter per unit and root in every backward (no_sync does not defer them, as in
         # Megatron-FSDP), or once a step without resharding, where no_sync defers them.
-        assert out[True] == (1 + 3 * 2 * MICRO, 4 * MICRO), out
+        assert out[True] == (1 + 3 * 2 * MICRO - (MICRO - 1), 4 * MICRO), out
         assert out[False] == (1 + 3, 4), out
 
 

@@ -214,9 +214,9 @@ def test_step_report_counts_parameters_once_and_measures_state():
 
 def _check_fsdp(out: dict) -> None:
     """Per rank at dp 4 (no padding): the parameters, gradient buffers, main parameters and moments
-    between steps, and the bytes gathered in flight: the root's parameters and full gradients, two
-    units' parameters (the one computing and the next one prefetched; every unit without resharding
-    after the forward) and one unit's full gradients."""
+    between steps, and the bytes gathered in flight: the root's parameters and full gradients, up
+    to three units' parameters (the one computing, the next one prefetched and the last; every unit
+    without resharding after the forward) and one unit's full gradients."""
     dp = 4
     for (_, dtype, strategy, reshard), (report, layer, root) in out.items():
         n = 2 * layer + root
@@ -225,7 +225,7 @@ def _check_fsdp(out: dict) -> None:
         params = p * n // dp if strategy == "optim_grads_params" else p * n
         grads = g * n if strategy == "optim" else g * n // dp
         moments = 2 * max(main, p) * n // dp
-        gathered = root + 2 * layer if reshard else n
+        gathered = root + 2 * layer if reshard else n  # at most three units: both here
         in_flight = {"optim": 0, "optim_grads": g * (root + layer),
                      "optim_grads_params": p * gathered + g * (root + layer)}
         key = (dtype, strategy, reshard)

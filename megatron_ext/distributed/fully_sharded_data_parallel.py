@@ -137,6 +137,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self._shard()
         self._forward_order: list[Unit] = []
         self._deferring = False
+        self._order_known = False
         self._hooks: list[Any] = []
         for unit in self._units:
             if unit.module is not None:
@@ -320,13 +321,15 @@ class FullyShardedDataParallel(DistributedDataParallel):
 
     def _unit_post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         unit = self._unit_of_module[module]
-        if torch.is_grad_enabled():
-            tensors = [t for t in output_tensors(output) if t.requires_grad]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grads, unit=unit: self._unit_pre_backward(unit), mode="any"
-                )
-        if self.reshard_after_forward and not self._in_backward():
+        tensors = [t for t in output_tensors(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads, unit=unit: self._unit_pre_backward(unit), mode="any"
+            )
+        # The last unit's backward is the first to come: it stays gathered for it (once the
+        # forward order is known, from the second forward on).
+        last = self._order_known and unit is self._forward_order[-1] and bool(tensors)
+        if self.reshard_after_forward and not self._in_backward() and not last:
             self._release(unit)
         return output
 
@@ -342,6 +345,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._shard_params:
+            self._order_known = bool(self._forward_order)
             self._root.held = False
             self._wait_gather(self._root)
             if self._forward_order:

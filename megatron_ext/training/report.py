@@ -161,11 +161,11 @@ def _nbytes(tensors: Any) -> int:
 def _in_flight_bytes(fsdps: list[FullyShardedDataParallel]) -> int:
     """The most bytes the FSDP chunks of a rank hold during a step on top of their shards. Each
     chunk's root keeps its parameters gathered from the forward to the optimizer step and its full
-    gradient buffer through the backward; of the units, two are gathered at once (the one computing
-    and the next one's prefetch; with ``reshard_after_forward=False`` every unit stays gathered) and
-    one unit's full gradient buffer exists at a time. One chunk computes at a time, so its units'
-    part is counted for the largest chunk only. An upper bound: the two largest units need not be
-    neighbours."""
+    gradient buffer through the backward; of the units, three are gathered at once (the one
+    computing, the next one's prefetch and the last, kept from its forward for its backward; with
+    ``reshard_after_forward=False`` every unit stays gathered) and one unit's full gradient buffer
+    exists at a time. One chunk computes at a time, so its units' part is counted for the largest
+    chunk only. An upper bound: the three largest units need not be those."""
     held, transient = 0, [0]
     for fsdp in fsdps:
         if not _sharded(fsdp, "grads"):
@@ -180,7 +180,7 @@ def _in_flight_bytes(fsdps: list[FullyShardedDataParallel]) -> int:
             held += _nbytes(b.param_data for b in root)
             if not fsdp.reshard_after_forward:
                 held, params = held + sum(params), []
-        transient.append(sum(params[:2]) + grads)
+        transient.append(sum(params[:3]) + grads)
     return held + max(transient)
 
 
