@@ -132,8 +132,17 @@ def _equal_serial_worker() -> dict:
     # in flight for the next forward's hooks; Megatron-LM turns the hooks off around evaluations.
     runs = [(s, r, False) for s in STRATEGIES for r in (True, False)]
     runs += [(s, True, True) for s in STRATEGIES]
+    runs += [("optim_grads_params", "one unit", False)]  # disable_bucketing: the root alone
     for strategy, reshard, overlap in runs:
-        fsdp = _sharded(copy.deepcopy(reference), strategy, overlap, reshard_after_forward=reshard)
+        if reshard == "one unit":
+            config = DistributedDataParallelConfig(
+                use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy
+            )
+            fsdp = FullyShardedDataParallel(
+                _config(), config, copy.deepcopy(reference), disable_bucketing=True
+            )
+        else:
+            fsdp = _sharded(copy.deepcopy(reference), strategy, overlap, reshard_after_forward=reshard)
         if overlap:
             fsdp.disable_forward_pre_hook()
             fsdp.enable_forward_pre_hook()
@@ -152,7 +161,7 @@ def _equal_serial_worker() -> dict:
 @pytest.mark.parametrize("world", [1, 2, 4])  # dp 1: each micro-batch counted once there too
 def test_each_strategy_trains_like_one_process(world):
     results = run_distributed(world, _equal_serial_worker)
-    assert len(results[0]) == 3 * len(STRATEGIES)
+    assert len(results[0]) == 3 * len(STRATEGIES) + 1
 
 
 def _gathers_worker() -> dict:
@@ -318,6 +327,11 @@ def _bad_input_worker() -> list[str]:
            lambda: FullyShardedDataParallel(fused, fsdp_config, Stack(), [Block]))
     expect(ValueError, "device 'meta', but the module's parameters are on \\['cpu'\\]",
            lambda: FullyShardedDataParallel(_config(), fsdp_config, Stack(), [Block], device="meta"))
+    expect(ValueError, "disable_bucketing=True makes the model one unit; it cannot be combined with "
+           r"fsdp_unit_modules \['Block'\]",
+           lambda: FullyShardedDataParallel(_config(), fsdp_config, Stack(), [Block], disable_bucketing=True))
+    one = FullyShardedDataParallel(_config(), fsdp_config, Stack(), disable_bucketing=True)
+    assert [u.module for u in one._units] == [None] and len(one.buckets) == 1
     hybrid = cfg(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads",
                  num_distributed_optimizer_instances=2)
     expect(NotImplementedError, "num_distributed_optimizer_instances > 1 \\(hybrid sharding\\)",
@@ -332,4 +346,4 @@ def _bad_input_worker() -> list[str]:
 
 def test_bad_input_is_refused_alike_on_every_rank():
     results = run_distributed(2, _bad_input_worker)
-    assert results[0] == results[1] and len(results[0]) == 12
+    assert results[0] == results[1] and len(results[0]) == 13

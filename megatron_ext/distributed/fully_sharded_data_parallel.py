@@ -77,14 +77,14 @@ from megatron_ext.distributed.reduce_scatter_with_fp32_accumulation import (
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 class FullyShardedDataParallel(DistributedDataParallel):
-    _is_fsdp = True
-
     """Megatron-core's ``FullyShardedDataParallel(config, ddp_config, module, fsdp_unit_modules=None,
     disable_bucketing=False, device=None, pg_collection=None)``: the strategies and the life of a
     unit are in the module docstring.
 
     ``fsdp_unit_modules``: module classes (or their names) whose instances are units; None gives
-    the transformer layers. ``device`` must be the parameters' device when given.
+    the transformer layers; ``disable_bucketing`` makes the whole model one unit (the root), as it
+    makes it one bucket for ``DistributedDataParallel``. ``device`` must be the parameters' device
+    when given.
     ``reshard_after_forward`` (keyword only; not in Megatron-core): False keeps a unit's gathered
     parameters from its first forward of a step to the optimizer step, one gather per step instead
     of two per micro-batch, at the memory of the whole model; ``no_sync`` then defers the
@@ -92,6 +92,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
     resharding (the default) gradients are reduced in every backward, ``no_sync`` or not, as
     Megatron-FSDP does: their full copies are freed.
     """
+
+    _is_fsdp = True
 
     def __init__(
         self,
@@ -120,6 +122,13 @@ class FullyShardedDataParallel(DistributedDataParallel):
             overlap_grad_reduce=ddp_config.overlap_grad_reduce and not self._shard_grads,
         )
         self._unit_classes = unit_classes(fsdp_unit_modules)
+        if disable_bucketing:
+            if fsdp_unit_modules:
+                self._refuse(
+                    f"disable_bucketing=True makes the model one unit; it cannot be combined with "
+                    f"fsdp_unit_modules {class_names(fsdp_unit_modules)}"
+                )
+            self._unit_classes = ()
         self._units: list[Unit] = []
         self._unit_of: dict[torch.nn.Parameter, Unit] = {}
         self._unit_of_module: dict[torch.nn.Module, Unit] = {}
