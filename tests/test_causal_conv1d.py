@@ -138,7 +138,7 @@ def test_float64_equals_reference(width, bias, init, activation):
 
 def test_width_one_and_short_rows():
     # W = 1 has no history; a row shorter than W - 1 reads only initial states before it.
-    for width, length in ((1, 6), (4, 2), (4, 1)):
+    for width, length in ((1, 6), (4, 2), (4, 1), (8, 12)):
         x, w, b, s = _make(2, 3, length, width, bias=True, init=width > 1, seed=width + length)
         _check_against_reference(x, w, b, s, None, "silu", seed=length)
 
@@ -168,6 +168,14 @@ def test_packed_rows_equal_each_sequence_alone(init, offsets_dtype):
         torch.testing.assert_close(packed[4], torch.cat(alone_s, 0), rtol=0, atol=0)
     # And the formula itself.
     _check_against_reference(x, w, b, s, cu, "silu", seed=5)
+
+
+def test_channels_last_input():
+    # Megatron-core's chunked prefill passes x as a [B, L, D] tensor transposed to [B, D, L].
+    x, w, b, s = _make(2, 6, 11, 4, bias=True, init=True, seed=8)
+    strided = x.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided.is_contiguous()
+    _check_against_reference(strided, w, b, s, None, "silu", seed=9)
 
 
 def test_nothing_leaks_across_packed_sequences():
