@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import megatron_ext
+from megatron_ext import _C
 from megatron_ext.fusions import causal_conv1d_fn
 from tests.conftest import has_kernel
 
@@ -197,6 +198,25 @@ def test_16_and_32_bit_within_their_rounding(dtype, packed):
                        dtype=dtype, seed=21)
     _check_against_reference(x, w, b, s, cu, "silu", seed=22)
     _check_against_reference(x, w, None, None, cu, "none", seed=23)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_every_cpu_instruction_set(dtype):
+    # Each compiled variant within the bounds; without the activation (no exp) all equal bit for bit.
+    x, w, b, s = _make(2, 5, 45, 4, bias=True, init=True, dtype=dtype, seed=71)
+    g = _randn(*x.shape, seed=72, dtype=dtype)
+    chosen = _C.cpu_capability()
+    plain = {}
+    try:
+        for capability in _C.supported_cpu_capabilities():
+            _C._set_cpu_capability(capability)
+            _check_against_reference(x, w, b, s, None, "silu", seed=73)
+            plain[capability] = _run(_op, x, w, b, s, g, activation="none")
+    finally:
+        _C._set_cpu_capability(chosen)
+    for capability, values in plain.items():
+        for got, want in zip(values, plain[chosen]):
+            assert torch.equal(got, want), capability
 
 
 def test_megatron_core_unfused_path():

@@ -35,9 +35,10 @@ MEGATRON_EXT_HOST_DEVICE acc_t conv_sigmoid(acc_t z) {
   return acc_t(1) / (acc_t(1) + exp_acc_of(-z));
 }
 
+// silu(z) = z / (1 + exp(-z)), as torch's F.silu computes it.
 template <typename acc_t>
 MEGATRON_EXT_HOST_DEVICE acc_t conv_activation(acc_t z, ConvActivation act) {
-  return act == ConvActivation::kSilu ? z * conv_sigmoid(z) : z;
+  return act == ConvActivation::kSilu ? z / (acc_t(1) + exp_acc_of(-z)) : z;
 }
 
 // g * act'(z); silu'(z) = s (1 + z (1 - s)) with s = sigmoid(z).
