@@ -117,6 +117,24 @@ TORCH_LIBRARY(megatron_ext, m) {
       "swiglu_backward(Tensor grad_output, Tensor input, Tensor? bias, float alpha=1.0, "
       "float linear_offset=0.0, float? clamp_value=None) -> Tensor");
 
+  // The short depthwise causal convolution of Mamba-2 and Gated DeltaNet layers
+  // (ops/causal_conv1d.cpp, kernels/causal_conv1d*): x [B, D, L], weight [D, W], bias [D];
+  // y = act(bias + sum_k weight[:, k] x[t - W + 1 + k]), restarting at each sequence of
+  // cu_seqlens (B = 1), the inputs before a start taken from initial_states [B or sequences, D,
+  // W - 1] (zero without). The public op is an autograd node over the ``_forward`` / ``_backward``
+  // CPU and CUDA kernels; the backward returns the gradients of x, the weight, the bias (also
+  // without a bias) and the initial states (shape [0] without them).
+  m.def(
+      "causal_conv1d(Tensor x, Tensor weight, Tensor? bias=None, Tensor? cu_seqlens=None, "
+      "Tensor? initial_states=None, str activation=\"none\") -> Tensor");
+  m.def(
+      "causal_conv1d_forward(Tensor x, Tensor weight, Tensor? bias, Tensor? cu_seqlens, "
+      "Tensor? initial_states, str activation) -> Tensor");
+  m.def(
+      "causal_conv1d_backward(Tensor grad_output, Tensor x, Tensor weight, Tensor? bias, "
+      "Tensor? cu_seqlens, Tensor? initial_states, str activation) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
+
   // The experts' token permutation (ops/moe.cpp, kernels/moe_permute*). ``moe_sort_by_expert``
   // returns the token and the expert of each permuted row, expert-major (with ``capacity``: that
   // many rows per expert, padded with tokens the expert was not sent). ``moe_permute`` gathers the

@@ -194,6 +194,25 @@ def _(grad_output, input, bias, alpha=1.0, linear_offset=0.0, clamp_value=None):
     return input.new_empty(input.shape)
 
 
+# --- Causal convolution of Mamba-2 / Gated DeltaNet (ops/causal_conv1d.cpp) ------------------------
+
+
+@torch.library.register_fake("megatron_ext::causal_conv1d")
+def _(x, weight, bias=None, cu_seqlens=None, initial_states=None, activation="none"):
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("megatron_ext::causal_conv1d_forward")
+def _(x, weight, bias, cu_seqlens, initial_states, activation):
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("megatron_ext::causal_conv1d_backward")
+def _(grad_output, x, weight, bias, cu_seqlens, initial_states, activation):
+    states = x.new_empty((0,)) if initial_states is None else initial_states.new_empty(initial_states.shape)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty((x.shape[1],)), states
+
+
 # --- Context-parallel attention (ops/context_parallel_attention.cpp) -------------------------------
 
 

@@ -1,5 +1,6 @@
 """Fused kernels of the transformer layer, as C++/CUDA ops (``torch.ops.megatron_ext``)."""
 
+from megatron_ext.fusions.causal_conv1d import causal_conv1d_fn
 from megatron_ext.fusions.fused_bias_dropout import (
     bias_dropout_add_fused_inference,
     bias_dropout_add_fused_train,
@@ -20,6 +21,7 @@ __all__ = [
     "bias_gelu_impl",
     "bias_swiglu",
     "bias_swiglu_impl",
+    "causal_conv1d_fn",
     "fused_apply_rotary_pos_emb",
     "fused_rms_norm",
     "get_bias_dropout_add",
