@@ -175,8 +175,11 @@ def require_megatron_core(allow_missing: bool) -> None:
 
 
 def live_cpu_storages() -> dict[int, int]:
-    """Bytes of every distinct CPU storage alive, by its address (after a garbage collection)."""
+    """Bytes of every distinct CPU storage alive, by its address (after a garbage collection).
+    A DTensor (PyTorch's FSDP2) is a wrapper without storage: its local tensor is counted."""
     import gc
+
+    from torch.distributed.tensor import DTensor
 
     gc.collect()
     out = {}
@@ -184,7 +187,7 @@ def live_cpu_storages() -> dict[int, int]:
         warnings.simplefilter("ignore")
         tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
     for obj in tensors:
-        if obj.device.type == "cpu":
+        if obj.device.type == "cpu" and not isinstance(obj, DTensor):
             storage = obj.untyped_storage()
             out[storage.data_ptr()] = storage.nbytes()
     return out

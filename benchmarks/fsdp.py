@@ -45,24 +45,21 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import io
 import json
 import os
 import pstats
 import sys
 import time
-import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import print_table, run_interleaved, summarize, write_json  # noqa: E402
+from common import live_cpu_storages, print_table, run_interleaved, summarize, write_json  # noqa: E402
 from megatron_core_gpt import Run, build_model, forward_step, transformer_config  # noqa: E402
 
 VARIANTS = {
@@ -97,22 +94,11 @@ def _run(args: argparse.Namespace) -> Run:
 
 
 def _allocated(device: torch.device) -> int:
-    """Bytes held by tensors: the CUDA allocator's count, or the distinct CPU storages alive
-    (common.live_cpu_storages' count, skipping the storage-less wrappers FSDP2's DTensors are:
-    their local tensors are counted)."""
+    """Bytes held by tensors: the CUDA allocator's count, or the distinct CPU storages alive."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         return torch.cuda.memory_allocated(device)
-    gc.collect()
-    storages = {}
-    with warnings.catch_warnings():  # (isinstance on some of torch's deprecated objects warns)
-        warnings.simplefilter("ignore")
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-    for obj in tensors:
-        if obj.device.type == "cpu" and not isinstance(obj, DTensor):
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    return sum(live_cpu_storages().values())
 
 
 def _model(run: Run, device: torch.device) -> tuple[Any, torch.nn.Module]:

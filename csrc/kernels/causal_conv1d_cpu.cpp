@@ -17,6 +17,7 @@
 #include "kernels/causal_conv1d.h"
 #include "kernels/causal_conv1d_checks.h"
 #include "kernels/cpu/causal_conv1d_kernels.h"
+#include "kernels/cpu/fusion_dtype.h"
 #include "kernels/cpu_capability.h"
 
 namespace megatron_ext {
@@ -41,23 +42,6 @@ const kernels::CausalConvCpuKernels& cpu_kernels() {
     default:
       return kernels::DEFAULT::causal_conv_cpu_kernels;
   }
-}
-
-FusionDtype conv_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kDouble:
-      return FusionDtype::kDouble;
-    case at::kBFloat16:
-      return FusionDtype::kBFloat16;
-    case at::kHalf:
-      return FusionDtype::kHalf;
-    default:  // checked by the callers
-      return FusionDtype::kFloat;
-  }
-}
-
-at::Tensor to_acc(const at::Tensor& t) {
-  return t.to(fusion_acc_type(t.scalar_type())).contiguous();
 }
 
 // The inputs of both kernels: contiguous, the weight and the bias in the accumulation dtype, and
@@ -113,7 +97,7 @@ at::Tensor causal_conv1d_forward_cpu(const at::Tensor& x, const at::Tensor& weig
   auto y = at::empty(in.x.sizes(), in.x.options());
   if (y.numel() == 0) return y;
   const auto& k = cpu_kernels();
-  const auto dtype = conv_dtype(in.x.scalar_type());
+  const auto dtype = fusion_dtype(in.x.scalar_type());
   const int64_t rows = in.rows.batch * in.rows.channels;
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / in.rows.length),
                    [&](int64_t begin, int64_t end) {
@@ -136,7 +120,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_conv1d_backwar
   auto grad_w = at::empty(in.w.sizes(), in.w.options());
   auto grad_b = at::empty({in.rows.channels}, in.w.options());
   const auto& k = cpu_kernels();
-  const auto dtype = conv_dtype(in.x.scalar_type());
+  const auto dtype = fusion_dtype(in.x.scalar_type());
   const int64_t steps = std::max<int64_t>(1, in.rows.batch * in.rows.length);
   at::parallel_for(
       0, in.rows.channels, std::max<int64_t>(1, kGrain / steps), [&](int64_t begin, int64_t end) {

@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "kernels/cpu/llama_fusions_kernels.h"
+#include "kernels/cpu/fusion_dtype.h"
 #include "kernels/cpu_capability.h"
 #include "kernels/llama_fusions_checks.h"
 
@@ -43,23 +44,6 @@ const LlamaFusionCpuKernels& cpu_kernels() {
     default:
       return DEFAULT::llama_fusion_cpu_kernels;
   }
-}
-
-FusionDtype fusion_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kDouble:
-      return FusionDtype::kDouble;
-    case at::kBFloat16:
-      return FusionDtype::kBFloat16;
-    case at::kHalf:
-      return FusionDtype::kHalf;
-    default:  // checked by the callers
-      return FusionDtype::kFloat;
-  }
-}
-
-at::Tensor to_acc(const at::Tensor& t) {
-  return t.to(fusion_acc_type(t.scalar_type())).contiguous();
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cpu(const at::Tensor& input,

@@ -228,29 +228,15 @@ void backward_channels(const ConvRows& r, const void* grad_ptr, int64_t begin, i
   }
 }
 
-#define MEGATRON_EXT_CONV_DISPATCH(dtype, fn, ...) \
-  switch (dtype) {                                 \
-    case FusionDtype::kFloat:                      \
-      return fn<float>(__VA_ARGS__);               \
-    case FusionDtype::kDouble:                     \
-      return fn<double>(__VA_ARGS__);              \
-    case FusionDtype::kBFloat16:                   \
-      return fn<c10::BFloat16>(__VA_ARGS__);       \
-    case FusionDtype::kHalf:                       \
-      return fn<c10::Half>(__VA_ARGS__);           \
-  }
-
 void forward(FusionDtype dtype, const ConvRows& rows, int64_t begin, int64_t end, void* y) {
-  MEGATRON_EXT_CONV_DISPATCH(dtype, forward_rows, rows, begin, end, y)
+  MEGATRON_EXT_FUSION_DISPATCH(dtype, forward_rows, rows, begin, end, y)
 }
 
 void backward(FusionDtype dtype, const ConvRows& rows, const void* grad, int64_t begin, int64_t end,
               void* grad_x, void* grad_init, void* grad_weight, void* grad_bias) {
-  MEGATRON_EXT_CONV_DISPATCH(dtype, backward_channels, rows, grad, begin, end, grad_x, grad_init,
-                             grad_weight, grad_bias)
+  MEGATRON_EXT_FUSION_DISPATCH(dtype, backward_channels, rows, grad, begin, end, grad_x, grad_init,
+                               grad_weight, grad_bias)
 }
-
-#undef MEGATRON_EXT_CONV_DISPATCH
 
 }  // namespace
 

@@ -448,19 +448,7 @@ void glu_backward_rows(const void* grad_ptr, const void* y_ptr, const void* bias
   }
 }
 
-// ---- dtype dispatch ------------------------------------------------------------------------
-
-#define MEGATRON_EXT_FUSION_DISPATCH(dtype, fn, ...) \
-  switch (dtype) {                                   \
-    case FusionDtype::kFloat:                        \
-      return fn<float>(__VA_ARGS__);                 \
-    case FusionDtype::kDouble:                       \
-      return fn<double>(__VA_ARGS__);                \
-    case FusionDtype::kBFloat16:                     \
-      return fn<c10::BFloat16>(__VA_ARGS__);         \
-    case FusionDtype::kHalf:                         \
-      return fn<c10::Half>(__VA_ARGS__);             \
-  }
+// ---- dtype dispatch (MEGATRON_EXT_FUSION_DISPATCH: llama_fusions_kernels.h) --------------
 
 void rms_norm_forward(FusionDtype dtype, const void* x, const void* weight, double eps, int64_t h,
                       int64_t begin, int64_t end, void* y, void* rstd) {

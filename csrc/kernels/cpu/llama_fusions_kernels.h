@@ -13,6 +13,19 @@ namespace megatron_ext::kernels {
 
 enum class FusionDtype { kFloat, kDouble, kBFloat16, kHalf };
 
+// Calls fn<T>(...) for the element type T of ``dtype`` (inside a kernel-table function).
+#define MEGATRON_EXT_FUSION_DISPATCH(dtype, fn, ...) \
+  switch (dtype) {                                   \
+    case FusionDtype::kFloat:                        \
+      return fn<float>(__VA_ARGS__);                 \
+    case FusionDtype::kDouble:                       \
+      return fn<double>(__VA_ARGS__);                \
+    case FusionDtype::kBFloat16:                     \
+      return fn<c10::BFloat16>(__VA_ARGS__);         \
+    case FusionDtype::kHalf:                         \
+      return fn<c10::Half>(__VA_ARGS__);             \
+  }
+
 struct LlamaFusionCpuKernels {
   // Rows [begin, end) of x [rows, h]: y = (x rstd) w, and rstd per row (acc); w is acc.
   void (*rms_norm_forward)(FusionDtype dtype, const void* x, const void* weight, double eps,
