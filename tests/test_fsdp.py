@@ -236,6 +236,46 @@ def test_single_rank_on_cuda():
     run_distributed(1, _cuda_worker)
 
 
+def _construction_worker() -> tuple[int, int, int]:
+    """The bytes alive above the built model's while the wrapper is built (sampled as each unit's
+    buffer is made) and once it is, against the largest unit's padded buffer."""
+    from megatron_ext.distributed import param_and_grad_buffer as buffers
+    from benchmarks.common import live_cpu_storages
+
+    ps.initialize_model_parallel()
+    torch.manual_seed(0)
+    model = Stack(width=64, depth=4).double()
+    base = sum(live_cpu_storages().values())
+    samples = []
+    original = buffers._ParamAndGradBuffer.__init__
+
+    def sampled(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        samples.append(sum(live_cpu_storages().values()) - base)
+
+    buffers._ParamAndGradBuffer.__init__ = sampled
+    try:
+        config = DistributedDataParallelConfig(
+            use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"
+        )
+        fsdp = FullyShardedDataParallel(_config(), config, model, [Block])
+    finally:
+        buffers._ParamAndGradBuffer.__init__ = original
+    largest = max(sum(b.padded_numel for b in u.buckets) for u in fsdp._units) * 8
+    after = sum(live_cpu_storages().values()) - base
+    ps.destroy_model_parallel()
+    return max(samples), after, largest
+
+
+def test_construction_never_holds_every_gradient_buffer():
+    """A unit's full gradient buffer is freed as soon as it is made: building the wrapper holds
+    the model (moved into its buffers, padding added) plus one unit's gradients at most, not the
+    whole model's gradients; afterwards the shards take the model's place."""
+    for peak, after, largest in run_distributed(2, _construction_worker):
+        assert 0 < peak <= 2 * largest, (peak, largest)
+        assert abs(after) <= largest // 8, (after, largest)
+
+
 def test_units_are_gathered_freed_and_regathered():
     for out in run_distributed(2, _gathers_worker):
         # One all-gather per bucket: the root (1 bucket) once a step; each of the 3 units before

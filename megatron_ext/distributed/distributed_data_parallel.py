@@ -44,6 +44,7 @@ from megatron_ext.distributed.param_and_grad_buffer import (
     _ParamAndGradBuffer,
     SIXTEEN_BIT,
     dist_all_gather_func,
+    is_allocated,
     partition_buckets,
     shard_buffer,
 )
@@ -236,7 +237,8 @@ class DistributedDataParallel(torch.nn.Module):
         if megatron_mode:
             for buffer in self.buffers:
                 for p in buffer.params:
-                    p.main_grad = buffer.grad_view(p)
+                    # (FullyShardedDataParallel's sharded gradients have no full buffer yet.)
+                    p.main_grad = buffer.grad_view(p) if is_allocated(buffer.grad_data) else None
                     # Set by gradient_accumulation_fusion's backward, which then hands autograd a
                     # placeholder gradient so that this wrapper's hook still fires.
                     p.grad_added_to_main_grad = False

@@ -1,5 +1,5 @@
-"""The units of ``FullyShardedDataParallel``: which modules they are, the parameters each holds, the
-order they finish their backward, and the storage of a buffer freed and given back."""
+"""The units of ``FullyShardedDataParallel``: which modules they are, the parameters each holds and
+the order they finish their backward."""
 
 from __future__ import annotations
 
@@ -7,31 +7,19 @@ from typing import Any
 
 import torch
 
-from megatron_ext.distributed.param_and_grad_buffer import _ParamAndGradBucket, _ParamAndGradBuffer
+from megatron_ext.distributed.param_and_grad_buffer import (  # noqa: F401  (re-exported)
+    _ParamAndGradBucket,
+    _ParamAndGradBuffer,
+    allocate,
+    free,
+    is_allocated,
+)
 
 # The classes whose instances are units by default: megatron_ext's transformer layers and, by
 # name (this floor imports no model code), Megatron-core's.
 DEFAULT_UNIT_CLASS_NAMES = (
     "ParallelTransformerLayer", "TransformerLayer", "MultiTokenPredictionLayer", "MambaLayer",
 )
-
-
-def free(tensor: torch.Tensor) -> None:
-    """Drops ``tensor``'s storage; the tensor (and its views) keep their shapes."""
-    tensor.untyped_storage().resize_(0)
-
-
-def allocate(tensor: torch.Tensor) -> bool:
-    """Gives ``tensor`` its storage back; True if it had none (its values are then undefined)."""
-    storage = tensor.untyped_storage()
-    if storage.nbytes() == 0 and tensor.numel() > 0:
-        storage.resize_(tensor.numel() * tensor.element_size())
-        return True
-    return False
-
-
-def is_allocated(tensor: torch.Tensor) -> bool:
-    return tensor.numel() == 0 or tensor.untyped_storage().nbytes() > 0
 
 
 class Unit:

@@ -207,6 +207,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
                 members = by_unit.get(id(unit), [])
                 if members:
                     made, _ = super()._allocate_buffers(members, True, expert)
+                    for buffer in made:  # only a unit's backward needs them, not construction
+                        free(buffer.grad_data)
                     unit.buffers.extend(made)
                     buffers.extend(made)
         finally:
@@ -236,7 +238,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
                 for bucket in buffer.buckets:
                     local = shard_buffer(bucket.param_data, size)[rank]
                     bucket.param_shard = local.clone() if self._shard_params else local
-                    bucket.grad_shard = torch.zeros_like(shard_buffer(bucket.grad_data, size)[rank])
+                    grads = bucket.grad_data
+                    bucket.grad_shard = torch.zeros(local.numel(), dtype=grads.dtype, device=grads.device)
                     bucket.shard_start = rank * local.numel()
                 free(buffer.grad_data)
                 if self._shard_params:

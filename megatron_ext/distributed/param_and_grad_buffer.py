@@ -63,6 +63,26 @@ class GradSyncError(RuntimeError, AssertionError):
     these places, hence also an AssertionError."""
 
 
+# A buffer freed and given back (FullyShardedDataParallel's gathered parameters and full
+# gradients): the tensor and its views keep their shapes, only the storage goes.
+def free(tensor: torch.Tensor) -> None:
+    """Drops ``tensor``'s storage; the tensor (and its views) keep their shapes."""
+    tensor.untyped_storage().resize_(0)
+
+
+def allocate(tensor: torch.Tensor) -> bool:
+    """Gives ``tensor`` its storage back; True if it had none (its values are then undefined)."""
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0 and tensor.numel() > 0:
+        storage.resize_(tensor.numel() * tensor.element_size())
+        return True
+    return False
+
+
+def is_allocated(tensor: torch.Tensor) -> bool:
+    return tensor.numel() == 0 or tensor.untyped_storage().nbytes() > 0
+
+
 def shard_buffer(buffer: torch.Tensor, data_parallel_world_size: int) -> list[torch.Tensor]:
     """``buffer`` cut into ``data_parallel_world_size`` equal views."""
     if buffer.numel() % data_parallel_world_size != 0:
