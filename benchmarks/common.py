@@ -176,9 +176,11 @@ def require_megatron_core(allow_missing: bool) -> None:
 
 def live_cpu_storages() -> dict[int, int]:
     """Bytes of every distinct CPU storage alive, by its address (after a garbage collection).
-    A DTensor (PyTorch's FSDP2) is a wrapper without storage: its local tensor is counted."""
+    A DTensor (PyTorch's FSDP2) is a wrapper without storage: its local tensor is counted; fake
+    tensors (left by torch.compile in the same process) hold no memory."""
     import gc
 
+    from torch._subclasses.fake_tensor import FakeTensor
     from torch.distributed.tensor import DTensor
 
     gc.collect()
@@ -187,7 +189,10 @@ def live_cpu_storages() -> dict[int, int]:
         warnings.simplefilter("ignore")
         tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
     for obj in tensors:
-        if obj.device.type == "cpu" and not isinstance(obj, DTensor):
-            storage = obj.untyped_storage()
-            out[storage.data_ptr()] = storage.nbytes()
+        if obj.device.type == "cpu" and not isinstance(obj, (DTensor, FakeTensor)):
+            try:
+                storage = obj.untyped_storage()
+                out[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:  # another tensor subclass without data (a functional tensor)
+                continue
     return out
