@@ -65,7 +65,6 @@ from megatron_ext.distributed.param_and_grad_buffer import (
     _ParamAndGradBucket,
     _ParamAndGradBucketGroup,
     _ParamAndGradBuffer,
-    SIXTEEN_BIT,
     dist_all_gather_func,
     dist_reduce_scatter_func,
     partition_buckets,
@@ -75,7 +74,6 @@ from megatron_ext.distributed.reduce_scatter_with_fp32_accumulation import (
     reduce_scatter_with_fp32_accumulation,
 )
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 class FullyShardedDataParallel(DistributedDataParallel):
     """Megatron-core's ``FullyShardedDataParallel(config, ddp_config, module, fsdp_unit_modules=None,
     disable_bucketing=False, device=None, pg_collection=None)``: the strategies and the life of a
@@ -160,9 +158,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         raise ValueError(f"FullyShardedDataParallel: {message}")
 
     def _check_options(self, config: Any, ddp_config: Any, module: Any, device: Any) -> None:
-        strategy = ddp_config.data_parallel_sharding_strategy
-        if strategy not in STRATEGIES:
-            self._refuse(f"data_parallel_sharding_strategy {strategy!r} is not one of {list(STRATEGIES)}")
+        strategy = ddp_config.data_parallel_sharding_strategy  # checked by the config
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if device is not None:
@@ -626,4 +622,4 @@ class FullyShardedDataParallel(DistributedDataParallel):
         return f"data_parallel_size={self._dp_size}, strategy={self.sharding_strategy}, units={units}"
 
 
-__all__ = ["FullyShardedDataParallel", "STRATEGIES", "SIXTEEN_BIT"]
+__all__ = ["FullyShardedDataParallel"]
