@@ -81,3 +81,45 @@ def test_every_strategy_and_layout_trains_like_serial(arch):
         for name, value in ref_weights.items():
             torch.testing.assert_close(torch.tensor(weights[name]), torch.tensor(value), rtol=1e-9,
                                        atol=1e-12, msg=lambda m: f"{arch} {run} {name}: {m}")
+
+
+META = ["--init-model-with-meta-device"]
+# Built on the meta device and drawn unit by unit as FullyShardedDataParallel shards it.
+META_RUNS = {
+    "gpt": [((1, 1, 2, 1, 2), "1f1b"), ((1, 1, 2, 1, 2), "interleaved")],  # the tied copy across stages
+    "llama": [((2, 1, 1, 1, 2), "1f1b")],
+    "deepseek": [((1, 1, 1, 2, 2), "1f1b"), ((1, 1, 2, 1, 2), "1f1b")],
+}
+
+
+def _meta_runs(runs: list) -> dict:
+    out = {}
+    for arch, layout, schedule in runs:
+        run = (arch, layout, schedule)
+        flags = {run: LAYOUTS[(layout, schedule)] + FSDP + ["optim_grads_params"] + META}
+        out.update(_train(list(flags), BASES[arch], flags))
+    return out
+
+
+def test_meta_device_model_trains_like_serial():
+    """``--init-model-with-meta-device``: the model no rank ever holds whole trains to the serial
+    run's losses, grad norms and final weights (the weights drawn are the serial model's)."""
+    serial = run_distributed(1, _serial, sorted(META_RUNS))[0]
+    runs = [(arch, layout, schedule) for arch in sorted(META_RUNS) for layout, schedule in META_RUNS[arch]]
+    results = _merged(run_distributed(4, _meta_runs, runs, timeout=1500))
+    assert len(results) == len(runs)
+    for (arch, layout, schedule), (losses, mtp, norms, weights) in results.items():
+        ref_losses, ref_mtp, ref_norms, ref_weights = serial[arch]
+        for what, got, want, rtol in (("losses", losses, ref_losses, 1e-9),
+                                      ("mtp losses", mtp, ref_mtp, MTP_RTOL),
+                                      ("grad norms", norms, ref_norms, 1e-9)):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=rtol, atol=0,
+                                       msg=lambda m: f"{arch} {layout} {schedule} {what}: {m}")
+        if "output_layer.weight" in set(weights) - set(ref_weights):  # the last stage's tied copy
+            tied = [n for n in ref_weights if n.endswith("word_embeddings.weight")]
+            torch.testing.assert_close(torch.tensor(weights.pop("output_layer.weight")),
+                                       torch.tensor(ref_weights[tied[0]]), rtol=1e-9, atol=1e-12)
+        assert set(weights) == set(ref_weights), (arch, layout, set(weights) ^ set(ref_weights))
+        for name, value in ref_weights.items():
+            torch.testing.assert_close(torch.tensor(weights[name]), torch.tensor(value), rtol=1e-9,
+                                       atol=1e-12, msg=lambda m: f"{arch} {layout} {name}: {m}")

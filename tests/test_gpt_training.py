@@ -195,6 +195,10 @@ def test_zero_bubble_schedules_match_serial(serial_losses):
          "--use-distributed-optimizer"),
         (["--suggested-communication-unit-size", "1000"], 2,
          "--suggested-communication-unit-size needs --use-megatron-fsdp"),
+        (["--init-model-with-meta-device"], 2, "--init-model-with-meta-device needs --use-megatron-fsdp with a"),
+        (["--init-model-with-meta-device", "--use-megatron-fsdp", "--use-distributed-optimizer",
+          "--data-parallel-sharding-strategy", "optim", "--load-hf", "."], 2,
+         "--init-model-with-meta-device draws random weights; --load-hf reads them"),
     ],
 )
 def test_bad_arguments_raise_before_training(argv, world, message):

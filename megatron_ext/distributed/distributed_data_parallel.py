@@ -150,6 +150,13 @@ class DistributedDataParallel(torch.nn.Module):
         if not isinstance(disable_bucketing, bool):
             raise TypeError(f"disable_bucketing must be a bool, got {disable_bucketing!r}")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        on_meta = [n for n, p in module.named_parameters() if p.is_meta]
+        if on_meta and not getattr(self, "_is_fsdp", False):  # it draws them unit by unit
+            raise ValueError(
+                f"DistributedDataParallel: {on_meta[0]} (and {len(on_meta) - 1} more) is on the meta device "
+                "(init_model_with_meta_device): only FullyShardedDataParallel with a sharding strategy "
+                "(optim, optim_grads, optim_grads_params) draws such a model"
+            )
         if not named:
             raise ValueError(
                 f"{type(module).__name__} has no parameter with requires_grad=True: there is no "

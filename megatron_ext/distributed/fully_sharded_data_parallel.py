@@ -70,6 +70,7 @@ from megatron_ext.distributed.param_and_grad_buffer import (
     partition_buckets,
     shard_buffer,
 )
+from megatron_ext.tensor_parallel.meta_init import has_meta_tensors, materialize
 from megatron_ext.distributed.reduce_scatter_with_fp32_accumulation import (
     reduce_scatter_with_fp32_accumulation,
 )
@@ -130,6 +131,16 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self._units: list[Unit] = []
         self._unit_of: dict[torch.nn.Parameter, Unit] = {}
         self._unit_of_module: dict[torch.nn.Module, Unit] = {}
+        # A model built on the meta device is drawn here: unit by unit with sharded gradients, each
+        # unit's parameters (under optim_grads_params) sharded before the next is drawn.
+        self._draw_on = None
+        if has_meta_tensors(module):
+            self._draw_on = torch.device(device) if device is not None else (
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else
+                torch.device("cpu")
+            )
+            if not self._shard_grads:
+                materialize(module, self._draw_on)
         super().__init__(config, effective, module, disable_bucketing, pg_collection)
         self.ddp_config = effective
         self.fsdp_unit_modules = list(self._unit_classes)
@@ -141,7 +152,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
                 f"{type(module).__name__}"
             )
         self._check_communication_size(ddp_config.suggested_communication_unit_size)
-        self._shard()
+        for unit in self._units:
+            unit.gathered = not self._shard_params
+        self._point_main_grads_at_shards()
         self._forward_order: list[Unit] = []
         self._deferring = False
         self._order_known = False
@@ -161,9 +174,14 @@ class FullyShardedDataParallel(DistributedDataParallel):
         strategy = ddp_config.data_parallel_sharding_strategy  # checked by the config
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if has_meta_tensors(module) and strategy == "no_shard":
+            self._refuse(
+                "the module has parameters on the meta device (init_model_with_meta_device), which only a "
+                "sharding strategy (optim, optim_grads, optim_grads_params) draws, not 'no_shard'"
+            )
         if device is not None:
             wanted = torch.device(device)
-            have = {p.device for p in module.parameters()}
+            have = {p.device for p in module.parameters() if not p.is_meta}
             if any(d.type != wanted.type or (wanted.index is not None and d != wanted) for d in have):
                 self._refuse(
                     f"device {str(wanted)!r}, but the module's parameters are on {sorted(map(str, have))}"
@@ -202,9 +220,11 @@ class FullyShardedDataParallel(DistributedDataParallel):
             for unit in self._units:
                 members = by_unit.get(id(unit), [])
                 if members:
+                    if self._draw_on is not None:
+                        self._draw(unit, [p for _, p in members])
                     made, _ = super()._allocate_buffers(members, True, expert)
-                    for buffer in made:  # only a unit's backward needs them, not construction
-                        free(buffer.grad_data)
+                    for buffer in made:
+                        self._shard_buffer(buffer)
                     unit.buffers.extend(made)
                     buffers.extend(made)
         finally:
@@ -224,25 +244,30 @@ class FullyShardedDataParallel(DistributedDataParallel):
                     f"suggested_communication_unit_size={size}; raise it or choose smaller fsdp_unit_modules"
                 )
 
-    def _shard(self) -> None:
-        """Keeps this rank's slice of every bucket in shards of their own and frees the full
-        gradient buffers (and the parameter buffers under ``optim_grads_params``)."""
+    def _draw(self, unit: Unit, params: list[torch.nn.Parameter]) -> None:
+        """Draws ``params`` of ``unit`` (on the meta device) as a model built directly has them."""
+        if unit.module is not None:
+            materialize(unit.module, self._draw_on, params=params)
+        else:
+            inner = [u.module for u in self._units if u.module is not None]
+            materialize(self.module, self._draw_on, skip=tuple(inner), params=params)
+
+    def _shard_buffer(self, buffer: _ParamAndGradBuffer) -> None:
+        """Keeps this rank's slice of each bucket of ``buffer`` in shards of their own and frees the
+        full gradient buffer (and the parameter buffer under ``optim_grads_params``): done as each
+        unit's buffer is made, so wrapping holds one unit whole at a time."""
+        group = buffer.data_parallel_group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
         with torch.no_grad():
-            for buffer in self.buffers:
-                group = buffer.data_parallel_group
-                size, rank = dist.get_world_size(group), dist.get_rank(group)
-                for bucket in buffer.buckets:
-                    local = shard_buffer(bucket.param_data, size)[rank]
-                    bucket.param_shard = local.clone() if self._shard_params else local
-                    grads = bucket.grad_data
-                    bucket.grad_shard = torch.zeros(local.numel(), dtype=grads.dtype, device=grads.device)
-                    bucket.shard_start = rank * local.numel()
-                free(buffer.grad_data)
-                if self._shard_params:
-                    free(buffer.param_data)
-        for unit in self._units:
-            unit.gathered = not self._shard_params
-        self._point_main_grads_at_shards()
+            for bucket in buffer.buckets:
+                local = shard_buffer(bucket.param_data, size)[rank]
+                bucket.param_shard = local.clone() if self._shard_params else local
+                grads = bucket.grad_data
+                bucket.grad_shard = torch.zeros(local.numel(), dtype=grads.dtype, device=grads.device)
+                bucket.shard_start = rank * local.numel()
+        free(buffer.grad_data)
+        if self._shard_params:
+            free(buffer.param_data)
 
     def _point_main_grads_at_shards(self) -> None:
         for buffer in self.buffers:

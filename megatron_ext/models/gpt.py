@@ -10,7 +10,8 @@ from megatron_ext.comm_errors import reported
 from megatron_ext.dist_checkpointing.mapping import ShardedStateDict
 from megatron_ext.dist_checkpointing.rank_shards import make_tp_sharded_tensor_for_checkpoint
 from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict
-from megatron_ext.tensor_parallel.utils import comm_device
+from megatron_ext.tensor_parallel.meta_init import materialize
+from megatron_ext.tensor_parallel.utils import comm_device, param_device
 from megatron_ext.transformer import ParallelTransformer, TransformerConfig
 from megatron_ext.transformer.multi_token_prediction import (
     MTPLossAutoScaler,
@@ -19,7 +20,7 @@ from megatron_ext.transformer.multi_token_prediction import (
     roll_tensor,
 )
 from megatron_ext.transformer.rotary import RotaryEmbedding
-from megatron_ext.transformer.utils import initialization_seed
+from megatron_ext.transformer.utils import build_seeded, initialization_seed
 from megatron_ext.transformer.yarn_rotary import YarnRotaryEmbedding, yarn_arguments
 
 TIED_EMBEDDING_NAME = "embedding.word_embeddings.weight"
@@ -170,10 +171,10 @@ class GPTModel(torch.nn.Module):
         _check_mtp_layout(config, position_embedding_type, mtp_block_spec)
 
         if self.pre_process or self.mtp_process:
-            with initialization_seed(seed, 0):
-                self.embedding = GPTEmbedding(
-                    config, vocab_size, max_sequence_length, position_embedding_type
-                )
+            self.embedding = build_seeded(
+                config, seed, 0,
+                lambda: GPTEmbedding(config, vocab_size, max_sequence_length, position_embedding_type),
+            )
         # Multi-latent attention rotates in each layer (its own angles, Megatron-core's MLA).
         if position_embedding_type == "rope" and not getattr(config, "multi_latent_attention", False):
             # Every stage rotates its own layers' queries and keys.
@@ -203,8 +204,9 @@ class GPTModel(torch.nn.Module):
         if self.post_process:
             # The output layer reads the embedding (or its copy on this stage) when tied.
             tied_here = (self.pre_process or self.mtp_process) and share_embeddings_and_output_weights
-            with initialization_seed(seed, config.num_layers + 1):
-                self.output_layer = tensor_parallel.ColumnParallelLinear(
+            self.output_layer = build_seeded(
+                config, seed, config.num_layers + 1,
+                lambda: tensor_parallel.ColumnParallelLinear(
                     config.hidden_size,
                     vocab_size,
                     config=config,
@@ -212,7 +214,8 @@ class GPTModel(torch.nn.Module):
                     bias=False,
                     gather_output=not parallel_output,
                     skip_weight_param_allocation=tied_here,
-                )
+                ),
+            )
         self._setup_tied_output_weight(seed)
 
     def _setup_tied_output_weight(self, seed: int) -> None:
@@ -232,6 +235,11 @@ class GPTModel(torch.nn.Module):
         if not parallel_state.is_rank_in_embedding_group(ignore_virtual=False, vp_stage=self.vp_stage):
             return
         weight = self.shared_embedding_or_output_weight()
+        if weight.is_meta:
+            # The copy is made now, over the embedding group: its module is drawn here, not by the
+            # sharding wrapper later.
+            holder = self.embedding if self.pre_process or self.mtp_process else self.output_layer
+            materialize(holder, param_device(True))
         weight.shared_embedding = True
         if self.post_process:
             # The copy: counted once in the gradient norm (Megatron's ``shared`` attribute).

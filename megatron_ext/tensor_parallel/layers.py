@@ -45,6 +45,7 @@ from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict
 from megatron_ext.tensor_parallel.utils import (
     VocabUtility,
     divide,
+    param_device,
     tp_group_size_rank,
 )
 
@@ -172,12 +173,6 @@ def _check_config(config: Any, layer: str) -> _Settings:
     return _Settings(*(config_field(config, name) for name in _Settings._fields))
 
 
-def _param_device(settings: _Settings) -> torch.device:
-    if settings.use_cpu_initialization or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def _check_init_method(init_method: Any, settings: _Settings, layer: str) -> None:
     if settings.perform_initialization and not callable(init_method):
         raise ValueError(
@@ -270,7 +265,7 @@ class VocabParallelEmbedding(torch.nn.Module):
                 self.num_embeddings_per_partition,
                 embedding_dim,
                 dtype=settings.params_dtype,
-                device=_param_device(settings),
+                device=param_device(settings.use_cpu_initialization),
             )
         )
         if settings.perform_initialization:
@@ -395,7 +390,7 @@ class ColumnParallelLinear(torch.nn.Module):
         # parallelism reduce-scatters it instead.
         self.allreduce_dgrad = world_size > 1 and not self.sequence_parallel
 
-        device = _param_device(settings)
+        device = param_device(settings.use_cpu_initialization)
         if skip_weight_param_allocation:
             self.weight = None
         else:
@@ -550,7 +545,7 @@ class RowParallelLinear(torch.nn.Module):
             raise ValueError(f"{name}: sequence parallelism needs input_is_parallel=True")
         self.gradient_accumulation_fusion = settings.gradient_accumulation_fusion
 
-        device = _param_device(settings)
+        device = param_device(settings.use_cpu_initialization)
         self.weight = Parameter(
             torch.empty(
                 output_size, self.input_size_per_partition, dtype=settings.params_dtype, device=device

@@ -19,6 +19,17 @@ def comm_device(*groups: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+def param_device(use_cpu_initialization: bool) -> torch.device:
+    """Where a layer creates its parameters: the meta device inside ``torch.device("meta")`` (a model
+    built with ``init_model_with_meta_device``), else the CPU with ``use_cpu_initialization`` or
+    without a GPU, else the current GPU."""
+    if torch.get_default_device().type == "meta":
+        return torch.device("meta")
+    if use_cpu_initialization or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def ensure_divisibility(numerator: int, denominator: int) -> None:
     """Raises ValueError unless ``numerator`` is divisible by ``denominator``."""
     if denominator == 0 or numerator % denominator != 0:

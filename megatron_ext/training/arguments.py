@@ -127,6 +127,9 @@ def build_parser() -> ArgumentParser:
                         "state; and gradients; and parameters)")
     p.add_argument("--suggested-communication-unit-size", type=int, default=None,
                    help="with --use-megatron-fsdp: the most elements a unit may gather at once")
+    p.add_argument("--init-model-with-meta-device", action="store_true",
+                   help="with --use-megatron-fsdp and a sharding strategy: build the model without storage "
+                        "and draw it unit by unit as it is sharded (the same weights)")
     p.add_argument("--overlap-param-gather", action="store_true",
                    help="with --use-distributed-optimizer: overlap the all-gather of the updated parameters "
                         "with the next forward")

@@ -152,6 +152,7 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> tuple[Transfo
         bf16=args.bf16,
         fp16=args.fp16,
         use_cpu_initialization=True,
+        init_model_with_meta_device=args.init_model_with_meta_device,
         **recompute_settings(args),
         bias_activation_fusion=not args.no_bias_gelu_fusion,
         bias_dropout_fusion=not args.no_bias_dropout_fusion,
@@ -217,4 +218,6 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
     models = [GPTModel(config, init_seed=args.seed, vp_stage=vp_stage, **model_kwargs) for vp_stage in stages]
     if args.load_hf is not None:
         load_hf_state_dict(models, args.load_hf)
+    if args.init_model_with_meta_device:  # FullyShardedDataParallel draws it on the device
+        return models
     return [model.to(device) for model in models]

@@ -157,7 +157,7 @@ def _train_loop(args: argparse.Namespace, corpus: torch.Tensor | list, model_pro
         suggested_communication_unit_size=args.suggested_communication_unit_size,
     )
     if args.use_megatron_fsdp:
-        chunks = [FullyShardedDataParallel(chunk.config, ddp_config, chunk)
+        chunks = [FullyShardedDataParallel(chunk.config, ddp_config, chunk, device=device)
                   for chunk in model_provider(args, device)]
     else:
         chunks = [

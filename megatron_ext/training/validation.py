@@ -35,6 +35,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Every rank runs this on the same arguments, so every rank raises the same error."""
     check_rules(args)
     resolve_megatron_flags(args)
+    if args.init_model_with_meta_device and args.load_hf is not None:
+        raise ValueError("--init-model-with-meta-device draws random weights; --load-hf reads them: drop one")
     args.hf_config = read_hf_config(args.load_hf) if args.load_hf is not None else None
     parts = architecture(args)
     llama_shaped = (parts["normalization"] == "RMSNorm" and parts["swiglu"] and parts["untied"]
@@ -188,6 +190,11 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp")
     if args.suggested_communication_unit_size is not None and not args.use_megatron_fsdp:
         raise ValueError("--suggested-communication-unit-size needs --use-megatron-fsdp")
+    if args.init_model_with_meta_device and strategy == "no_shard":
+        raise ValueError(
+            "--init-model-with-meta-device needs --use-megatron-fsdp with a "
+            "--data-parallel-sharding-strategy other than no_shard (the sharding wrapper draws the model)"
+        )
     if strategy != "no_shard" and not args.use_distributed_optimizer:
         raise ValueError(
             f"--data-parallel-sharding-strategy {strategy} shards the optimizer state: it needs "

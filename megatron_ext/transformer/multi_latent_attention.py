@@ -15,7 +15,7 @@ from megatron_ext.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
-from megatron_ext.tensor_parallel.utils import divide
+from megatron_ext.tensor_parallel.utils import divide, param_device
 from megatron_ext.transformer.context_parallel import ContextParallelDotProductAttention
 from megatron_ext.transformer.rotary import RotaryEmbedding, apply_rotary_pos_emb
 from megatron_ext.transformer.utils import layer_norm, selectively_recomputed
@@ -41,10 +41,7 @@ class DuplicatedLinear(torch.nn.Module):
 
     def __init__(self, input_size: int, output_size: int, config) -> None:
         super().__init__()
-        device = (
-            torch.device("cpu") if config.use_cpu_initialization or not torch.cuda.is_available()
-            else torch.device("cuda", torch.cuda.current_device())
-        )
+        device = param_device(config.use_cpu_initialization)
         weight = torch.empty(output_size, input_size, dtype=config.params_dtype, device=device)
         if config.perform_initialization:
             config.init_method(weight)

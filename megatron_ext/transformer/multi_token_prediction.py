@@ -8,6 +8,7 @@ and are logged apart (``MTPLossLoggingHelper``); the main loss is unchanged."""
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -22,7 +23,7 @@ from megatron_ext.tensor_parallel.mappings import (
 )
 from megatron_ext.tensor_parallel.sharded_state import renamed_sharded_state_dict
 from megatron_ext.transformer.transformer_layer import ParallelTransformerLayer
-from megatron_ext.transformer.utils import initialization_seed, layer_norm
+from megatron_ext.transformer.utils import build_seeded, layer_norm
 
 
 class MTPLossAutoScaler(MoEAuxLossAutoScaler):
@@ -229,8 +230,10 @@ class MultiTokenPredictionBlock(torch.nn.Module):
         self.mtp_loss_scaling_factor = config.mtp_loss_scaling_factor
         layers = []
         for depth in range(config.mtp_num_layers):
-            with initialization_seed(init_seed, config.num_layers + 2 + depth):
-                layers.append(MultiTokenPredictionLayer(config, depth + 1, vp_stage))
+            layers.append(build_seeded(
+                config, init_seed, config.num_layers + 2 + depth,
+                partial(MultiTokenPredictionLayer, config, depth + 1, vp_stage),
+            ))
         self.layers = torch.nn.ModuleList(layers)
 
     def forward(

@@ -51,7 +51,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.rotary_base = rotary_base
         self.rotary_interleaved = rotary_interleaved
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
-        exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
         # Neither a parameter nor a buffer: not saved, and float32 whatever dtype the model is cast to.
         self.inv_freq = 1.0 / (rotary_base**exponents)
         # With context parallelism the angles are those of this rank's chunks of the sequence.

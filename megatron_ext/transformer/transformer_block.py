@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 
@@ -13,7 +14,7 @@ from megatron_ext.pipeline_parallel.schedule_tables import stage_location, virtu
 from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict
 from megatron_ext.transformer.transformer_config import TransformerConfig
 from megatron_ext.transformer.transformer_layer import ParallelTransformerLayer
-from megatron_ext.transformer.utils import initialization_seed, layer_norm
+from megatron_ext.transformer.utils import build_seeded, layer_norm
 
 
 def _pipeline_sizes(config: TransformerConfig) -> tuple[int, int]:
@@ -150,11 +151,13 @@ class ParallelTransformer(torch.nn.Module):
         offset = get_transformer_layer_offset(config, vp_stage)
         layers = []
         for i in range(offset, offset + get_num_layers_to_build(config, vp_stage)):
-            with initialization_seed(init_seed, i + 1):
-                layers.append(ParallelTransformerLayer(config, layer_number=i + 1))
+            build = partial(ParallelTransformerLayer, config, layer_number=i + 1)
+            layers.append(build_seeded(config, init_seed, i + 1, build))
         self.layers = torch.nn.ModuleList(layers)
-        if post_process:
-            self.final_layernorm = layer_norm(config, config.hidden_size)
+        if post_process:  # ones and zeros: no seed
+            self.final_layernorm = build_seeded(
+                config, None, 0, partial(layer_norm, config, config.hidden_size)
+            )
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         self.input_tensor = input_tensor

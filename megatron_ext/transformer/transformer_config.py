@@ -68,7 +68,6 @@ _UNIMPLEMENTED = {
     "no_rope_freq": "rotary embeddings skipped in some layers",
     "experimental_attention_variant": "experimental attention variants",
     "linear_attention_freq": "linear attention",
-    "init_model_with_meta_device": "meta-device initialisation",
     "apply_query_key_layer_scaling": "query-key layer scaling",
     "disable_bf16_reduced_precision_matmul": "cuBLAS reduced-precision control",
     "masked_softmax_fusion": "the fused masked softmax kernel",
@@ -576,6 +575,13 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(
                 f"TransformerConfig.num_query_groups ({groups}) must be a multiple or a divisor of "
                 f"tensor_model_parallel_size ({tp})"
+            )
+        if self.init_model_with_meta_device and not self.use_cpu_initialization:
+            raise ValueError(
+                "TransformerConfig.init_model_with_meta_device=True needs use_cpu_initialization=True: the "
+                "weights are drawn again from the CPU generator, unit by unit, when "
+                "FullyShardedDataParallel shards the model, which gives the weights a model built directly "
+                "has only with CPU initialisation"
             )
         check_context_parallel_config(self)
         check_attention_variants(self)

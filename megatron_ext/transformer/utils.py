@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -13,6 +13,10 @@ from megatron_ext.dist_checkpointing.rank_shards import (
     make_tp_sharded_tensor_for_checkpoint,
 )
 from megatron_ext.fusions.fused_rms_norm import fused_rms_norm
+from megatron_ext.tensor_parallel.meta_init import remember_build
+from megatron_ext.tensor_parallel.utils import param_device
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 
 @contextlib.contextmanager
@@ -31,6 +35,22 @@ def initialization_seed(base_seed: int | None, offset: int) -> Iterator[None]:
         # Only the CPU generator: torch.manual_seed would also reseed (and not restore) CUDA's.
         torch.random.default_generator.manual_seed(base_seed + offset)
         yield
+
+
+def build_seeded(config: Any, base_seed: int | None, offset: int, build: Callable[[], M]) -> M:
+    """``build()`` under ``initialization_seed(base_seed, offset)``. With
+    ``config.init_model_with_meta_device`` it is built on the meta device and remembers how it was
+    built, so that ``tensor_parallel.meta_init.materialize`` draws the same weights later."""
+
+    def draw() -> M:
+        with initialization_seed(base_seed, offset):
+            return build()
+
+    if not getattr(config, "init_model_with_meta_device", False):
+        return draw()
+    with torch.device("meta"):
+        module = draw()
+    return remember_build(module, draw)
 
 
 class FusedRMSNorm(torch.nn.RMSNorm):
@@ -180,11 +200,7 @@ def make_softmax_offset(config: Any, tp_size: int, tp_rank: int) -> torch.Tensor
     the serial values."""
     kind = getattr(config, "softmax_type", "vanilla")
     heads = config.num_attention_heads // tp_size
-    device = (
-        torch.device("cpu")
-        if getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available()
-        else torch.device("cuda", torch.cuda.current_device())
-    )
+    device = param_device(getattr(config, "use_cpu_initialization", False))
     if kind == "vanilla":
         return None
     if kind == "off-by-one":

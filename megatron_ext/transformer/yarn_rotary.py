@@ -101,13 +101,14 @@ class YarnRotaryEmbedding(torch.nn.Module):
         self.beta_fast, self.beta_slow = beta_fast, beta_slow
         self.mscale, self.mscale_all_dim = mscale, mscale_all_dim
         self.correction_range_round_to_int = correction_range_round_to_int
-        powers = rotary_base ** (torch.arange(0, kv_channels, 2, dtype=torch.float32) / kv_channels)
+        cpu = dict(dtype=torch.float32, device="cpu")  # a table, not a parameter: never on the meta device
+        powers = rotary_base ** (torch.arange(0, kv_channels, 2, **cpu) / kv_channels)
         extrapolated, interpolated = 1.0 / powers, 1.0 / (scaling_factor * powers)
         low, high = yarn_correction_range(beta_fast, beta_slow, kv_channels, rotary_base,
                                           original_max_position_embeddings, correction_range_round_to_int)
         if low == high:
             high += 0.001  # a ramp of width 0 would divide by 0
-        ramp = ((torch.arange(kv_channels // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        ramp = ((torch.arange(kv_channels // 2, **cpu) - low) / (high - low)).clamp(0, 1)
         keep = 1.0 - ramp  # 1: the original frequency, 0: the interpolated one
         # Neither a parameter nor a buffer (as RotaryEmbedding's): float32 whatever the model's dtype.
         self.inv_freq = interpolated * (1 - keep) + extrapolated * keep
