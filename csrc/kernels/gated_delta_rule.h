@@ -69,21 +69,21 @@ struct GdrArgs {
 
 // One team's buffers (acc_t), carved from gdr_work_size(...) elements: the chunk's q (normalised,
 // unscaled), k (normalised) and its transpose, beta e^gam k, v, U and its transpose, scale Q S0,
-// k_i.k_j, A, P, the per-token rates and decays; the state (or its gradient) and, for the backward,
+// k_i.k_j, A, P, the decays G, the per-token rates and decays; the state (or its gradient) and, for the backward,
 // the transposes of the entering state and of the state's gradient, the output's gradient, the
 // gradient of U and its image under T^T, the gradients of P and A, and per-token sums.
 template <typename acc_t>
 struct GdrWork {
   acc_t *q, *k, *kt, *kb, *dkb, *dq, *dkn;
   acc_t *v, *u, *ut, *qs, *dout, *du, *y;
-  acc_t *kk, *a, *p, *dp, *da, *hm;
+  acc_t *kk, *a, *p, *dec, *dp, *da, *hm;
   acc_t *beta, *gam, *eg, *egl, *rq, *rk, *dgam, *dbeta, *h;
   acc_t *state, *st, *dst, *ds;
   acc_t* red;
 };
 
 MEGATRON_EXT_HOST_DEVICE int64_t gdr_work_size(int64_t c, int64_t dk, int64_t dv) {
-  return 7 * c * dk + 7 * c * dv + 6 * c * c + 9 * c + 4 * dk * dv + dk;
+  return 7 * c * dk + 7 * c * dv + 7 * c * c + 9 * c + 4 * dk * dv + dk;
 }
 
 template <typename acc_t>
@@ -93,7 +93,7 @@ MEGATRON_EXT_HOST_DEVICE GdrWork<acc_t> gdr_work_at(acc_t* base, int64_t c, int6
   acc_t* p = base;
   acc_t** by_k[] = {&w.q, &w.k, &w.kt, &w.kb, &w.dkb, &w.dq, &w.dkn};
   acc_t** by_v[] = {&w.v, &w.u, &w.ut, &w.qs, &w.dout, &w.du, &w.y};
-  acc_t** by_c2[] = {&w.kk, &w.a, &w.p, &w.dp, &w.da, &w.hm};
+  acc_t** by_c2[] = {&w.kk, &w.a, &w.p, &w.dec, &w.dp, &w.da, &w.hm};
   acc_t** by_c[] = {&w.beta, &w.gam, &w.eg, &w.egl, &w.rq, &w.rk, &w.dgam, &w.dbeta, &w.h};
   acc_t** by_kv[] = {&w.state, &w.st, &w.dst, &w.ds};
   for (acc_t** r : by_k) *r = p, p += c * dk;
@@ -114,15 +114,16 @@ MEGATRON_EXT_HOST_DEVICE acc_t gdr_dot(const acc_t* x, const acc_t* y, int64_t n
 }
 
 // out += c x over n: the step of every product of the chunk (a row of the result gathers rows of
-// the right-hand factor), a loop the CPU compiler vectorises.
+// the right-hand factor), a loop the CPU compiler vectorises, fused multiply-adds where the
+// hardware has them (the products here need not round as torch's ops would).
 template <typename acc_t>
 MEGATRON_EXT_HOST_DEVICE void gdr_axpy(acc_t* out, acc_t c, const acc_t* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] += c * x[i];
+  for (int64_t i = 0; i < n; ++i) out[i] = fma_acc(c, x[i], out[i]);
 }
 
 // The chunk of c tokens at t0 of row b, head h, into the team's buffers: q, k (L2-normalised when
 // asked, their inverse norms in rq, rk), v, beta, the cumulative decays gam and e^gam,
-// e^{gam_last - gam}, k's transpose, beta e^gam k, and the chunk's k.k, A and P.
+// e^{gam_last - gam}, k's transpose, beta e^gam k, and the chunk's k.k, G, A and P.
 template <typename scalar_t, typename acc_t, typename Team>
 MEGATRON_EXT_HOST_DEVICE void gdr_load_chunk(const Team& team, const GdrArgs<scalar_t, acc_t>& a,
                                              const GdrWork<acc_t>& w, int64_t b, int64_t h,
@@ -181,14 +182,15 @@ MEGATRON_EXT_HOST_DEVICE void gdr_load_chunk(const Team& team, const GdrArgs<sca
       const acc_t kp = w.k[i * K + p], qp = w.q[i * K + p];
       const acc_t* row = w.kt + p * C;
       for (int64_t j = 0; j <= i; ++j) {
-        kk[j] += kp * row[j];
-        pp[j] += qp * row[j];
+        kk[j] = fma_acc(kp, row[j], kk[j]);
+        pp[j] = fma_acc(qp, row[j], pp[j]);
       }
     }
     acc_t* ai = w.a + i * C;
     for (int64_t j = 0; j < C; ++j) ai[j] = 0;
     for (int64_t j = 0; j <= i; ++j) {
       const acc_t decay = exp_acc_of(w.gam[i] - w.gam[j]);
+      w.dec[i * C + j] = decay;
       if (j < i) ai[j] = w.beta[i] * decay * kk[j];
       pp[j] *= a.scale * decay;
     }
@@ -227,7 +229,7 @@ MEGATRON_EXT_HOST_DEVICE void gdr_chunk_values(const Team& team, const GdrWork<a
     for (int64_t j = 0; j < i; ++j) {
       const acc_t aij = w.a[i * C + j];
       const acc_t* uj = w.u + j * V;
-      for (int64_t col = c0; col < c1; ++col) ui[col] -= aij * uj[col];
+      for (int64_t col = c0; col < c1; ++col) ui[col] = fma_acc(-aij, uj[col], ui[col]);
     }
   }
   team.sync();
@@ -368,7 +370,7 @@ MEGATRON_EXT_HOST_DEVICE void gdr_backward_chunk(const Team& team,
       for (int64_t r = i + 1; r < c; ++r) {
         const acc_t ari = w.a[r * C + i];
         const acc_t* yr = w.y + r * V;
-        for (int64_t col = c0; col < c1; ++col) yi[col] -= ari * yr[col];
+        for (int64_t col = c0; col < c1; ++col) yi[col] = fma_acc(-ari, yr[col], yi[col]);
       }
     }
   }
@@ -384,14 +386,14 @@ MEGATRON_EXT_HOST_DEVICE void gdr_backward_chunk(const Team& team,
       const acc_t o = w.dout[i * V + col], yv = w.y[i * V + col];
       const acc_t* row = w.ut + col * C;
       for (int64_t j = 0; j <= i; ++j) {
-        dp[j] += o * row[j];
-        da[j] -= yv * row[j];
+        dp[j] = fma_acc(o, row[j], dp[j]);
+        da[j] = fma_acc(-yv, row[j], da[j]);
       }
     }
     da[i] = 0;
     acc_t rows = 0, dbeta = 0;
     for (int64_t j = 0; j <= i; ++j) {
-      const acc_t decay = exp_acc_of(w.gam[i] - w.gam[j]);
+      const acc_t decay = w.dec[i * C + j];
       hm[j] = dp[j] * w.p[i * C + j] + da[j] * w.a[i * C + j];
       rows += hm[j];
       dp[j] *= a.scale * decay;
