@@ -29,6 +29,9 @@
 #include "kernels/llama_fusions.h"
 
 namespace megatron_ext::kernels {
+// Internal linkage: the CPU loops are compiled once per instruction set, and these functions are
+// too large to be inlined, so the linker would otherwise keep one copy (the baseline's) for all.
+namespace {
 
 // fla's and transformers' l2norm: x / sqrt(sum x^2 + eps).
 constexpr double kGdrL2NormEps = 1e-6;
@@ -68,13 +71,14 @@ struct GdrArgs {
 };
 
 // One team's buffers (acc_t), carved from gdr_work_size(...) elements: the chunk's q (normalised,
-// unscaled), k (normalised) and its transpose, beta e^gam k, v, U and its transpose, scale Q S0,
-// k_i.k_j, A, P, the decays G, the per-token rates and decays; the state (or its gradient) and, for the backward,
-// the transposes of the entering state and of the state's gradient, the output's gradient, the
-// gradient of U and its image under T^T, the gradients of P and A, and per-token sums.
+// unscaled), k (normalised) and its transpose, beta e^gam k, e^{gam_last - gam} k, scale e^gam q,
+// v, U and its transpose, e^gam scale Q S0, k_i.k_j, A, P, the decays G, the per-token rates and
+// decays; the state (or its gradient) and, for the backward, the transposes of the entering state
+// and of the state's gradient, the output's gradient, the gradient of U and its image under T^T,
+// the gradients of P and A, and per-token sums.
 template <typename acc_t>
 struct GdrWork {
-  acc_t *q, *k, *kt, *kb, *dkb, *dq, *dkn;
+  acc_t *q, *k, *kt, *kb, *kl, *qg, *dkb, *dq, *dkn;
   acc_t *v, *u, *ut, *qs, *dout, *du, *y;
   acc_t *kk, *a, *p, *dec, *dp, *da, *hm;
   acc_t *beta, *gam, *eg, *egl, *rq, *rk, *dgam, *dbeta, *h;
@@ -83,7 +87,7 @@ struct GdrWork {
 };
 
 MEGATRON_EXT_HOST_DEVICE int64_t gdr_work_size(int64_t c, int64_t dk, int64_t dv) {
-  return 7 * c * dk + 7 * c * dv + 7 * c * c + 9 * c + 4 * dk * dv + dk;
+  return 9 * c * dk + 7 * c * dv + 7 * c * c + 9 * c + 4 * dk * dv + dk;
 }
 
 template <typename acc_t>
@@ -91,7 +95,7 @@ MEGATRON_EXT_HOST_DEVICE GdrWork<acc_t> gdr_work_at(acc_t* base, int64_t c, int6
                                                     int64_t dv) {
   GdrWork<acc_t> w;
   acc_t* p = base;
-  acc_t** by_k[] = {&w.q, &w.k, &w.kt, &w.kb, &w.dkb, &w.dq, &w.dkn};
+  acc_t** by_k[] = {&w.q, &w.k, &w.kt, &w.kb, &w.kl, &w.qg, &w.dkb, &w.dq, &w.dkn};
   acc_t** by_v[] = {&w.v, &w.u, &w.ut, &w.qs, &w.dout, &w.du, &w.y};
   acc_t** by_c2[] = {&w.kk, &w.a, &w.p, &w.dec, &w.dp, &w.da, &w.hm};
   acc_t** by_c[] = {&w.beta, &w.gam, &w.eg, &w.egl, &w.rq, &w.rk, &w.dgam, &w.dbeta, &w.h};
@@ -113,12 +117,33 @@ MEGATRON_EXT_HOST_DEVICE acc_t gdr_dot(const acc_t* x, const acc_t* y, int64_t n
   return s;
 }
 
-// out += c x over n: the step of every product of the chunk (a row of the result gathers rows of
-// the right-hand factor), a loop the CPU compiler vectorises, fused multiply-adds where the
-// hardware has them (the products here need not round as torch's ops would).
+// out += c x over n.
 template <typename acc_t>
 MEGATRON_EXT_HOST_DEVICE void gdr_axpy(acc_t* out, acc_t c, const acc_t* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = fma_acc(c, x[i], out[i]);
+}
+
+// out[:n] += alpha sum_{r < count} coef[r cs] rows[r rs : r rs + n]: the step of every product of
+// the chunk (a row of the result gathers rows of the right-hand factor), four rows per pass over
+// out, in loops the CPU compiler vectorises; fused multiply-adds where the hardware has them (the
+// products here need not round as torch's ops would).
+template <typename acc_t>
+MEGATRON_EXT_HOST_DEVICE void gdr_gather(acc_t* out, int64_t n, acc_t alpha, const acc_t* coef,
+                                         int64_t cs, const acc_t* rows, int64_t rs, int64_t count) {
+  int64_t r = 0;
+  for (; r + 4 <= count; r += 4) {
+    const acc_t c0 = alpha * coef[r * cs], c1 = alpha * coef[(r + 1) * cs];
+    const acc_t c2 = alpha * coef[(r + 2) * cs], c3 = alpha * coef[(r + 3) * cs];
+    const acc_t* x0 = rows + r * rs;
+    const acc_t* x1 = x0 + rs;
+    const acc_t* x2 = x1 + rs;
+    const acc_t* x3 = x2 + rs;
+    for (int64_t i = 0; i < n; ++i) {
+      out[i] =
+          fma_acc(c3, x3[i], fma_acc(c2, x2[i], fma_acc(c1, x1[i], fma_acc(c0, x0[i], out[i]))));
+    }
+  }
+  for (; r < count; ++r) gdr_axpy(out, alpha * coef[r * cs], rows + r * rs, n);
 }
 
 // The chunk of c tokens at t0 of row b, head h, into the team's buffers: q, k (L2-normalised when
@@ -167,8 +192,12 @@ MEGATRON_EXT_HOST_DEVICE void gdr_load_chunk(const Team& team, const GdrArgs<sca
   for (int64_t i = team.rank; i < c; i += team.size) {
     w.eg[i] = exp_acc_of(w.gam[i]);
     w.egl[i] = exp_acc_of(last - w.gam[i]);
-    const acc_t bk = w.beta[i] * w.eg[i];
-    for (int64_t p = 0; p < K; ++p) w.kb[i * K + p] = bk * w.k[i * K + p];
+    const acc_t bk = w.beta[i] * w.eg[i], qe = a.scale * w.eg[i];
+    for (int64_t p = 0; p < K; ++p) {
+      w.kb[i * K + p] = bk * w.k[i * K + p];
+      w.kl[i * K + p] = w.egl[i] * w.k[i * K + p];
+      w.qg[i * K + p] = qe * w.q[i * K + p];
+    }
   }
   for (int64_t p = team.rank; p < K; p += team.size) {
     for (int64_t i = 0; i < c; ++i) w.kt[p * C + i] = w.k[i * K + p];
@@ -178,14 +207,8 @@ MEGATRON_EXT_HOST_DEVICE void gdr_load_chunk(const Team& team, const GdrArgs<sca
     acc_t* kk = w.kk + i * C;
     acc_t* pp = w.p + i * C;
     for (int64_t j = 0; j < C; ++j) kk[j] = pp[j] = 0;
-    for (int64_t p = 0; p < K; ++p) {
-      const acc_t kp = w.k[i * K + p], qp = w.q[i * K + p];
-      const acc_t* row = w.kt + p * C;
-      for (int64_t j = 0; j <= i; ++j) {
-        kk[j] = fma_acc(kp, row[j], kk[j]);
-        pp[j] = fma_acc(qp, row[j], pp[j]);
-      }
-    }
+    gdr_gather(kk, i + 1, acc_t(1), w.k + i * K, 1, w.kt, C, K);
+    gdr_gather(pp, i + 1, acc_t(1), w.q + i * K, 1, w.kt, C, K);
     acc_t* ai = w.a + i * C;
     for (int64_t j = 0; j < C; ++j) ai[j] = 0;
     for (int64_t j = 0; j <= i; ++j) {
@@ -198,11 +221,11 @@ MEGATRON_EXT_HOST_DEVICE void gdr_load_chunk(const Team& team, const GdrArgs<sca
   team.sync();
 }
 
-// qs = scale Q S0 and the right-hand side of the UT system, diag(beta) V - diag(beta e^gam) K S0,
-// into u; then U by forward substitution (columns split over the team).
+// qs = diag(e^gam) scale Q S0 and the right-hand side of the UT system, diag(beta) V - diag(beta
+// e^gam) K S0, into u; then U by forward substitution (columns split over the team).
 template <typename acc_t, typename Team>
 MEGATRON_EXT_HOST_DEVICE void gdr_chunk_values(const Team& team, const GdrWork<acc_t>& w, int64_t c,
-                                               int64_t C, int64_t K, int64_t V, acc_t scale) {
+                                               int64_t C, int64_t K, int64_t V) {
   for (int64_t i = team.rank; i < c; i += team.size) {
     acc_t* qs = w.qs + i * V;
     acc_t* u = w.u + i * V;
@@ -210,27 +233,16 @@ MEGATRON_EXT_HOST_DEVICE void gdr_chunk_values(const Team& team, const GdrWork<a
       qs[j] = 0;
       u[j] = 0;
     }
-    for (int64_t p = 0; p < K; ++p) {
-      const acc_t* sp = w.state + p * V;
-      gdr_axpy(qs, w.q[i * K + p], sp, V);
-      gdr_axpy(u, w.kb[i * K + p], sp, V);
-    }
-    for (int64_t j = 0; j < V; ++j) {
-      qs[j] *= scale;
-      u[j] = w.beta[i] * w.v[i * V + j] - u[j];
-    }
+    gdr_gather(qs, V, acc_t(1), w.qg + i * K, 1, w.state, V, K);
+    gdr_gather(u, V, acc_t(-1), w.kb + i * K, 1, w.state, V, K);
+    gdr_axpy(u, w.beta[i], w.v + i * V, V);
   }
   team.sync();
   const int64_t per = (V + team.size - 1) / team.size;
   const int64_t c0 = team.rank * per < V ? team.rank * per : V;
   const int64_t c1 = c0 + per < V ? c0 + per : V;
   for (int64_t i = 1; i < c; ++i) {
-    acc_t* ui = w.u + i * V;
-    for (int64_t j = 0; j < i; ++j) {
-      const acc_t aij = w.a[i * C + j];
-      const acc_t* uj = w.u + j * V;
-      for (int64_t col = c0; col < c1; ++col) ui[col] = fma_acc(-aij, uj[col], ui[col]);
-    }
+    gdr_gather(w.u + i * V + c0, c1 - c0, acc_t(-1), w.a + i * C, 1, w.u + c0, V, i);
   }
   team.sync();
 }
@@ -245,13 +257,11 @@ MEGATRON_EXT_HOST_DEVICE void gdr_forward_chunk(const Team& team, const GdrArgs<
   const int64_t H = a.heads, K = a.dk, V = a.dv, C = a.chunk;
   for (int64_t e = team.rank; e < K * V; e += team.size) saved[e] = w.state[e];
   gdr_load_chunk(team, a, w, b, h, t0, c);
-  gdr_chunk_values(team, w, c, C, K, V, a.scale);
+  gdr_chunk_values(team, w, c, C, K, V);
   for (int64_t i = team.rank; i < c; i += team.size) {
-    // o_i = e^gam_i qs_i + sum_{j <= i} P_ij u_j, formed in qs's row.
+    // o_i = qs_i + sum_{j <= i} P_ij u_j, formed in qs's row.
     acc_t* qs = w.qs + i * V;
-    const acc_t e = w.eg[i];
-    for (int64_t j = 0; j < V; ++j) qs[j] *= e;
-    for (int64_t j = 0; j <= i; ++j) gdr_axpy(qs, w.p[i * C + j], w.u + j * V, V);
+    gdr_gather(qs, V, acc_t(1), w.p + i * C, 1, w.u, V, i + 1);
     scalar_t* oi = out + ((b * a.length + t0 + i) * H + h) * V;
     for (int64_t j = 0; j < V; ++j) oi[j] = static_cast<scalar_t>(qs[j]);
   }
@@ -259,7 +269,7 @@ MEGATRON_EXT_HOST_DEVICE void gdr_forward_chunk(const Team& team, const GdrArgs<
   for (int64_t p = team.rank; p < K; p += team.size) {
     acc_t* sp = w.state + p * V;
     for (int64_t j = 0; j < V; ++j) sp[j] *= decay;
-    for (int64_t i = 0; i < c; ++i) gdr_axpy(sp, w.egl[i] * w.kt[p * C + i], w.u + i * V, V);
+    gdr_gather(sp, V, acc_t(1), w.kl + p, K, w.u, V, c);
   }
   team.sync();
 }
@@ -346,7 +356,7 @@ MEGATRON_EXT_HOST_DEVICE void gdr_backward_chunk(const Team& team,
     for (int64_t j = 0; j < V; ++j) w.dout[i * V + j] = static_cast<acc_t>(di[j]);
   }
   gdr_load_chunk(team, a, w, b, h, t0, c);  // syncs before its first use of the team's rows
-  gdr_chunk_values(team, w, c, C, K, V, a.scale);
+  gdr_chunk_values(team, w, c, C, K, V);
   // U's transpose; dU = P^T dO + diag(e^{gam_last - gam}) K dS.
   for (int64_t j = team.rank; j < V; j += team.size) {
     for (int64_t i = 0; i < c; ++i) w.ut[j * C + i] = w.u[i * V + j];
@@ -354,9 +364,8 @@ MEGATRON_EXT_HOST_DEVICE void gdr_backward_chunk(const Team& team,
   for (int64_t i = team.rank; i < c; i += team.size) {
     acc_t* du = w.du + i * V;
     for (int64_t j = 0; j < V; ++j) du[j] = 0;
-    for (int64_t p = 0; p < K; ++p) gdr_axpy(du, w.k[i * K + p], grad_state + p * V, V);
-    for (int64_t j = 0; j < V; ++j) du[j] *= w.egl[i];
-    for (int64_t r = i; r < c; ++r) gdr_axpy(du, w.p[r * C + i], w.dout + r * V, V);
+    gdr_gather(du, V, acc_t(1), w.kl + i * K, 1, grad_state, V, K);
+    gdr_gather(du, V, acc_t(1), w.p + i * C + i, C, w.dout + i * V, V, c - i);
     for (int64_t j = 0; j < V; ++j) w.y[i * V + j] = du[j];
   }
   team.sync();
@@ -366,30 +375,21 @@ MEGATRON_EXT_HOST_DEVICE void gdr_backward_chunk(const Team& team,
     const int64_t c0 = team.rank * per < V ? team.rank * per : V;
     const int64_t c1 = c0 + per < V ? c0 + per : V;
     for (int64_t i = c - 2; i >= 0; --i) {
-      acc_t* yi = w.y + i * V;
-      for (int64_t r = i + 1; r < c; ++r) {
-        const acc_t ari = w.a[r * C + i];
-        const acc_t* yr = w.y + r * V;
-        for (int64_t col = c0; col < c1; ++col) yi[col] = fma_acc(-ari, yr[col], yi[col]);
-      }
+      gdr_gather(w.y + i * V + c0, c1 - c0, acc_t(-1), w.a + (i + 1) * C + i, C,
+                 w.y + (i + 1) * V + c0, V, c - 1 - i);
     }
   }
   team.sync();
   // Per row i: dP_ij = dO_i.u_j (j <= i), dA_ij = -Y_i.u_j (j < i); hm = dP P + dA A (their share
-  // of gam's gradient: row sums minus column sums); dp <- dP scale G, da <- dA G; dKb = -Y S0^T.
+  // of gam's gradient: row sums minus column sums); dp <- dP scale G, da <- beta_i dA G; dKb = -Y
+  // S0^T.
   for (int64_t i = team.rank; i < c; i += team.size) {
     acc_t* dp = w.dp + i * C;
     acc_t* da = w.da + i * C;
     acc_t* hm = w.hm + i * C;
     for (int64_t j = 0; j < C; ++j) dp[j] = da[j] = hm[j] = 0;
-    for (int64_t col = 0; col < V; ++col) {
-      const acc_t o = w.dout[i * V + col], yv = w.y[i * V + col];
-      const acc_t* row = w.ut + col * C;
-      for (int64_t j = 0; j <= i; ++j) {
-        dp[j] = fma_acc(o, row[j], dp[j]);
-        da[j] = fma_acc(-yv, row[j], da[j]);
-      }
-    }
+    gdr_gather(dp, i + 1, acc_t(1), w.dout + i * V, 1, w.ut, C, V);
+    gdr_gather(da, i + 1, acc_t(-1), w.y + i * V, 1, w.ut, C, V);
     da[i] = 0;
     acc_t rows = 0, dbeta = 0;
     for (int64_t j = 0; j <= i; ++j) {
@@ -399,14 +399,14 @@ MEGATRON_EXT_HOST_DEVICE void gdr_backward_chunk(const Team& team,
       dp[j] *= a.scale * decay;
       da[j] *= decay;
       dbeta += da[j] * w.kk[i * C + j];
+      da[j] *= w.beta[i];
     }
     acc_t* dkb = w.dkb + i * K;
     for (int64_t p = 0; p < K; ++p) dkb[p] = 0;
-    for (int64_t col = 0; col < V; ++col) gdr_axpy(dkb, -w.y[i * V + col], w.st + col * K, K);
+    gdr_gather(dkb, K, acc_t(-1), w.y + i * V, 1, w.st, K, V);
     const acc_t kdk = gdr_dot(dkb, w.k + i * K, K);
     w.dbeta[i] = dbeta + gdr_dot(w.v + i * V, w.y + i * V, V) + w.eg[i] * kdk;
-    w.dgam[i] =
-        rows + w.eg[i] * gdr_dot(w.dout + i * V, w.qs + i * V, V) + w.beta[i] * w.eg[i] * kdk;
+    w.dgam[i] = rows + gdr_dot(w.dout + i * V, w.qs + i * V, V) + w.beta[i] * w.eg[i] * kdk;
   }
   team.sync();
   for (int64_t i = team.rank; i < c; i += team.size) {
@@ -415,23 +415,20 @@ MEGATRON_EXT_HOST_DEVICE void gdr_backward_chunk(const Team& team,
     // dq_i = scale e^gam_i S0 dO_i + sum_{j <= i} dp_ij k_j, through the normalisation.
     acc_t* dq = w.dq + i * K;
     for (int64_t p = 0; p < K; ++p) dq[p] = 0;
-    const acc_t qe = a.scale * w.eg[i];
-    for (int64_t col = 0; col < V; ++col) gdr_axpy(dq, qe * w.dout[i * V + col], w.st + col * K, K);
-    for (int64_t j = 0; j <= i; ++j) gdr_axpy(dq, w.dp[i * C + j], w.k + j * K, K);
+    gdr_gather(dq, K, a.scale * w.eg[i], w.dout + i * V, 1, w.st, K, V);
+    gdr_gather(dq, K, acc_t(1), w.dp + i * C, 1, w.k, K, i + 1);
     gdr_l2norm_grad(dq, w.q + i * K, w.rq[i], K, a.l2norm);
     for (int64_t p = 0; p < K; ++p) gr.dq[tok * K + p] = static_cast<scalar_t>(dq[p]);
     // dk_i: the final state's e^{gam_last - gam_i} dS u_i first (its dot with k_i is gam's share
     // h_i), then beta_i e^gam_i dKb_i, A's and P's terms, through the normalisation.
     acc_t* dk = w.dkn + i * K;
     for (int64_t p = 0; p < K; ++p) dk[p] = 0;
-    for (int64_t col = 0; col < V; ++col) {
-      gdr_axpy(dk, w.egl[i] * w.u[i * V + col], w.dst + col * K, K);
-    }
+    gdr_gather(dk, K, w.egl[i], w.u + i * V, 1, w.dst, K, V);
     const acc_t hi = gdr_dot(ki, dk, K);
     gdr_axpy(dk, w.beta[i] * w.eg[i], w.dkb + i * K, K);
-    for (int64_t j = 0; j < i; ++j) gdr_axpy(dk, w.beta[i] * w.da[i * C + j], w.k + j * K, K);
-    for (int64_t r = i + 1; r < c; ++r) gdr_axpy(dk, w.beta[r] * w.da[r * C + i], w.k + r * K, K);
-    for (int64_t r = i; r < c; ++r) gdr_axpy(dk, w.dp[r * C + i], w.q + r * K, K);
+    gdr_gather(dk, K, acc_t(1), w.da + i * C, 1, w.k, K, i);
+    gdr_gather(dk, K, acc_t(1), w.da + (i + 1) * C + i, C, w.k + (i + 1) * K, K, c - 1 - i);
+    gdr_gather(dk, K, acc_t(1), w.dp + i * C + i, C, w.q + i * K, K, c - i);
     gdr_l2norm_grad(dk, ki, w.rk[i], K, a.l2norm);
     for (int64_t p = 0; p < K; ++p) gr.dk[tok * K + p] = static_cast<scalar_t>(dk[p]);
     for (int64_t j = 0; j < V; ++j) {
@@ -467,10 +464,8 @@ MEGATRON_EXT_HOST_DEVICE void gdr_backward_chunk(const Team& team,
   for (int64_t p = team.rank; p < K; p += team.size) {
     acc_t* dsp = grad_state + p * V;
     for (int64_t j = 0; j < V; ++j) dsp[j] *= decay;
-    for (int64_t i = 0; i < c; ++i) {
-      gdr_axpy(dsp, a.scale * w.eg[i] * w.q[i * K + p], w.dout + i * V, V);
-      gdr_axpy(dsp, -w.kb[i * K + p], w.y + i * V, V);
-    }
+    gdr_gather(dsp, V, acc_t(1), w.qg + p, K, w.dout, V, c);
+    gdr_gather(dsp, V, acc_t(-1), w.kb + p, K, w.y, V, c);
   }
   team.sync();
 }
@@ -505,4 +500,5 @@ MEGATRON_EXT_HOST_DEVICE void gdr_backward_segment(const Team& team,
   team.sync();
 }
 
+}  // namespace
 }  // namespace megatron_ext::kernels
