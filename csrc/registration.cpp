@@ -135,6 +135,29 @@ TORCH_LIBRARY(megatron_ext, m) {
       "Tensor? cu_seqlens, Tensor? initial_states, str activation) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
 
+  // The gated delta rule of Gated DeltaNet layers (ops/gated_delta_rule.cpp,
+  // kernels/gated_delta_rule*): q, k [B, T, H, K], v [B, T, H, V], g (log decay), beta [B, T, H];
+  // per (b, h) the state S [K, V] runs S_t = e^{g_t} S_{t-1} + k_t (beta_t (v_t - e^{g_t}
+  // S_{t-1}^T k_t))^T and o_t = S_t^T (scale q_t),
+  // q and k optionally L2-normalised, restarting at each sequence of cu_seqlens (B = 1) from
+  // initial_state [B or sequences, H, K, V] (zero without). The public op is an autograd node over
+  // the ``_forward`` / ``_backward`` CPU and CUDA kernels, computed a chunk at a time; the forward
+  // kernel also returns the state entering each chunk [B, H, chunks, K, V], which the backward
+  // reads. Without output_final_state the second output is an empty tensor.
+  m.def(
+      "chunk_gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
+      "float? scale=None, Tensor? initial_state=None, bool output_final_state=False, "
+      "Tensor? cu_seqlens=None, bool use_qk_l2norm=False, int chunk_size=64) -> (Tensor, Tensor)");
+  m.def(
+      "gated_delta_rule_forward(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale, "
+      "Tensor? initial_state, Tensor? cu_seqlens, bool use_qk_l2norm, int chunk_size) -> "
+      "(Tensor, Tensor, Tensor)");
+  m.def(
+      "gated_delta_rule_backward(Tensor grad_output, Tensor? grad_final_state, Tensor q, "
+      "Tensor k, Tensor v, Tensor g, Tensor beta, float scale, Tensor? initial_state, "
+      "Tensor? cu_seqlens, Tensor chunk_states, bool use_qk_l2norm, int chunk_size) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+
   // The experts' token permutation (ops/moe.cpp, kernels/moe_permute*). ``moe_sort_by_expert``
   // returns the token and the expert of each permuted row, expert-major (with ``capacity``: that
   // many rows per expert, padded with tokens the expert was not sent). ``moe_permute`` gathers the

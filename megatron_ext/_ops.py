@@ -213,6 +213,44 @@ def _(grad_output, x, weight, bias, cu_seqlens, initial_states, activation):
     return x.new_empty(x.shape), weight.new_empty(weight.shape), x.new_empty((x.shape[1],)), states
 
 
+# --- Gated delta rule of Gated DeltaNet (ops/gated_delta_rule.cpp) ---------------------------------
+
+
+def _gdr_acc_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _gdr_state_shape(q, v, cu_seqlens) -> tuple[int, ...]:
+    rows = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (rows, q.shape[2], q.shape[3], v.shape[3])
+
+
+@torch.library.register_fake("megatron_ext::chunk_gated_delta_rule")
+def _(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+      use_qk_l2norm=False, chunk_size=64):
+    shape = _gdr_state_shape(q, v, cu_seqlens) if output_final_state else (0,)
+    return v.new_empty(v.shape), q.new_empty(shape, dtype=_gdr_acc_dtype(q))
+
+
+@torch.library.register_fake("megatron_ext::gated_delta_rule_forward")
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm, chunk_size):
+    # kernels/gated_delta_rule_checks.h gdr_chunk_slots: ceil(T / chunk) + sequences - 1.
+    segments = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    slots = (q.shape[1] + chunk_size - 1) // chunk_size + segments - 1
+    acc = _gdr_acc_dtype(q)
+    return (v.new_empty(v.shape), q.new_empty(_gdr_state_shape(q, v, cu_seqlens), dtype=acc),
+            q.new_empty((q.shape[0], q.shape[2], slots, q.shape[3], v.shape[3]), dtype=acc))
+
+
+@torch.library.register_fake("megatron_ext::gated_delta_rule_backward")
+def _(grad_output, grad_final_state, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_states,
+      use_qk_l2norm, chunk_size):
+    state = q.new_empty((0,), dtype=_gdr_acc_dtype(q)) if initial_state is None else initial_state.new_empty(
+        initial_state.shape)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape), state)
+
+
 # --- Context-parallel attention (ops/context_parallel_attention.cpp) -------------------------------
 
 

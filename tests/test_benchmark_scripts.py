@@ -355,3 +355,18 @@ def test_datasets_benchmark_script(tmp_path):
     s = pre["variants"]["megatron_ext 1 worker"]
     assert abs(s["tokens_per_s"] - pre["tokens"] / s["median_s"]) < 1e-6 * s["tokens_per_s"]
     assert not (tmp_path / "data").exists()  # the corpora are removed
+
+
+@pytest.mark.slow  # runs the benchmark script end to end
+def test_gated_delta_rule_benchmark_script(tmp_path):
+    out = tmp_path / "gated_delta_rule.json"
+    _run_script("gated_delta_rule.py", "--lengths", "70", "--heads", "2", "--head-dim", "8", "--reps", "1",
+                "--json", str(out))
+    summary = json.loads(out.read_text())["summary"]
+    assert list(summary) == ["T=70"]
+    row = summary["T=70"]
+    assert list(row["results"]) == ["megatron_ext chunk_gated_delta_rule",
+                                    "transformers torch_chunk_gated_delta_rule"]
+    assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in row["results"].values())
+    # Both float32 computations of the same values (tests/test_gated_delta_rule.py bounds them).
+    assert row["relative_diff_vs_last"]["megatron_ext chunk_gated_delta_rule"] < 1e-4

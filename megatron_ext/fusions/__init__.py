@@ -12,6 +12,7 @@ from megatron_ext.fusions.fused_bias_gelu import bias_gelu, bias_gelu_impl
 from megatron_ext.fusions.fused_bias_swiglu import bias_swiglu, bias_swiglu_impl, swiglu
 from megatron_ext.fusions.fused_rms_norm import fused_rms_norm
 from megatron_ext.fusions.fused_rope import fused_apply_rotary_pos_emb
+from megatron_ext.fusions.gated_delta_rule import chunk_gated_delta_rule
 
 __all__ = [
     "bias_dropout_add_fused_inference",
@@ -22,6 +23,7 @@ __all__ = [
     "bias_swiglu",
     "bias_swiglu_impl",
     "causal_conv1d_fn",
+    "chunk_gated_delta_rule",
     "fused_apply_rotary_pos_emb",
     "fused_rms_norm",
     "get_bias_dropout_add",
