@@ -150,6 +150,24 @@ def test_packed_rows_equal_each_sequence_alone(offsets_dtype):
     _assert_all_close(got, want, rtol=1e-10, atol_of=lambda e: 1e-11 * max(1.0, e.abs().max().item()))
 
 
+def test_final_state_alone_and_strided_inputs():
+    # The loss reads the final state only (the output's gradient is undefined in the backward); q and
+    # k arrive as strided views, as a split of a fused projection gives them.
+    q, k, v, g, beta, s = _make(1, 23, 2, 4, 3, seed=12)
+    qk = torch.cat([q, k], -1).requires_grad_()
+    leaves = _leaves([v, g, beta, s])
+    final = _op(qk[..., :4], qk[..., 4:], *leaves[:3], leaves[3], l2norm=True, chunk_size=8)[1]
+    got = torch.autograd.grad(final.sum(), [qk, *leaves])
+    qk_ref = torch.cat([q, k], -1).requires_grad_()
+    ref_leaves = _leaves([v, g, beta, s])
+    want_final = reference(qk_ref[..., :4], qk_ref[..., 4:], *ref_leaves[:3], initial_state=ref_leaves[3],
+                           l2norm=True)[1]
+    want = torch.autograd.grad(want_final.sum(), [qk_ref, *ref_leaves])
+    torch.testing.assert_close(final, want_final, rtol=1e-12, atol=1e-13)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-11)
+
+
 def test_chunk_sizes_agree():
     tensors = _make(1, 70, 2, 8, 8, seed=6)
     grads = _randn(1, 70, 2, 8, seed=15), _randn(1, 2, 8, 8, seed=16)
