@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pipeline_parallel", ("megatron_ext.pipeline_parallel",)),
     ("distributed", ("megatron_ext.distributed",)),
     ("optimizer", ("megatron_ext.optimizer",)),
-    ("transformer", ("megatron_ext.transformer",)),
+    ("transformer", ("megatron_ext.transformer", "megatron_ext.ssm")),
     ("models", ("megatron_ext.models",)),
     ("training", ("megatron_ext.training",)),
     ("the package's front door", ("megatron_ext",)),

@@ -129,8 +129,10 @@ def _reduce_tensor_parallel_grads(
                 continue
             if getattr(p, "average_gradients_across_tp_domain", False):
                 averaged.append(p)
-            elif (sequence_parallel and getattr(p, "sequence_parallel", False)) or (
-                qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+            elif (
+                (sequence_parallel and getattr(p, "sequence_parallel", False))
+                or (qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))
+                or getattr(p, "partial_over_tensor_parallel", False)
             ):
                 summed.append(p)
     if summed:
@@ -152,7 +154,9 @@ def allreduce_layernorm_grads(
     """Reduces over the tensor-parallel group the gradients each tensor-parallel rank computed
     from its own part of the data: sums those of the parameters marked ``sequence_parallel``
     (LayerNorms and row-parallel biases) under ``config.sequence_parallel`` and of the
-    ``q_layernorm`` / ``k_layernorm`` parameters under ``config.qk_layernorm``, and averages those
+    ``q_layernorm`` / ``k_layernorm`` parameters under ``config.qk_layernorm`` and of those marked
+    ``partial_over_tensor_parallel`` (a norm shared by heads split over the ranks, as Gated DeltaNet's
+    ``out_norm``: Megatron-core leaves it unreduced without sequence parallelism), and averages those
     marked ``average_gradients_across_tp_domain`` (Megatron-core's
     ``_allreduce_non_tensor_model_parallel_grads``). Each chunk's own ``config`` is read;
     ``tp_group`` defaults to parallel_state's."""

@@ -39,8 +39,8 @@ def window_size(text: str) -> int:
     raise argparse.ArgumentTypeError(f"expected W or \"L,0\", got {text!r}")
 
 
-def moe_freq_type(value: str | int | list[int]) -> int | list[int]:
-    """``--moe-layer-freq`` as Megatron-LM reads it: an int, or a python list expression made of
+def layer_pattern(value: str | int | list[int], flag: str) -> int | list[int]:
+    """A layer-pattern flag as Megatron-LM reads it: an int, or a python list expression made of
     digits, commas, brackets, parentheses, + and * only."""
     if not isinstance(value, str):
         return value
@@ -48,16 +48,21 @@ def moe_freq_type(value: str | int | list[int]) -> int | list[int]:
         try:
             return int(value)
         except ValueError:
-            raise ValueError(f"--moe-layer-freq {value!r} is not an int or a list expression") from None
+            raise ValueError(f"{flag} {value!r} is not an int or a list expression") from None
     if re.search(r"[^,\d\[\]()+*]", value):
-        raise ValueError(f"--moe-layer-freq {value!r} may hold only digits , [ ] ( ) + *")
+        raise ValueError(f"{flag} {value!r} may hold only digits , [ ] ( ) + *")
     try:
         pattern = eval(value, {"__builtins__": {}})  # noqa: S307  (only the characters above)
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"--moe-layer-freq {value!r} does not evaluate: {e}") from None
+        raise ValueError(f"{flag} {value!r} does not evaluate: {e}") from None
     if not isinstance(pattern, list):
-        raise ValueError(f"--moe-layer-freq {value!r} is not a list")
+        raise ValueError(f"{flag} {value!r} is not a list")
     return pattern
+
+
+def moe_freq_type(value: str | int | list[int]) -> int | list[int]:
+    """``--moe-layer-freq`` as Megatron-LM reads it (``layer_pattern``)."""
+    return layer_pattern(value, "--moe-layer-freq")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -188,6 +193,18 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-layer-freq", default="1",
                    help="which layers are MoE layers: every N-th (an int), or a python list expression of "
                    "0/1 per layer, e.g. \"([0]*1+[1]*3)\": one dense layer, then three MoE layers")
+    p.add_argument("--experimental-attention-variant", choices=["gated_delta_net"], default=None,
+                   help="Gated DeltaNet linear attention in the layers --linear-attention-freq names")
+    p.add_argument("--linear-attention-freq", default=None,
+                   help="with --experimental-attention-variant: every N-th layer full attention (an int), or "
+                   "a python list expression of 0/1 per layer (1: linear attention), e.g. \"([1]*3+[0])*2\"")
+    p.add_argument("--linear-conv-kernel-dim", type=int, default=4, help="Gated DeltaNet's convolution width")
+    p.add_argument("--linear-key-head-dim", type=int, default=128, help="Gated DeltaNet's key head width")
+    p.add_argument("--linear-value-head-dim", type=int, default=128, help="Gated DeltaNet's value head width")
+    p.add_argument("--linear-num-key-heads", type=int, default=16,
+                   help="Gated DeltaNet's query and key heads")
+    p.add_argument("--linear-num-value-heads", type=int, default=32,
+                   help="Gated DeltaNet's value heads (a multiple of the key heads)")
     p.add_argument("--moe-router-num-groups", type=int, default=None,
                    help="group-limited routing: the experts in this many groups (consecutive experts; "
                    "with --moe-router-group-topk)")

@@ -19,6 +19,7 @@ from megatron_ext.models.hf import (
 from megatron_ext.transformer import TransformerConfig
 from megatron_ext.transformer.transformer_config import MLATransformerConfig
 from megatron_ext.training.arguments import BYTE_VOCAB, DTYPES
+from megatron_ext.training.arguments_model import layer_pattern
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:
@@ -78,6 +79,19 @@ def recompute_settings(args: argparse.Namespace) -> dict:
                     recompute_modules=args.recompute_modules)
     return dict(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
                 recompute_num_layers=args.recompute_num_layers, recompute_modules=args.recompute_modules)
+
+
+def linear_attention_settings(args: argparse.Namespace) -> dict:
+    """The TransformerConfig fields of the Gated DeltaNet flags (none without the variant)."""
+    if args.experimental_attention_variant is None:
+        return {}
+    return dict(
+        experimental_attention_variant=args.experimental_attention_variant,
+        linear_attention_freq=layer_pattern(args.linear_attention_freq, "--linear-attention-freq"),
+        linear_conv_kernel_dim=args.linear_conv_kernel_dim, linear_key_head_dim=args.linear_key_head_dim,
+        linear_value_head_dim=args.linear_value_head_dim, linear_num_key_heads=args.linear_num_key_heads,
+        linear_num_value_heads=args.linear_num_value_heads,
+    )
 
 
 def moe_settings(args: argparse.Namespace) -> dict:
@@ -162,6 +176,7 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> tuple[Transfo
         calculate_per_token_loss=args.sft is not None or args.calculate_per_token_loss,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline,
         **moe_settings(args),
+        **linear_attention_settings(args),
     )
     if args.hf_config is None:  # a --load-hf model's attention is its own
         training.update(

@@ -13,6 +13,23 @@ from megatron_ext.training.model import architecture, llama_ffn_hidden, yarn_fla
 
 
 
+def check_linear_attention_args(args: argparse.Namespace) -> None:
+    """The Gated DeltaNet flags: the pattern with the variant only, and what the layers cannot do yet."""
+    variant = args.experimental_attention_variant
+    if (variant is None) != (args.linear_attention_freq is None):
+        raise ValueError("--experimental-attention-variant gated_delta_net and --linear-attention-freq go "
+                         "together (the layers and where they are)")
+    if variant is None:
+        return
+    for flag, value in (("--save", args.save), ("--load", args.load), ("--load-hf", args.load_hf),
+                        ("--export-hf", args.export_hf)):
+        if value is not None:
+            raise ValueError(f"{flag} with --experimental-attention-variant {variant}: the Gated DeltaNet "
+                             "layers' checkpoints and Hugging Face weights are not supported yet")
+    if args.cp > 1:
+        raise ValueError(f"--cp {args.cp} with --experimental-attention-variant {variant}: not supported yet")
+
+
 def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
     """The mixture-of-experts flags: experts divisible by --ep, top-k within the experts, the expert
     grid (--etp x --ep x --pp) dividing the world, sequence parallelism with --tp > 1."""

@@ -66,8 +66,6 @@ _UNIMPLEMENTED = {
     "log_max_attention_logit": "attention-logit logging",
     "attention_output_gate": "gated attention",
     "no_rope_freq": "rotary embeddings skipped in some layers",
-    "experimental_attention_variant": "experimental attention variants",
-    "linear_attention_freq": "linear attention",
     "apply_query_key_layer_scaling": "query-key layer scaling",
     "disable_bf16_reduced_precision_matmul": "cuBLAS reduced-precision control",
     "masked_softmax_fusion": "the fused masked softmax kernel",

@@ -6,13 +6,14 @@ import torch
 
 from megatron_ext import tensor_parallel
 from megatron_ext.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron_ext.transformer.gated_delta_net import GatedDeltaNet
 from megatron_ext.tensor_parallel.sharded_state import renamed_key, renamed_sharded_state_dict
 from megatron_ext.transformer.attention import ATTENTION_KEYS, ParallelAttention
 from megatron_ext.transformer.mlp import MLP_KEYS, ParallelMLP
 from megatron_ext.transformer.moe.moe_layer import MoELayer
 from megatron_ext.transformer.multi_latent_attention import MLA_KEYS, MLASelfAttention
 from megatron_ext.transformer.transformer_config import TransformerConfig
-from megatron_ext.transformer.utils import layer_norm, selectively_recomputed
+from megatron_ext.transformer.utils import layer_norm, linear_attention_pattern, selectively_recomputed
 
 # The layer's tensor names -> Megatron-core's checkpoint keys (the layer norms are stored under the
 # linear they feed, as Megatron-core's local and Transformer Engine specs both store them).
@@ -96,7 +97,11 @@ class ParallelTransformerLayer(torch.nn.Module):
         self.layer_number = layer_number
         self.input_layernorm = layer_norm(config, config.hidden_size)
         mla = bool(getattr(config, "multi_latent_attention", False))
-        self.self_attention = (MLASelfAttention if mla else ParallelAttention)(config, layer_number)
+        pattern = linear_attention_pattern(config)  # multi-token-prediction layers: full attention
+        if layer_number <= len(pattern) and pattern[layer_number - 1]:
+            self.self_attention = GatedDeltaNet(config, layer_number=layer_number)
+        else:
+            self.self_attention = (MLASelfAttention if mla else ParallelAttention)(config, layer_number)
         self.post_attention_layernorm = layer_norm(config, config.hidden_size)
         if is_moe_layer(config, layer_number):
             self.mlp = MoELayer(config, layer_number=layer_number)
@@ -110,6 +115,8 @@ class ParallelTransformerLayer(torch.nn.Module):
         layer axis a block prepends) under Megatron-core's keys (``LAYER_KEYS``; a mixture-of-experts
         layer's: ``MOE_LAYER_KEYS`` and the ``MoELayer``'s own; a multi-latent attention layer's:
         ``MLA_LAYER_KEYS`` / ``MLA_MOE_LAYER_KEYS``)."""
+        if isinstance(self.self_attention, GatedDeltaNet):
+            self.self_attention.sharded_state_dict()  # refused, named
         mla = isinstance(self.self_attention, MLASelfAttention)
         if not isinstance(self.mlp, MoELayer):
             keys = MLA_LAYER_KEYS if mla else LAYER_KEYS
@@ -144,7 +151,11 @@ class ParallelTransformerLayer(torch.nn.Module):
 
         norm_checkpoint = tensor_parallel.CheckpointWithoutOutput() if recompute_norm else None
         ln_out = self._norm(self.input_layernorm, hidden_states, norm_checkpoint)
-        attn_out, attn_bias = self.self_attention(ln_out, attention_mask, rotary_pos_emb, packed_seq_params)
+        if isinstance(self.self_attention, GatedDeltaNet):  # causal, no positions: Megatron-core's call
+            attention = self.self_attention(ln_out, attention_mask, packed_seq_params=packed_seq_params)
+        else:
+            attention = self.self_attention(ln_out, attention_mask, rotary_pos_emb, packed_seq_params)
+        attn_out, attn_bias = attention
         residual = ln_out if post_ln_residual else hidden_states
         hidden_states = bias_dropout_add((attn_out, attn_bias), residual, dropout)
         if norm_checkpoint is not None:

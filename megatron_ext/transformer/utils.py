@@ -190,6 +190,42 @@ def check_attention_variants(config: Any) -> None:
             )
     if config.softmax_type not in SOFTMAX_TYPES:
         raise ValueError(f"softmax_type must be one of {list(SOFTMAX_TYPES)}, got {config.softmax_type!r}")
+    variant = config.experimental_attention_variant
+    if variant not in (None, "gated_delta_net"):
+        raise NotImplementedError(
+            f"experimental_attention_variant={variant!r} is not supported by megatron_ext "
+            "(only 'gated_delta_net')"
+        )
+    if (variant is None) != (config.linear_attention_freq is None):
+        raise ValueError(
+            "experimental_attention_variant='gated_delta_net' and linear_attention_freq go together (the "
+            f"variant's layers and where they are); got experimental_attention_variant={variant!r}, "
+            f"linear_attention_freq={config.linear_attention_freq!r}"
+        )
+    if variant is not None:
+        linear_attention_pattern(config)
+        if config.context_parallel_size > 1:
+            raise NotImplementedError(
+                "experimental_attention_variant='gated_delta_net' with context_parallel_size > 1 is not "
+                "supported by megatron_ext yet"
+            )
+
+
+def linear_attention_pattern(config: Any) -> list[int]:
+    """Megatron-core's layer pattern of ``linear_attention_freq`` (1: a Gated DeltaNet layer, 0: full
+    attention): an int N puts full attention at every N-th layer (N - 1 linear layers before each), a
+    list of ``num_layers`` entries 0 or 1 is the pattern itself; no pattern without the variant."""
+    freq = config.linear_attention_freq
+    if getattr(config, "experimental_attention_variant", None) is None or freq is None:
+        return [0] * config.num_layers
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        return [0 if (i + 1) % freq == 0 else 1 for i in range(config.num_layers)]
+    if isinstance(freq, list) and len(freq) == config.num_layers and set(freq) <= {0, 1}:
+        return list(freq)
+    raise ValueError(
+        "linear_attention_freq must be a positive int (every N-th layer full attention) or a list of "
+        f"num_layers ({config.num_layers}) entries 0 or 1 (1: linear attention), got {freq!r}"
+    )
 
 
 def make_softmax_offset(config: Any, tp_size: int, tp_rank: int) -> torch.Tensor | None:
