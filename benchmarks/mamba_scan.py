@@ -58,7 +58,8 @@ def _differences(fns: dict[str, Callable], params: tuple[torch.Tensor, ...], pre
     first, diffs = None, {}
     for name, fn in fns.items():
         out = fn(*tensors)
-        values = (out.detach().float(), *(g.float() for g in torch.autograd.grad(out, (*tensors, *params), grad)))
+        grads = torch.autograd.grad(out, (*tensors, *params), grad)
+        values = (out.detach().float(), *(g.float() for g in grads))
         first = first or values
         diffs[name] = max(((v - f).abs().max() / f.abs().max()).item() for v, f in zip(values, first))
     return diffs
@@ -77,7 +78,8 @@ def _worker(args) -> dict:
     rows = {}
     for length in args.lengths:
         def ours(x, dt, B, C):
-            return mamba_chunk_scan_combined(x, dt, A, B, C, args.chunk, D=D, dt_bias=dt_bias, dt_softplus=True)
+            return mamba_chunk_scan_combined(x, dt, A, B, C, args.chunk, D=D, dt_bias=dt_bias,
+                                             dt_softplus=True)
 
         fns = {"megatron_ext": ours}
         if hf is not None:
