@@ -3,10 +3,12 @@
 // node (shapes, dtypes, devices: meta-safe), and the segments of the rows (cu_seqlens read on the
 // host).
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "kernels/causal_conv1d_checks.h"
@@ -144,6 +146,53 @@ inline std::vector<kernels::SsdSegment> ssd_segments(const char* op, const at::T
   }
   *total_chunks = chunks;
   return segments;
+}
+
+// The backward op's results: the gradients of x, dt, A, B, C, D, z, dt_bias and the initial states.
+using SsdGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The gradient of an optional input in its dtype, or an empty tensor of x's dtype without it.
+inline at::Tensor ssd_grad_or_empty(const std::optional<at::Tensor>& t, const at::Tensor& grad,
+                                    const at::Tensor& x) {
+  return has_tensor(t) ? grad.to(t->scalar_type()) : at::empty({0}, x.options());
+}
+
+// The backward op's results from the kernels' (CPU and CUDA alike): gBh, gCh [B, L, H, N] per
+// head, summed here over the heads of each group; part [segments, H, P + 2] per (segment, head)
+// task (dA, d(dt_bias), dD per channel), summed over the segments in order; ginit in the
+// accumulation dtype; gdt in dt's dtype or the accumulation dtype.
+inline SsdGradients ssd_gradients(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& gx,
+                                  const at::Tensor& gdt, const at::Tensor& gz, const at::Tensor& A,
+                                  const at::Tensor& B, const at::Tensor& C,
+                                  const std::optional<at::Tensor>& D,
+                                  const std::optional<at::Tensor>& dt_bias,
+                                  const std::optional<at::Tensor>& initial_states,
+                                  const at::Tensor& gBh, const at::Tensor& gCh,
+                                  const at::Tensor& ginit, const at::Tensor& part) {
+  const int64_t H = x.size(2), P = x.size(3), G = B.size(2), N = B.size(3);
+  const auto sums = part.sum(0);
+  auto reduce_heads = [&](const at::Tensor& per_head, const at::Tensor& like) {
+    const auto grouped =
+        H == G ? per_head : per_head.view({x.size(0), x.size(1), G, H / G, N}).sum(3);
+    return grouped.to(like.scalar_type());
+  };
+  at::Tensor gD;
+  if (has_tensor(D)) {
+    const auto per_channel = sums.narrow(1, 2, P);
+    gD = (D->dim() == 2 ? per_channel : per_channel.sum(1)).to(D->scalar_type());
+  } else {
+    gD = at::empty({0}, x.options());
+  }
+  return {gx,
+          gdt.to(dt.scalar_type()),
+          sums.select(1, 0).to(A.scalar_type()),
+          reduce_heads(gBh, B),
+          reduce_heads(gCh, C),
+          gD,
+          gz,
+          ssd_grad_or_empty(dt_bias, sums.select(1, 1), x),
+          ssd_grad_or_empty(initial_states, ginit, x)};
 }
 
 }  // namespace megatron_ext

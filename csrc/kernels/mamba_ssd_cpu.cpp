@@ -107,20 +107,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mamba_chunk_scan_forward_cpu(
   return {y, final_states, chunk_states};
 }
 
-// The gradient of an optional input in its dtype, or an empty tensor of x's dtype without it.
-at::Tensor like_or_empty(const OptionalTensor& t, const at::Tensor& grad, const at::Tensor& x) {
-  return has_tensor(t) ? grad.to(t->scalar_type()) : at::empty({0}, x.options());
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-           at::Tensor, at::Tensor>
-mamba_chunk_scan_backward_cpu(const at::Tensor& grad_y, const OptionalTensor& grad_final_states,
-                              const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
-                              const at::Tensor& B, const at::Tensor& C, int64_t chunk_size,
-                              const OptionalTensor& D, const OptionalTensor& z,
-                              const OptionalTensor& dt_bias, const OptionalTensor& initial_states,
-                              const OptionalTensor& cu_seqlens, bool dt_softplus, double dt_min,
-                              std::optional<double> dt_max, const at::Tensor& chunk_states) {
+SsdGradients mamba_chunk_scan_backward_cpu(
+    const at::Tensor& grad_y, const OptionalTensor& grad_final_states, const at::Tensor& x,
+    const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
+    int64_t chunk_size, const OptionalTensor& D, const OptionalTensor& z,
+    const OptionalTensor& dt_bias, const OptionalTensor& initial_states,
+    const OptionalTensor& cu_seqlens, bool dt_softplus, double dt_min, std::optional<double> dt_max,
+    const at::Tensor& chunk_states) {
   const char* op = "mamba_chunk_scan_backward";
   const auto a = ssd_args(op, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, cu_seqlens,
                           dt_softplus, dt_min, dt_max);
@@ -147,29 +140,8 @@ mamba_chunk_scan_backward_cpu(const at::Tensor& grad_y, const OptionalTensor& gr
     at::AutoDispatchBelowADInplaceOrView guard;
     k.backward(a, begin, end, g);
   });
-  const auto sums = part.sum(0);  // [H, P + 2], the tasks added in order
-  const int64_t G = a.groups;
-  auto reduce_heads = [&](const at::Tensor& per_head, const at::Tensor& like) {
-    const auto grouped =
-        H == G ? per_head : per_head.view({x.size(0), a.length, G, H / G, N}).sum(3);
-    return grouped.to(like.scalar_type());
-  };
-  at::Tensor gD;
-  if (has_tensor(D)) {
-    const auto per_channel = sums.narrow(1, 2, P);
-    gD = (D->dim() == 2 ? per_channel : per_channel.sum(1)).to(D->scalar_type());
-  } else {
-    gD = at::empty({0}, x.options());
-  }
-  return {gx,
-          gdt,
-          sums.select(1, 0).to(A.scalar_type()),
-          reduce_heads(gBh, B),
-          reduce_heads(gCh, C),
-          gD,
-          gz,
-          like_or_empty(dt_bias, sums.select(1, 1), x),
-          like_or_empty(initial_states, ginit, x)};
+  return ssd_gradients(x, dt, gx, gdt, gz, A, B, C, D, dt_bias, initial_states, gBh, gCh, ginit,
+                       part);
 }
 
 }  // namespace
