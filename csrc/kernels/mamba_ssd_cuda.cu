@@ -56,7 +56,7 @@ struct SsdCudaArgs {
 };
 
 template <typename scalar_t, typename acc_t>
-struct ChunkView {
+struct SsdChunkView {
   const SsdCudaArgs<scalar_t, acc_t>& a;
   int64_t b, h, g, t0;
   __device__ int64_t tok(int64_t t) const { return a.length * b + t0 + t; }
@@ -80,9 +80,9 @@ struct ChunkView {
 
 // The steps dt' and their cumulative sums cs of a chunk (thread 0, in token order, as the CPU).
 template <typename scalar_t, typename acc_t>
-__device__ void chunk_steps(const SsdCudaArgs<scalar_t, acc_t>& a,
-                            const ChunkView<scalar_t, acc_t>& c, int64_t T, acc_t* raw, acc_t* step,
-                            acc_t* cs) {
+__device__ void ssd_chunk_steps(const SsdCudaArgs<scalar_t, acc_t>& a,
+                                const SsdChunkView<scalar_t, acc_t>& c, int64_t T, acc_t* raw,
+                                acc_t* step, acc_t* cs) {
   if (threadIdx.x == 0) {
     const acc_t A = a.A[c.h];
     const acc_t bias = a.dt_bias == nullptr ? acc_t(0) : a.dt_bias[c.h];
@@ -99,8 +99,8 @@ __device__ void chunk_steps(const SsdCudaArgs<scalar_t, acc_t>& a,
 
 // scores[t * T + s] = C_t . B_s.
 template <typename scalar_t, typename acc_t>
-__device__ void chunk_scores(const ChunkView<scalar_t, acc_t>& c, int64_t T, int64_t N,
-                             acc_t* scores) {
+__device__ void ssd_chunk_scores(const SsdChunkView<scalar_t, acc_t>& c, int64_t T, int64_t N,
+                                 acc_t* scores) {
   for (int64_t i = threadIdx.x; i < T * T; i += blockDim.x) {
     const int64_t t = i / T, s = i % T;
     acc_t dot = 0;
@@ -113,9 +113,9 @@ __device__ void chunk_scores(const ChunkView<scalar_t, acc_t>& c, int64_t T, int
 // The output before the gate: sum_{s <= t} exp(cs_t - cs_s) scores dt'_s x_s + exp(cs_t) C_t S_in
 // + D x_t.
 template <typename scalar_t, typename acc_t>
-__device__ acc_t chunk_output(const ChunkView<scalar_t, acc_t>& c, int64_t T, int64_t N,
-                              const acc_t* step, const acc_t* cs, const acc_t* scores,
-                              const acc_t* state, int64_t t, int64_t p) {
+__device__ acc_t ssd_chunk_output(const SsdChunkView<scalar_t, acc_t>& c, int64_t T, int64_t N,
+                                  const acc_t* step, const acc_t* cs, const acc_t* scores,
+                                  const acc_t* state, int64_t t, int64_t p) {
   acc_t y = 0;
   for (int64_t s = 0; s <= t; ++s) {
     y += ssd_decay(cs[t], cs[s]) * scores[t * T + s] * step[s] * c.x(s, p);
@@ -149,14 +149,14 @@ __global__ void ssd_forward_kernel(SsdCudaArgs<scalar_t, acc_t> a, scalar_t* __r
     for (int64_t k = 0; k < chunks; ++k) {
       const int64_t t0 = seg.start + k * a.chunk;
       const int64_t T = seg.end - t0 < a.chunk ? seg.end - t0 : a.chunk;
-      const ChunkView<scalar_t, acc_t> c{a, seg.batch, h, h / (H / a.groups), t0};
+      const SsdChunkView<scalar_t, acc_t> c{a, seg.batch, h, h / (H / a.groups), t0};
       acc_t* saved = chunk_states + ((seg.chunk_base + k) * H + h) * PN;
       for (int64_t i = threadIdx.x; i < PN; i += blockDim.x) saved[i] = state[i];
-      chunk_steps(a, c, T, raw, step, cs);
-      chunk_scores(c, T, N, scores);
+      ssd_chunk_steps(a, c, T, raw, step, cs);
+      ssd_chunk_scores(c, T, N, scores);
       for (int64_t i = threadIdx.x; i < T * P; i += blockDim.x) {
         const int64_t t = i / P, p = i % P;
-        acc_t out = chunk_output(c, T, N, step, cs, scores, state, t, p);
+        acc_t out = ssd_chunk_output(c, T, N, step, cs, scores, state, t, p);
         if (a.z != nullptr) out = ssd_gate(out, c.z(t, p));
         y[(c.tok(t) * H + h) * P + p] = static_cast<scalar_t>(out);
       }
@@ -194,7 +194,7 @@ struct SsdCudaGrads {
   acc_t* scratch;
 };
 
-int64_t ssd_backward_scratch(int64_t chunk, int64_t P, int64_t N) {
+__host__ __device__ inline int64_t ssd_backward_scratch(int64_t chunk, int64_t P, int64_t N) {
   return 2 * chunk * chunk + 3 * chunk * P + 2 * P * N;
 }
 
@@ -229,10 +229,10 @@ __global__ void ssd_backward_kernel(SsdCudaArgs<scalar_t, acc_t> a,
     for (int64_t k = chunks - 1; k >= 0; --k) {
       const int64_t t0 = seg.start + k * l;
       const int64_t T = seg.end - t0 < l ? seg.end - t0 : l;
-      const ChunkView<scalar_t, acc_t> c{a, seg.batch, h, h / (H / a.groups), t0};
+      const SsdChunkView<scalar_t, acc_t> c{a, seg.batch, h, h / (H / a.groups), t0};
       const acc_t* state_in = g.states + ((seg.chunk_base + k) * H + h) * PN;
-      chunk_steps(a, c, T, raw, step, cs);
-      chunk_scores(c, T, N, scores);
+      ssd_chunk_steps(a, c, T, raw, step, cs);
+      ssd_chunk_scores(c, T, N, scores);
       const acc_t last = cs[T - 1];
       // dY (through the gate), Xd = dt' x, K = B dS_out^T.
       for (int64_t i = threadIdx.x; i < T * P; i += blockDim.x) {
@@ -240,7 +240,7 @@ __global__ void ssd_backward_kernel(SsdCudaArgs<scalar_t, acc_t> a,
         const acc_t go = static_cast<acc_t>(g.gy[(c.tok(t) * H + h) * P + p]);
         if (a.z != nullptr) {
           const acc_t zv = c.z(t, p);
-          const acc_t pre = chunk_output(c, T, N, step, cs, scores, state_in, t, p);
+          const acc_t pre = ssd_chunk_output(c, T, N, step, cs, scores, state_in, t, p);
           g.gz[(c.tok(t) * H + h) * P + p] = static_cast<scalar_t>(ssd_gate_grad_z(go, pre, zv));
           dY[i] = ssd_gate(go, zv);
         } else {
@@ -375,7 +375,7 @@ struct SsdCudaTensors {
   int64_t total_chunks, state_rows, chunk;
 };
 
-at::Tensor acc_contiguous(const OptionalTensor& t, at::ScalarType acc) {
+at::Tensor ssd_acc_contiguous(const OptionalTensor& t, at::ScalarType acc) {
   return has_tensor(t) ? t->to(acc).contiguous() : at::Tensor();
 }
 
@@ -395,10 +395,10 @@ SsdCudaTensors ssd_cuda_tensors(const char* op, const at::Tensor& x, const at::T
   t.A = A.to(acc).contiguous();
   t.B = B.contiguous();
   t.C = C.contiguous();
-  t.D = acc_contiguous(D, acc);
+  t.D = ssd_acc_contiguous(D, acc);
   t.z = has_tensor(z) ? z->contiguous() : at::Tensor();
-  t.dt_bias = acc_contiguous(dt_bias, acc);
-  t.init = acc_contiguous(initial_states, acc);
+  t.dt_bias = ssd_acc_contiguous(dt_bias, acc);
+  t.init = ssd_acc_contiguous(initial_states, acc);
   t.host_segments = ssd_segments(op, x, cu_seqlens, chunk_size, &t.total_chunks);
   t.state_rows = ssd_state_rows(x, cu_seqlens);
   int64_t longest = 1;
@@ -494,7 +494,7 @@ SsdGradients mamba_chunk_scan_backward_cuda(
   const auto acc_opts = x.options().dtype(acc);
   const int64_t H = x.size(2), P = x.size(3), N = B.size(3);
   const auto gy = grad_y.contiguous();
-  const auto gfinal = acc_contiguous(grad_final_states, acc);
+  const auto gfinal = ssd_acc_contiguous(grad_final_states, acc);
   const auto states = chunk_states.to(acc).contiguous();
   auto gx = at::zeros(t.x.sizes(), t.x.options());
   auto gz = t.z.defined() ? at::zeros(t.z.sizes(), t.z.options()) : at::empty({0}, t.x.options());
