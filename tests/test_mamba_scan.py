@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import megatron_ext
-from megatron_ext.fusions import mamba_chunk_scan_combined
+from megatron_ext.fusions import mamba_chunk_scan_combined, rms_norm_gated
 from tests.conftest import has_kernel
 
 ops = torch.ops.megatron_ext
@@ -341,6 +341,43 @@ def test_refusals():
     with pytest.raises(ValueError, match=r"seq_idx must be \[1, 10\]"):
         mamba_chunk_scan_combined(t["x"], t["dt"], t["A"], t["B"], t["C"], 4,
                                   seq_idx=torch.zeros(2, 10, dtype=torch.int32))
+
+
+def _gated_norm_reference(x, weight, z, eps, group_size, norm_before_gate):
+    """Each group of group_size channels on its own, one group at a time, in float64."""
+    gate = F.silu(z)
+    v = x if norm_before_gate else x * gate
+    out = []
+    for g in range(x.shape[-1] // group_size):
+        part = v[..., g * group_size : (g + 1) * group_size]
+        out.append(part / torch.sqrt((part * part).sum(-1, keepdim=True) / group_size + eps))
+    out = torch.cat(out, -1) * weight
+    return out * gate if norm_before_gate else out
+
+
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+def test_gated_rms_norm_over_groups(norm_before_gate):
+    # Megatron-core's MambaMixer norm: d_inner 12 in 3 groups of 4, eps 1e-5, gate before the norm.
+    x, z = _randn(5, 2, 12, seed=71), _randn(5, 2, 12, seed=72)
+    weight = 1 + 0.1 * _randn(12, seed=73)
+    leaves = [t.clone().requires_grad_() for t in (x, weight, z)]
+    got = rms_norm_gated(leaves[0], leaves[1], z=leaves[2], eps=1e-5, group_size=4,
+                         norm_before_gate=norm_before_gate)
+    ref_leaves = [t.clone().requires_grad_() for t in (x, weight, z)]
+    want = _gated_norm_reference(*ref_leaves[:2], ref_leaves[2], 1e-5, 4, norm_before_gate)
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-14)
+    g = _randn(5, 2, 12, seed=74)
+    for a, e in zip(torch.autograd.grad(got, leaves, g), torch.autograd.grad(want, ref_leaves, g)):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-13)
+    # bf16 in, bf16 out, computed in float32.
+    out = rms_norm_gated(x.bfloat16(), weight.float(), z=z.bfloat16(), eps=1e-5, group_size=4,
+                         norm_before_gate=norm_before_gate)
+    assert out.dtype == torch.bfloat16
+    exact = _gated_norm_reference(x.bfloat16().double(), weight.double(), z.bfloat16().double(), 1e-5, 4,
+                                  norm_before_gate)
+    torch.testing.assert_close(out.double(), exact, rtol=2 ** -8, atol=1e-6)
+    with pytest.raises(ValueError, match="group_size 5 must divide the last dimension 12"):
+        rms_norm_gated(x, weight, z=z, group_size=5)
 
 
 @pytest.mark.cuda

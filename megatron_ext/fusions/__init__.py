@@ -12,6 +12,7 @@ from megatron_ext.fusions.fused_bias_gelu import bias_gelu, bias_gelu_impl
 from megatron_ext.fusions.fused_bias_swiglu import bias_swiglu, bias_swiglu_impl, swiglu
 from megatron_ext.fusions.fused_rms_norm import fused_rms_norm
 from megatron_ext.fusions.fused_rope import fused_apply_rotary_pos_emb
+from megatron_ext.fusions.gated_rms_norm import rms_norm_gated
 from megatron_ext.fusions.mamba_ssd import mamba_chunk_scan_combined
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "mamba_chunk_scan_combined",
     "quick_geglu",
     "quick_gelu",
+    "rms_norm_gated",
     "swiglu",
     "weighted_bias_quick_geglu_impl",
 ]
