@@ -51,7 +51,8 @@ def test_extension_has_its_cuda_kernels():
     for op in ("bias_gelu_forward", "bias_dropout_add_forward", "vocab_parallel_cross_entropy_row_stats",
                "rms_norm_forward", "rms_norm_backward", "rotary_pos_emb_forward", "rotary_pos_emb_backward",
                "swiglu_forward", "swiglu_backward", "moe_gather_rows", "moe_scatter_add_rows",
-               "moe_gathered_row_dot", "causal_conv1d_forward", "causal_conv1d_backward"):
+               "moe_gathered_row_dot", "causal_conv1d_forward", "causal_conv1d_backward",
+               "mamba_chunk_scan_forward", "mamba_chunk_scan_backward"):
         assert has_kernel(op, "CUDA"), op
 
 
