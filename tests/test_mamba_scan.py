@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import megatron_ext
+from megatron_ext import _C
 from megatron_ext.fusions import mamba_chunk_scan_combined, rms_norm_gated
 from tests.conftest import has_kernel
 
@@ -215,6 +216,53 @@ def test_16_and_32_bit_within_their_rounding(dtype):
         bound_y = bound_y + want_y.abs() * torch.finfo(dtype).eps / 2 * (1 + 1e-3)
     assert ((y.double() - want_y).abs() <= bound_y + 1e-30).all()
     assert ((final.double() - want_final).abs() <= (2 * chunk + N + 16) * u * mag_final + 1e-30).all()
+
+
+def test_strong_decays_within_float32_rounding():
+    # Steps of about 3 and A = -5: a chunk's exponents reach -120, so the decays below e^-64 are dropped
+    # as zero; the results stay within float32 rounding of the float64 recurrence.
+    chunk, N = 8, 4
+    t = _make(1, 30, 2, 3, 1, N, dtype=torch.float32, seed=81)
+    t["dt"] = t["dt"] + 4
+    t["A"] = torch.full((2,), -5.0)
+    t64 = {k: None if v is None else v.double() for k, v in t.items()}
+    y, final = _op(t, chunk)
+    want_y, want_final = _ref(t64)
+    mag_y, mag_final = _magnitudes(t64)
+    u = torch.finfo(torch.float32).eps / 2
+    assert ((y.double() - want_y).abs() <= (2 * chunk + N + 16) * u * mag_y + 1e-30).all()
+    assert ((final.double() - want_final).abs() <= (2 * chunk + N + 16) * u * mag_final + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_every_cpu_instruction_set(dtype):
+    # Each compiled variant of the loops within the float64 reference's bounds (the vector exp differs).
+    t = _make(1, 21, 4, 5, 2, 6, D="channel", dtype=dtype, seed=91)
+    chosen = _C.cpu_capability()
+    results = {}
+    try:
+        for capability in _C.supported_cpu_capabilities():
+            _C._set_cpu_capability(capability)
+            results[capability] = _run(lambda v: _op(v, 8), t, seed=92)
+    finally:
+        _C._set_cpu_capability(chosen)
+    rtol = 1e-11 if dtype == torch.float64 else 2 ** -7
+    for capability, values in results.items():
+        for got, want in zip(values, results[chosen]):
+            torch.testing.assert_close(got.double(), want.double(), rtol=rtol,
+                                       atol=rtol * want.double().abs().max().item()), capability
+
+
+def test_opcheck():
+    t = _make(2, 9, 2, 3, 1, 4, D="channel", seed=95)
+    args = (t["x"], t["dt"], t["A"], t["B"], t["C"], 4, t["D"], t["z"], t["dt_bias"], t["init"], None, True,
+            0.0, None)
+    leaves = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args)
+    torch.library.opcheck(ops.mamba_chunk_scan.default, leaves)
+    torch.library.opcheck(ops.mamba_chunk_scan_forward.default, args)
+    _, _, chunk_states = ops.mamba_chunk_scan_forward(*args)
+    grads = (_randn(2, 9, 2, 3, seed=96), _randn(2, 2, 3, 4, seed=97))
+    torch.library.opcheck(ops.mamba_chunk_scan_backward.default, (*grads, *args, chunk_states))
 
 
 def test_transformers_torch_path():

@@ -152,10 +152,11 @@ inline std::vector<kernels::SsdSegment> ssd_segments(const char* op, const at::T
 using SsdGradients = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                 at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// The gradient of an optional input in its dtype, or an empty tensor of x's dtype without it.
+// The gradient of an optional input in its dtype (a copy: the op's outputs never alias), or an
+// empty tensor of x's dtype without it.
 inline at::Tensor ssd_grad_or_empty(const std::optional<at::Tensor>& t, const at::Tensor& grad,
                                     const at::Tensor& x) {
-  return has_tensor(t) ? grad.to(t->scalar_type()) : at::empty({0}, x.options());
+  return has_tensor(t) ? grad.to(t->scalar_type(), false, true) : at::empty({0}, x.options());
 }
 
 // The backward op's results from the kernels' (CPU and CUDA alike): gBh, gCh [B, L, H, N] per
@@ -180,13 +181,13 @@ inline SsdGradients ssd_gradients(const at::Tensor& x, const at::Tensor& dt, con
   at::Tensor gD;
   if (has_tensor(D)) {
     const auto per_channel = sums.narrow(1, 2, P);
-    gD = (D->dim() == 2 ? per_channel : per_channel.sum(1)).to(D->scalar_type());
+    gD = (D->dim() == 2 ? per_channel : per_channel.sum(1)).to(D->scalar_type(), false, true);
   } else {
     gD = at::empty({0}, x.options());
   }
   return {gx,
           gdt.to(dt.scalar_type()),
-          sums.select(1, 0).to(A.scalar_type()),
+          sums.select(1, 0).to(A.scalar_type(), false, true),
           reduce_heads(gBh, B),
           reduce_heads(gCh, C),
           gD,
