@@ -131,7 +131,7 @@ template <typename scalar_t, typename acc_t>
 __global__ void ssd_forward_kernel(SsdCudaArgs<scalar_t, acc_t> a, scalar_t* __restrict__ y,
                                    acc_t* __restrict__ final_states,
                                    acc_t* __restrict__ chunk_states, acc_t* __restrict__ scratch) {
-  extern __shared__ unsigned char shared_bytes[];
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
   acc_t* raw = reinterpret_cast<acc_t*>(shared_bytes);
   acc_t* step = raw + a.chunk;
   acc_t* cs = step + a.chunk;
@@ -201,7 +201,7 @@ __host__ __device__ inline int64_t ssd_backward_scratch(int64_t chunk, int64_t P
 template <typename scalar_t, typename acc_t>
 __global__ void ssd_backward_kernel(SsdCudaArgs<scalar_t, acc_t> a,
                                     SsdCudaGrads<scalar_t, acc_t> g) {
-  extern __shared__ unsigned char shared_bytes[];
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
   const int64_t l = a.chunk, H = a.heads, P = a.headdim, N = a.dstate, PN = P * N;
   acc_t* raw = reinterpret_cast<acc_t*>(shared_bytes);
   acc_t* step = raw + l;
