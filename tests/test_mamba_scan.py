@@ -263,6 +263,15 @@ def test_opcheck():
     _, _, chunk_states = ops.mamba_chunk_scan_forward(*args)
     grads = (_randn(2, 9, 2, 3, seed=96), _randn(2, 2, 3, 4, seed=97))
     torch.library.opcheck(ops.mamba_chunk_scan_backward.default, (*grads, *args, chunk_states))
+    # Packed rows: the number of chunks depends on the offsets' values.
+    t = _make(1, 9, 2, 3, 1, 4, D="channel", states=2, seed=98)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    args = (t["x"], t["dt"], t["A"], t["B"], t["C"], 4, t["D"], t["z"], t["dt_bias"], t["init"], cu, True, 0.0,
+            None)
+    torch.library.opcheck(ops.mamba_chunk_scan_forward.default, args)
+    leaves = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                   for a in args)
+    torch.library.opcheck(ops.mamba_chunk_scan.default, leaves)
 
 
 def test_transformers_torch_path():
