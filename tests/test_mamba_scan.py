@@ -266,8 +266,8 @@ def test_opcheck():
     # Packed rows: the number of chunks depends on the offsets' values.
     t = _make(1, 9, 2, 3, 1, 4, D="channel", states=2, seed=98)
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
-    args = (t["x"], t["dt"], t["A"], t["B"], t["C"], 4, t["D"], t["z"], t["dt_bias"], t["init"], cu, True, 0.0,
-            None)
+    args = (t["x"], t["dt"], t["A"], t["B"], t["C"], 4, t["D"], t["z"], t["dt_bias"], t["init"], cu, True,
+            0.0, None)
     torch.library.opcheck(ops.mamba_chunk_scan_forward.default, args)
     leaves = tuple(a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                    for a in args)
