@@ -158,6 +158,30 @@ TORCH_LIBRARY(megatron_ext, m) {
       "Tensor? cu_seqlens, Tensor chunk_states, bool use_qk_l2norm, int chunk_size) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 
+  // The Mamba-2 SSD scan (ops/mamba_ssd.cpp, kernels/mamba_ssd*): x [B, L, H, P], dt [B, L, H],
+  // A [H], B and C [B, L, G, N]; per head, state S_t = exp(dt'_t A) S_{t-1} + dt'_t x_t B_t^T and
+  // y_t = (S_t C_t + D x_t) * silu(z_t), dt' = clamp(softplus?(dt + dt_bias), dt_min, dt_max),
+  // restarting at each sequence of cu_seqlens (B = 1) from initial_states [B or sequences, H, P,
+  // N] (zero without); returns y and the final states. The public op is an autograd node over the
+  // ``_forward`` kernel (which also returns the states at the chunk starts, all the backward
+  // keeps) and the ``_backward`` kernel (the gradients of x, dt, A, B, C, D, z, dt_bias and the
+  // initial states; shape [0] for an absent one).
+  m.def(
+      "mamba_chunk_scan(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, int chunk_size, "
+      "Tensor? D=None, Tensor? z=None, Tensor? dt_bias=None, Tensor? initial_states=None, "
+      "Tensor? cu_seqlens=None, bool dt_softplus=False, float dt_min=0.0, float? dt_max=None) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "mamba_chunk_scan_forward(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, int chunk_size, "
+      "Tensor? D, Tensor? z, Tensor? dt_bias, Tensor? initial_states, Tensor? cu_seqlens, "
+      "bool dt_softplus, float dt_min, float? dt_max) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "mamba_chunk_scan_backward(Tensor grad_y, Tensor? grad_final_states, Tensor x, Tensor dt, "
+      "Tensor A, Tensor B, Tensor C, int chunk_size, Tensor? D, Tensor? z, Tensor? dt_bias, "
+      "Tensor? initial_states, Tensor? cu_seqlens, bool dt_softplus, float dt_min, "
+      "float? dt_max, Tensor chunk_states) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+      "Tensor, Tensor, Tensor)");
+
   // The experts' token permutation (ops/moe.cpp, kernels/moe_permute*). ``moe_sort_by_expert``
   // returns the token and the expert of each permuted row, expert-major (with ``capacity``: that
   // many rows per expert, padded with tokens the expert was not sent). ``moe_permute`` gathers the

@@ -249,6 +249,46 @@ def _(grad_output, grad_final_state, q, k, v, g, beta, scale, initial_state, cu_
         initial_state.shape)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
             beta.new_empty(beta.shape), state)
+# --- Mamba-2 SSD scan (ops/mamba_ssd.cpp) --------------------------------------------------------
+
+
+def _ssd_state_shape(x, initial_states, cu_seqlens):
+    rows = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (rows, x.shape[2], x.shape[3])
+
+
+def _ssd_acc_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("megatron_ext::mamba_chunk_scan")
+def _(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, cu_seqlens=None,
+      dt_softplus=False, dt_min=0.0, dt_max=None):
+    states = (*_ssd_state_shape(x, initial_states, cu_seqlens), B.shape[3])
+    return x.new_empty(x.shape), x.new_empty(states, dtype=_ssd_acc_dtype(x))
+
+
+@torch.library.register_fake("megatron_ext::mamba_chunk_scan_forward")
+def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, cu_seqlens, dt_softplus, dt_min, dt_max):
+    # The number of chunks depends on the packed sequences' lengths: data-dependent with cu_seqlens.
+    if cu_seqlens is None:
+        chunks = x.shape[0] * ((x.shape[1] + chunk_size - 1) // chunk_size)
+    else:
+        chunks = torch.library.get_ctx().new_dynamic_size()
+    acc = _ssd_acc_dtype(x)
+    states = (*_ssd_state_shape(x, initial_states, cu_seqlens), B.shape[3])
+    return (x.new_empty(x.shape), x.new_empty(states, dtype=acc),
+            x.new_empty((chunks, x.shape[2], x.shape[3], B.shape[3]), dtype=acc))
+
+
+@torch.library.register_fake("megatron_ext::mamba_chunk_scan_backward")
+def _(grad_y, grad_final_states, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, cu_seqlens,
+      dt_softplus, dt_min, dt_max, chunk_states):
+    def like(t):
+        return x.new_empty((0,)) if t is None else t.new_empty(t.shape)
+
+    return (x.new_empty(x.shape), dt.new_empty(dt.shape), A.new_empty(A.shape), B.new_empty(B.shape),
+            C.new_empty(C.shape), like(D), like(z), like(dt_bias), like(initial_states))
 
 
 # --- Context-parallel attention (ops/context_parallel_attention.cpp) -------------------------------

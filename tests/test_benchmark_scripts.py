@@ -183,6 +183,22 @@ def test_llama_kernels_benchmark_script(tmp_path):
 
 
 @pytest.mark.slow  # runs the benchmark script end to end
+def test_mamba_scan_benchmark_script(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "mamba_scan.json"
+    _run_script("mamba_scan.py", "--lengths", "40", "--heads", "2", "--headdim", "4", "--dstate", "4",
+                "--chunk", "16", "--reps", "1", "--json", str(out))
+    summary = json.loads(out.read_text())["summary"]
+    assert list(summary) == ["L=40"]
+    row = summary["L=40"]
+    assert list(row["results"]) == ["megatron_ext", "transformers torch path"]
+    assert all(0 < r["min_s"] <= r["median_s"] <= r["max_s"] for r in row["results"].values())
+    # Both float32 sums of about chunk + N rounded terms per value.
+    assert row["relative_diff_vs_first"]["megatron_ext"] == 0.0
+    assert row["relative_diff_vs_first"]["transformers torch path"] <= 1e-5
+
+
+@pytest.mark.slow  # runs the benchmark script end to end
 def test_train_step_benchmark_script(tmp_path):
     """The train-step benchmark at a tiny size: every case and variant reported, and megatron_ext's
     models (plain and fused) train to Megatron-core's losses from the same weights."""

@@ -52,7 +52,8 @@ def test_extension_has_its_cuda_kernels():
                "rms_norm_forward", "rms_norm_backward", "rotary_pos_emb_forward", "rotary_pos_emb_backward",
                "swiglu_forward", "swiglu_backward", "moe_gather_rows", "moe_scatter_add_rows",
                "moe_gathered_row_dot", "causal_conv1d_forward", "causal_conv1d_backward",
-               "gated_delta_rule_forward", "gated_delta_rule_backward"):
+               "gated_delta_rule_forward", "gated_delta_rule_backward",
+               "mamba_chunk_scan_forward", "mamba_chunk_scan_backward"):
         assert has_kernel(op, "CUDA"), op
 
 

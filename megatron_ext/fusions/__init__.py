@@ -13,6 +13,8 @@ from megatron_ext.fusions.fused_bias_swiglu import bias_swiglu, bias_swiglu_impl
 from megatron_ext.fusions.fused_rms_norm import fused_rms_norm
 from megatron_ext.fusions.fused_rope import fused_apply_rotary_pos_emb
 from megatron_ext.fusions.gated_delta_rule import chunk_gated_delta_rule
+from megatron_ext.fusions.gated_rms_norm import rms_norm_gated
+from megatron_ext.fusions.mamba_ssd import mamba_chunk_scan_combined
 
 __all__ = [
     "bias_dropout_add_fused_inference",
@@ -27,8 +29,10 @@ __all__ = [
     "fused_apply_rotary_pos_emb",
     "fused_rms_norm",
     "get_bias_dropout_add",
+    "mamba_chunk_scan_combined",
     "quick_geglu",
     "quick_gelu",
+    "rms_norm_gated",
     "swiglu",
     "weighted_bias_quick_geglu_impl",
 ]
