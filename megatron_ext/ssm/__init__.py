@@ -1,5 +1,6 @@
 """Linear-recurrence layers (Megatron-core's ``megatron.core.ssm``)."""
 
 from megatron_ext.ssm.gated_delta_net import GatedDeltaNet
+from megatron_ext.ssm.mamba_mixer import MambaMixer
 
-__all__ = ["GatedDeltaNet"]
+__all__ = ["GatedDeltaNet", "MambaMixer"]

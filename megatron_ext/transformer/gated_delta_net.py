@@ -3,45 +3,21 @@ and Qwen3.5) on megatron_ext's ops: the short causal convolution and the chunked
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megatron_ext import tensor_parallel
-from megatron_ext.fusions.causal_conv1d import causal_conv1d_fn
 from megatron_ext.fusions.gated_delta_rule import chunk_gated_delta_rule
 from megatron_ext.packed_seq_params import PackedSeqParams
+from megatron_ext.tensor_parallel.depthwise_conv import DepthwiseConv, local_blocks, split_parameter
 from megatron_ext.tensor_parallel.utils import param_device, tp_group_size_rank
 from megatron_ext.transformer.utils import layer_norm
 
 
 def _keep(weight: torch.Tensor) -> None:
     """The projection's own draw is replaced by ``_draw_in_proj``'s, made over all ranks' blocks."""
-
-
-def _local_blocks(full: torch.Tensor, sizes: list[int], rank: int, world: int) -> torch.Tensor:
-    """This rank's part of each block of ``full`` along dim 0: the blocks laid out serially, each
-    split over the tensor-parallel ranks, as Megatron-core's GatedDeltaNet projects and checkpoints
-    ``in_proj`` ([q, k, v, z, beta, alpha]) and ``conv1d`` ([q, k, v])."""
-    parts = []
-    for block in torch.split(full, sizes, dim=0):
-        per = block.shape[0] // world
-        parts.append(block[rank * per : (rank + 1) * per])
-    return torch.cat(parts, dim=0)
-
-
-class _DepthwiseConv(torch.nn.Module):
-    """The parameters of Megatron-core's ``conv1d`` (``nn.Conv1d(C, C, W, groups=C)``: weight
-    ``[C, 1, W]``, bias ``[C]``) for this rank's channels; the op computes it."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight)
-        self.bias = None if bias is None else torch.nn.Parameter(bias)
-        for p in self.parameters():
-            tensor_parallel.set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1)
 
 
 class GatedDeltaNet(torch.nn.Module):
@@ -149,24 +125,14 @@ class GatedDeltaNet(torch.nn.Module):
             full = torch.empty(self.in_proj_dim, self.hidden_size, dtype=torch.float32, device=device)
             if config.perform_initialization:
                 config.init_method(full)
-            self.in_proj.weight.copy_(_local_blocks(full, self._in_blocks, rank, tp))
-            conv = torch.empty(self.conv_dim, 1, self.conv_kernel_dim, dtype=torch.float32, device=device)
-            # nn.Conv1d's default (kaiming-uniform, fan-in W) unless conv_init gives the range.
-            bound = conv_init if conv_init is not None else 1 / math.sqrt(self.conv_kernel_dim)
-            conv.uniform_(-bound, bound)
-            conv_b = None
-            if conv_bias:
-                conv_b = torch.empty(self.conv_dim, dtype=torch.float32, device=device).uniform_(
-                    -1 / math.sqrt(self.conv_kernel_dim), 1 / math.sqrt(self.conv_kernel_dim)
-                )
-                conv_b = _local_blocks(conv_b, self._conv_blocks, rank, tp).to(dtype)
-            self.conv1d = _DepthwiseConv(_local_blocks(conv, self._conv_blocks, rank, tp).to(dtype), conv_b)
+            self.in_proj.weight.copy_(local_blocks(full, self._in_blocks, rank, tp))
+            self.conv1d = DepthwiseConv(
+                self._conv_blocks, self.conv_kernel_dim, conv_init, conv_bias, rank, tp, dtype, device
+            )
             heads = self.num_value_heads // tp
             A = torch.empty(self.num_value_heads, dtype=torch.float32, device=device).uniform_(*A_init_range)
-            self.A_log = torch.nn.Parameter(torch.log(A[rank * heads : (rank + 1) * heads]).to(dtype))
-            self.dt_bias = torch.nn.Parameter(torch.ones(heads, dtype=dtype, device=device))
-        for p in (self.A_log, self.dt_bias):
-            tensor_parallel.set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1)
+            self.A_log = split_parameter(torch.log(A[rank * heads : (rank + 1) * heads]).to(dtype))
+            self.dt_bias = split_parameter(torch.ones(heads, dtype=dtype, device=device))
         self.out_norm = layer_norm(config, self.value_head_dim)
         for p in self.out_norm.parameters():
             # Shared by the heads, which are split: each rank's gradient is its heads' part, summed by
@@ -227,13 +193,7 @@ class GatedDeltaNet(torch.nn.Module):
             [self.conv_dim // tp, self.v_dim // tp, self.num_value_heads // tp, self.num_value_heads // tp],
             dim=-1,
         )
-        qkv = causal_conv1d_fn(
-            qkv.transpose(1, 2),
-            self.conv1d.weight.squeeze(1),
-            self.conv1d.bias,
-            activation="silu",
-            cu_seqlens=cu_seqlens,
-        ).transpose(1, 2)
+        qkv = self.conv1d(qkv, cu_seqlens)
         query, key, value = torch.split(qkv, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
         query = query.reshape(batch, seq_len, -1, self.key_head_dim)
         key = key.reshape(batch, seq_len, -1, self.key_head_dim)
