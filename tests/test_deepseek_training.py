@@ -70,7 +70,7 @@ def _full_weights(models) -> dict[str, list]:
                 parts[2] = str(int(parts[2]) + offset)
             out[".".join(parts)] = value.tolist()
         for layer in _layers(model):
-            if not isinstance(layer.mlp, MoELayer):
+            if not isinstance(getattr(layer, "mlp", None), MoELayer):
                 continue
             out[f"layer {layer.layer_number} expert bias"] = layer.mlp.router.expert_bias.tolist()
             local = [(_gather(w1.detach(), etp_group, 0, 2).tolist(),

@@ -129,6 +129,9 @@ class GPTModel(torch.nn.Module):
     (``megatron_ext.utils.get_thd_batch_on_this_cp_rank``).
     """
 
+    # A hybrid stack's layer symbols (MambaModel's), one per global layer; None: transformer layers.
+    _layer_types: list[str] | None = None
+
     def __init__(
         self,
         config: TransformerConfig,
@@ -197,7 +200,8 @@ class GPTModel(torch.nn.Module):
                 **yarn_arguments(config),
             )
         self.decoder = ParallelTransformer(
-            config, self.pre_process, self.post_process, init_seed=seed, vp_stage=vp_stage
+            config, self.pre_process, self.post_process, init_seed=seed, vp_stage=vp_stage,
+            layer_types=self._layer_types,
         )
         if self.mtp_process:
             self.mtp = MultiTokenPredictionBlock(config, vp_stage=vp_stage, init_seed=seed)

@@ -193,6 +193,20 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-layer-freq", default="1",
                    help="which layers are MoE layers: every N-th (an int), or a python list expression of "
                    "0/1 per layer, e.g. \"([0]*1+[1]*3)\": one dense layer, then three MoE layers")
+    p.add_argument("--is-hybrid-model", action="store_true",
+                   help="a Mamba-2 hybrid (MambaModel): layers by --hybrid-override-pattern or the ratios")
+    p.add_argument("--hybrid-override-pattern", default=None,
+                   help="one symbol per layer: M Mamba-2, * attention, - MLP, E mixture of experts "
+                   "(implies --is-hybrid-model)")
+    p.add_argument("--hybrid-attention-ratio", type=float, default=0.0,
+                   help="with --is-hybrid-model and no pattern: the share of attention layers")
+    p.add_argument("--hybrid-mlp-ratio", type=float, default=0.0,
+                   help="with --is-hybrid-model and no pattern: the share of MLP layers")
+    p.add_argument("--mamba-state-dim", type=int, default=128, help="Mamba-2's state size per head")
+    p.add_argument("--mamba-head-dim", type=int, default=64, help="Mamba-2's head width")
+    p.add_argument("--mamba-num-groups", type=int, default=8, help="Mamba-2's groups of B and C")
+    p.add_argument("--mamba-num-heads", type=int, default=None,
+                   help="Mamba-2's heads (default: 2 x hidden / head width)")
     p.add_argument("--experimental-attention-variant", choices=["gated_delta_net"], default=None,
                    help="Gated DeltaNet linear attention in the layers --linear-attention-freq names")
     p.add_argument("--linear-attention-freq", default=None,

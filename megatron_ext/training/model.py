@@ -12,6 +12,7 @@ from megatron_ext.distributed import (
 )
 from megatron_ext.fusions.fused_bias_geglu import quick_gelu
 from megatron_ext.models import GPTModel
+from megatron_ext.models.mamba import MambaModel
 from megatron_ext.models.hf import (
     config_from_hf,
     load_hf_state_dict,
@@ -79,6 +80,11 @@ def recompute_settings(args: argparse.Namespace) -> dict:
                     recompute_modules=args.recompute_modules)
     return dict(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
                 recompute_num_layers=args.recompute_num_layers, recompute_modules=args.recompute_modules)
+
+
+def hybrid(args: argparse.Namespace) -> bool:
+    """Whether the flags describe a Mamba-2 hybrid (MambaModel)."""
+    return args.is_hybrid_model or args.hybrid_override_pattern is not None
 
 
 def linear_attention_settings(args: argparse.Namespace) -> dict:
@@ -177,6 +183,9 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> tuple[Transfo
         virtual_pipeline_model_parallel_size=args.virtual_pipeline,
         **moe_settings(args),
         **linear_attention_settings(args),
+        **({} if not hybrid(args) else dict(
+            mamba_state_dim=args.mamba_state_dim, mamba_head_dim=args.mamba_head_dim,
+            mamba_num_groups=args.mamba_num_groups, mamba_num_heads=args.mamba_num_heads)),
     )
     if args.hf_config is None:  # a --load-hf model's attention is its own
         training.update(
@@ -230,7 +239,14 @@ def build_model(args: argparse.Namespace, device: torch.device | str = "cpu") ->
     torch.manual_seed(args.seed)  # the CPU generator: dropout outside tensor-parallel regions on CPU
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     stages = [None] if args.virtual_pipeline is None else range(args.virtual_pipeline)
-    models = [GPTModel(config, init_seed=args.seed, vp_stage=vp_stage, **model_kwargs) for vp_stage in stages]
+    if hybrid(args):
+        models = [MambaModel(config, None, hybrid_attention_ratio=args.hybrid_attention_ratio,
+                             hybrid_mlp_ratio=args.hybrid_mlp_ratio,
+                             hybrid_override_pattern=args.hybrid_override_pattern, init_seed=args.seed,
+                             vp_stage=vp_stage, **model_kwargs) for vp_stage in stages]
+    else:
+        models = [GPTModel(config, init_seed=args.seed, vp_stage=vp_stage, **model_kwargs)
+                  for vp_stage in stages]
     if args.load_hf is not None:
         load_hf_state_dict(models, args.load_hf)
     if args.init_model_with_meta_device:  # FullyShardedDataParallel draws it on the device

@@ -26,6 +26,7 @@ from megatron_ext.training.validation_rules import check_rules, resolve_megatron
 from megatron_ext.training.validation_model import (
     apply_deepseek_defaults,
     check_gated_unit_args,
+    check_hybrid_args,
     check_linear_attention_args,
     check_mla_args,
     check_moe_args,
@@ -123,6 +124,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     check_gated_unit_args(args)
     check_moe_args(args, world_size)
     check_linear_attention_args(args)
+    check_hybrid_args(args)
     if args.heads % args.tp != 0:
         raise ValueError(f"--heads {args.heads} is not divisible by --tp {args.tp}")
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_len:

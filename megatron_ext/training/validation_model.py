@@ -30,6 +30,19 @@ def check_linear_attention_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--cp {args.cp} with --experimental-attention-variant {variant}: not supported yet")
 
 
+def check_hybrid_args(args: argparse.Namespace) -> None:
+    """The Mamba-2 hybrid flags: what the hybrid stack cannot do yet."""
+    if not (args.is_hybrid_model or args.hybrid_override_pattern is not None):
+        return
+    for flag, value in (("--save", args.save), ("--load", args.load), ("--load-hf", args.load_hf),
+                        ("--export-hf", args.export_hf), ("--mtp-num-layers", args.mtp_num_layers)):
+        if value is not None:
+            raise ValueError(f"{flag} with a Mamba-2 hybrid (--is-hybrid-model / --hybrid-override-pattern): "
+                             "not supported yet")
+    if args.cp > 1:
+        raise ValueError(f"--cp {args.cp} with a Mamba-2 hybrid: not supported yet")
+
+
 def check_moe_args(args: argparse.Namespace, world_size: int) -> None:
     """The mixture-of-experts flags: experts divisible by --ep, top-k within the experts, the expert
     grid (--etp x --ep x --pp) dividing the world, sequence parallelism with --tp > 1."""

@@ -13,6 +13,7 @@ from megatron_ext.dist_checkpointing.rank_shards import replace_prefix_for_shard
 from megatron_ext.pipeline_parallel.schedule_tables import stage_location, virtual_stage
 from megatron_ext.tensor_parallel.sharded_state import module_sharded_state_dict
 from megatron_ext.transformer.transformer_config import TransformerConfig
+from megatron_ext.ssm.mamba_layer import MambaLayer
 from megatron_ext.transformer.transformer_layer import ParallelTransformerLayer
 from megatron_ext.transformer.utils import build_seeded, layer_norm
 
@@ -132,6 +133,10 @@ class ParallelTransformer(torch.nn.Module):
 
     ``init_seed``: when given, layer ``i`` (global index) is built from the CPU generator seeded
     with ``init_seed + i + 1`` so that its weights do not depend on the pipeline layout.
+
+    ``layer_types`` (a hybrid stack, Megatron-core's ``MambaStack``): one symbol per global layer,
+    ``"M"`` a ``MambaLayer``, ``"*"`` attention only, ``"-"`` an MLP only, ``"E"`` a mixture of experts
+    only; None: every layer a transformer layer.
     """
 
     def __init__(
@@ -141,6 +146,8 @@ class ParallelTransformer(torch.nn.Module):
         post_process: bool = True,
         init_seed: int | None = None,
         vp_stage: int | None = None,
+        *,
+        layer_types: list[str] | None = None,
     ):
         super().__init__()
         self.config = config
@@ -151,7 +158,11 @@ class ParallelTransformer(torch.nn.Module):
         offset = get_transformer_layer_offset(config, vp_stage)
         layers = []
         for i in range(offset, offset + get_num_layers_to_build(config, vp_stage)):
-            build = partial(ParallelTransformerLayer, config, layer_number=i + 1)
+            kind = None if layer_types is None else layer_types[i]
+            if kind == "M":
+                build = partial(MambaLayer, config, layer_number=i + 1)
+            else:
+                build = partial(ParallelTransformerLayer, config, layer_number=i + 1, layer_type=kind)
             layers.append(build_seeded(config, init_seed, i + 1, build))
         self.layers = torch.nn.ModuleList(layers)
         if post_process:  # ones and zeros: no seed
@@ -222,7 +233,8 @@ class ParallelTransformer(torch.nn.Module):
         for start, end, recompute in self._recompute_plan():
             def run(h: torch.Tensor, start: int = start, end: int = end) -> torch.Tensor:
                 for layer in self.layers[start:end]:
-                    h = layer(h, attention_mask, rotary_pos_emb, packed_seq_params, padding_mask=padding_mask)
+                    h = layer(h, attention_mask, rotary_pos_emb=rotary_pos_emb,
+                              packed_seq_params=packed_seq_params, padding_mask=padding_mask)
                 return h
 
             if recompute:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from megatron_ext import tensor_parallel
@@ -87,26 +89,34 @@ class ParallelTransformerLayer(torch.nn.Module):
     backward reaches that module's output.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int = 1):
+    def __init__(self, config: TransformerConfig, layer_number: int = 1, layer_type: str | None = None):
         super().__init__()
         if not isinstance(config.hidden_size, int) or config.hidden_size < 1:
             raise ValueError(
                 f"a transformer layer needs config.hidden_size >= 1, got {config.hidden_size!r}"
             )
+        if layer_type not in (None, "*", "-", "E"):
+            raise ValueError(f"layer_type must be None, '*', '-' or 'E', got {layer_type!r}")
         self.config = config
         self.layer_number = layer_number
-        self.input_layernorm = layer_norm(config, config.hidden_size)
-        mla = bool(getattr(config, "multi_latent_attention", False))
-        pattern = linear_attention_pattern(config)  # multi-token-prediction layers: full attention
-        if layer_number <= len(pattern) and pattern[layer_number - 1]:
-            self.self_attention = GatedDeltaNet(config, layer_number=layer_number)
-        else:
-            self.self_attention = (MLASelfAttention if mla else ParallelAttention)(config, layer_number)
-        self.post_attention_layernorm = layer_norm(config, config.hidden_size)
-        if is_moe_layer(config, layer_number):
-            self.mlp = MoELayer(config, layer_number=layer_number)
-        else:
-            self.mlp = ParallelMLP(config)
+        # A hybrid stack's layer (Megatron-core's MambaStack): attention only ("*"), or an MLP ("-")
+        # or mixture of experts ("E") only; None: both.
+        self.layer_type = layer_type
+        self.input_layernorm = self.self_attention = self.post_attention_layernorm = self.mlp = None
+        if layer_type in (None, "*"):
+            self.input_layernorm = layer_norm(config, config.hidden_size)
+            mla = bool(getattr(config, "multi_latent_attention", False))
+            pattern = linear_attention_pattern(config)  # multi-token-prediction layers: full attention
+            if layer_number <= len(pattern) and pattern[layer_number - 1]:
+                self.self_attention = GatedDeltaNet(config, layer_number=layer_number)
+            else:
+                self.self_attention = (MLASelfAttention if mla else ParallelAttention)(config, layer_number)
+        if layer_type in (None, "-", "E"):
+            self.post_attention_layernorm = layer_norm(config, config.hidden_size)
+            if layer_type == "E" or (layer_type is None and is_moe_layer(config, layer_number)):
+                self.mlp = MoELayer(config, layer_number=layer_number)
+            else:
+                self.mlp = ParallelMLP(config)
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
@@ -115,6 +125,10 @@ class ParallelTransformerLayer(torch.nn.Module):
         layer axis a block prepends) under Megatron-core's keys (``LAYER_KEYS``; a mixture-of-experts
         layer's: ``MOE_LAYER_KEYS`` and the ``MoELayer``'s own; a multi-latent attention layer's:
         ``MLA_LAYER_KEYS`` / ``MLA_MOE_LAYER_KEYS``)."""
+        if self.layer_type is not None:
+            raise NotImplementedError(
+                "distributed checkpoints of a hybrid stack's layers are not supported by megatron_ext yet"
+            )
         if isinstance(self.self_attention, GatedDeltaNet):
             self.self_attention.sharded_state_dict()  # refused, named
         mla = isinstance(self.self_attention, MLASelfAttention)
@@ -137,18 +151,25 @@ class ParallelTransformerLayer(torch.nn.Module):
         """``packed_seq_params``: Megatron-core's ``PackedSeqParams`` of a row of packed sequences
         (see ``ParallelAttention.forward``); the rest of the layer works token by token.
         ``padding_mask`` [b, s] (True at padding): for a mixture-of-experts MLP's router."""
-        post_ln_residual = self.config.apply_residual_connection_post_layernorm
-        dropout = self.config.hidden_dropout
-        bias_dropout_add = get_bias_dropout_add(
-            self.training, bool(getattr(self.config, "bias_dropout_fusion", False))
-        )
+        recompute_norm = self.training and selectively_recomputed(self.config, "layernorm")
+        if self.self_attention is not None:
+            hidden_states = self._attention_part(
+                hidden_states, attention_mask, rotary_pos_emb, packed_seq_params, recompute_norm
+            )
+        if self.mlp is None:
+            return hidden_states
+        return self._mlp_part(hidden_states, padding_mask, recompute_norm)
 
-        training = self.training
-        recompute_norm = training and selectively_recomputed(self.config, "layernorm")
-        # "mlp" is the dense MLP; an MoE layer recomputes by "moe", "moe_act" and "shared_experts".
-        recompute_mlp = (training and selectively_recomputed(self.config, "mlp")
-                         and not isinstance(self.mlp, MoELayer))
+    def _residual_settings(self) -> tuple[bool, float, Any]:
+        config = self.config
+        fused = bool(getattr(config, "bias_dropout_fusion", False))
+        return (config.apply_residual_connection_post_layernorm, config.hidden_dropout,
+                get_bias_dropout_add(self.training, fused))
 
+    def _attention_part(
+        self, hidden_states, attention_mask, rotary_pos_emb, packed_seq_params, recompute_norm: bool
+    ) -> torch.Tensor:
+        post_ln_residual, dropout, bias_dropout_add = self._residual_settings()
         norm_checkpoint = tensor_parallel.CheckpointWithoutOutput() if recompute_norm else None
         ln_out = self._norm(self.input_layernorm, hidden_states, norm_checkpoint)
         if isinstance(self.self_attention, GatedDeltaNet):  # causal, no positions: Megatron-core's call
@@ -161,7 +182,13 @@ class ParallelTransformerLayer(torch.nn.Module):
         if norm_checkpoint is not None:
             # The normalised input is freed until the attention's backward reaches its input.
             norm_checkpoint.discard_output_and_register_recompute(attn_out)
+        return hidden_states
 
+    def _mlp_part(self, hidden_states, padding_mask, recompute_norm: bool) -> torch.Tensor:
+        post_ln_residual, dropout, bias_dropout_add = self._residual_settings()
+        # "mlp" is the dense MLP; an MoE layer recomputes by "moe", "moe_act" and "shared_experts".
+        recompute_mlp = (self.training and selectively_recomputed(self.config, "mlp")
+                         and not isinstance(self.mlp, MoELayer))
         norm_checkpoint = tensor_parallel.CheckpointWithoutOutput() if recompute_norm else None
         ln_out = self._norm(self.post_attention_layernorm, hidden_states, norm_checkpoint)
         if recompute_mlp:
