@@ -1,7 +1,9 @@
 """examples/train_gpt.py with Gated DeltaNet layers (``--experimental-attention-variant
 gated_delta_net --linear-attention-freq 2``: linear attention, then full attention, twice) and routed
 experts trained at (tp, pp, ep, dp) = (2,1,1,1) with sequence parallelism, (1,2,1,1), (1,2,1,1)
-interleaved, (1,1,2,2) and (1,1,1,2) with the distributed optimizer equals the serial run in float64:
+interleaved, (1,1,2,2), and (1,1,1,2) with the distributed optimizer
+and with fully sharded data parallelism (optim_grads_params; also built on the meta device)
+equals the serial run in float64:
 losses, grad norms and every final weight; the flags' refusals."""
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ LAYOUTS = {  # (tp, pp, ep, dp) -> flags; the world is tp x pp x dp
     (1, 2, 1, 1, "vp"): ["--tp", "1", "--pp", "2", "--virtual-pipeline", "2"],
     (1, 1, 2, 2): ["--tp", "1", "--pp", "1", "--ep", "2"],
     (1, 1, 1, 2): ["--tp", "1", "--pp", "1", "--use-distributed-optimizer"],
+    (1, 1, 1, 2, "fsdp"): ["--tp", "1", "--pp", "1", "--use-distributed-optimizer", "--use-megatron-fsdp",
+                           "--data-parallel-sharding-strategy", "optim_grads_params"],
+    (1, 1, 1, 2, "fsdp meta"): ["--tp", "1", "--pp", "1", "--use-distributed-optimizer",
+                                "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                                "optim_grads_params", "--init-model-with-meta-device"],
 }
 
 
