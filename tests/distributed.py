@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -142,7 +143,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
                 reusable = False
             # Process groups a function kept alive hold a gloo thread each, some of them polling.
             reusable = reusable and len(os.listdir("/proc/self/task")) <= _MAX_THREADS
-        results.put((rank, error, value, reusable))
+        # Pickled by value here: a tensor handed over as a shared file descriptor needs this process
+        # alive until the parent has read it, and a process that is not reused exits at once.
+        results.put((rank, error, pickle.dumps(value), reusable))
         if not reusable:
             break
     if dist.is_initialized():
@@ -188,6 +191,7 @@ class _Pool:
         while len(values) + len(errors) < self.world_size:
             try:
                 rank, error, value, rank_reusable = self.results.get(timeout=0.5)
+                value = pickle.loads(value)
             except queue.Empty:
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.world_size)) - set(values) - set(errors))

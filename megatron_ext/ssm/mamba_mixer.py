@@ -13,12 +13,12 @@ from megatron_ext import tensor_parallel
 from megatron_ext.fusions.gated_rms_norm import rms_norm_gated
 from megatron_ext.fusions.mamba_ssd import mamba_chunk_scan_combined
 from megatron_ext.packed_seq_params import PackedSeqParams
-from megatron_ext.tensor_parallel.depthwise_conv import DepthwiseConv, local_blocks, split_parameter
+from megatron_ext.tensor_parallel.depthwise_conv import (
+    DepthwiseConv,
+    block_column_parallel_linear,
+    split_parameter,
+)
 from megatron_ext.tensor_parallel.utils import param_device, tp_group_size_rank
-
-
-def _keep(weight: torch.Tensor) -> None:
-    """The projection's own draw is replaced by one over all ranks' blocks."""
 
 
 class _GatedNorm(torch.nn.Module):
@@ -156,22 +156,10 @@ class MambaMixer(torch.nn.Module):
         dtype = config.params_dtype
         wide = torch.promote_types(dtype, torch.float32)
         device = param_device(config.use_cpu_initialization)
-        self.in_proj = tensor_parallel.ColumnParallelLinear(
-            self.d_model,
-            sum(self._in_blocks),
-            config=config,
-            init_method=_keep,
-            gather_output=False,
-            bias=False,
-            skip_bias_add=False,
-            tp_group=self.tp_group,
+        self.in_proj = block_column_parallel_linear(
+            self.d_model, self._in_blocks, config, False, self.tp_group, rank, tp
         )
         with torch.no_grad():
-            # Drawn over every head in float32 (as the linears' CPU initialisation), then split.
-            full = torch.empty(sum(self._in_blocks), self.d_model, dtype=torch.float32, device=device)
-            if config.perform_initialization:
-                config.init_method(full)
-            self.in_proj.weight.copy_(local_blocks(full, self._in_blocks, rank, tp))
             self.conv1d = DepthwiseConv(
                 self._conv_blocks, d_conv, conv_init, conv_bias, rank, tp, dtype, device
             )

@@ -4,11 +4,12 @@ split over the tensor-parallel ranks as Megatron-core splits them."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from megatron_ext.fusions.causal_conv1d import causal_conv1d_fn
-from megatron_ext.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron_ext.tensor_parallel.layers import ColumnParallelLinear, set_tensor_model_parallel_attributes
 
 
 def split_parameter(tensor: torch.Tensor) -> torch.nn.Parameter:
@@ -28,6 +29,35 @@ def local_blocks(full: torch.Tensor, sizes: list[int], rank: int, world: int) ->
         per = block.shape[0] // world
         parts.append(block[rank * per : (rank + 1) * per])
     return torch.cat(parts, dim=0)
+
+
+def _keep(weight: torch.Tensor) -> None:
+    """The projection's own draw, replaced by ``block_column_parallel_linear``'s over all blocks."""
+
+
+def block_column_parallel_linear(
+    input_size: int, blocks: list[int], config: Any, bias: bool, tp_group: Any, rank: int, world: int
+) -> ColumnParallelLinear:
+    """A column-parallel projection to the concatenated ``blocks`` (Mamba's and Gated DeltaNet's
+    ``in_proj``), each rank holding its part of every block (``local_blocks``), the weight drawn over
+    all blocks with ``config.init_method`` in float32 (as the linears' CPU initialisation), so every
+    tensor-parallel layout starts from the serial weight."""
+    linear = ColumnParallelLinear(
+        input_size,
+        sum(blocks),
+        config=config,
+        init_method=_keep,
+        gather_output=False,
+        bias=bias,
+        skip_bias_add=False,
+        tp_group=tp_group,
+    )
+    with torch.no_grad():
+        full = torch.empty(sum(blocks), input_size, dtype=torch.float32, device=linear.weight.device)
+        if config.perform_initialization:
+            config.init_method(full)
+        linear.weight.copy_(local_blocks(full, blocks, rank, world))
+    return linear
 
 
 class DepthwiseConv(torch.nn.Module):

@@ -11,13 +11,13 @@ import torch.nn.functional as F
 from megatron_ext import tensor_parallel
 from megatron_ext.fusions.gated_delta_rule import chunk_gated_delta_rule
 from megatron_ext.packed_seq_params import PackedSeqParams
-from megatron_ext.tensor_parallel.depthwise_conv import DepthwiseConv, local_blocks, split_parameter
+from megatron_ext.tensor_parallel.depthwise_conv import (
+    DepthwiseConv,
+    block_column_parallel_linear,
+    split_parameter,
+)
 from megatron_ext.tensor_parallel.utils import param_device, tp_group_size_rank
 from megatron_ext.transformer.utils import layer_norm
-
-
-def _keep(weight: torch.Tensor) -> None:
-    """The projection's own draw is replaced by ``_draw_in_proj``'s, made over all ranks' blocks."""
 
 
 class GatedDeltaNet(torch.nn.Module):
@@ -108,24 +108,12 @@ class GatedDeltaNet(torch.nn.Module):
         ]
         self._conv_blocks = self._in_blocks[:3]
 
-        self.in_proj = tensor_parallel.ColumnParallelLinear(
-            self.hidden_size,
-            self.in_proj_dim,
-            config=config,
-            init_method=_keep,
-            gather_output=False,
-            bias=bias,
-            skip_bias_add=False,
-            tp_group=self.tp_group,
+        self.in_proj = block_column_parallel_linear(
+            self.hidden_size, self._in_blocks, config, bias, self.tp_group, rank, tp
         )
         dtype = config.params_dtype
         device = param_device(config.use_cpu_initialization)
         with torch.no_grad():
-            # Drawn over every head in float32 (as the linears' CPU initialisation), then split.
-            full = torch.empty(self.in_proj_dim, self.hidden_size, dtype=torch.float32, device=device)
-            if config.perform_initialization:
-                config.init_method(full)
-            self.in_proj.weight.copy_(local_blocks(full, self._in_blocks, rank, tp))
             self.conv1d = DepthwiseConv(
                 self._conv_blocks, self.conv_kernel_dim, conv_init, conv_bias, rank, tp, dtype, device
             )
