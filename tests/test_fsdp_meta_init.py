@@ -209,6 +209,7 @@ def _refusals_worker() -> list[str]:
             _chunks(meta)[0],
         )
     )
+    refused(lambda: _chunks(meta)[0](torch.zeros(1, 4, dtype=torch.long), None))  # run before drawn
     with torch.device("meta"):  # a module megatron_ext cannot build again
         plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
     refused(lambda: materialize(plain, "cpu"))
@@ -219,7 +220,8 @@ def _refusals_worker() -> list[str]:
 def test_what_cannot_be_drawn_is_refused_alike_on_every_rank():
     first, second = run_distributed(2, _refusals_worker)
     assert first == second
-    cpu_init, ddp, no_shard, foreign = first
+    cpu_init, ddp, no_shard, unwrapped, foreign = first
+    assert "init_model_with_meta_device=True, its parameters are still on the meta device" in unwrapped
     assert "init_model_with_meta_device=True needs use_cpu_initialization=True" in cpu_init
     assert "DistributedDataParallel" in ddp and "meta device" in ddp and "embedding" in ddp
     assert "'no_shard'" in no_shard

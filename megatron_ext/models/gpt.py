@@ -304,6 +304,12 @@ class GPTModel(torch.nn.Module):
         ``padding_mask`` (``[b, s]``, True at padding) reaches the mixture-of-experts routers, which
         leave those tokens out of their losses and counts; under sequence parallelism each rank
         takes its share of the sequence (on every pipeline stage)."""
+        if getattr(self.config, "init_model_with_meta_device", False) and next(self.parameters()).is_meta:
+            raise ValueError(
+                f"{type(self).__name__}: built with init_model_with_meta_device=True, its parameters are "
+                "still on the meta device: wrap it in FullyShardedDataParallel (a sharding strategy), which "
+                "draws them, before running it"
+            )
         if padding_mask is not None and self.config.sequence_parallel:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             padding_mask = padding_mask.chunk(tp, dim=1)[parallel_state.get_tensor_model_parallel_rank()]
