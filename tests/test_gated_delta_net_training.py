@@ -1,5 +1,6 @@
 """examples/train_gpt.py with Gated DeltaNet layers (``--experimental-attention-variant
-gated_delta_net --linear-attention-freq 2``: linear attention, then full attention, twice) and routed
+gated_delta_net --linear-attention-freq 2``: linear attention, then full attention with its output
+gated (``--attention-output-gate``), twice) and routed
 experts trained at (tp, pp, ep, dp) = (2,1,1,1) with sequence parallelism, (1,2,1,1), (1,2,1,1)
 interleaved, (1,1,2,2), and (1,1,1,2) with the distributed optimizer
 and with fully sharded data parallelism (optim_grads_params; also built on the meta device)
@@ -20,6 +21,7 @@ KEY_HEADS, VALUE_HEADS, DK, DV = 2, 4, 4, 4
 BASE = [
     "--arch", "llama", "--layers", "4", "--hidden", "16", "--heads", "2", "--ffn-hidden", "12",
     "--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2",
+    "--attention-output-gate",  # Qwen3-Next's full-attention layers
     "--linear-key-head-dim", str(DK), "--linear-value-head-dim", str(DV),
     "--linear-num-key-heads", str(KEY_HEADS), "--linear-num-value-heads", str(VALUE_HEADS),
     "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "8",

@@ -608,5 +608,14 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 def _chunks(model_chunks) -> list[torch.nn.Module]:
-    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    return [_unwrap(c) for c in chunks]
+    listed = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    chunks = [_unwrap(c) for c in listed]
+    for model in chunks:  # layers no Hugging Face mapping of megatron_ext covers yet
+        config = model.config
+        for what, used in (("attention_output_gate", getattr(config, "attention_output_gate", False)),
+                           ("experimental_attention_variant",
+                            getattr(config, "experimental_attention_variant", None)),
+                           ("a hybrid layer pattern (MambaModel)", getattr(model, "_layer_types", None))):
+            if used:
+                raise NotImplementedError(f"Hugging Face weights of models with {what} are not supported yet")
+    return chunks

@@ -263,6 +263,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="an output layer of its own, not the embedding (--arch llama and deepseek have it)")
     p.add_argument("--disable-bias-linear", action="store_true",
                    help="no biases in the linear layers (--arch llama and deepseek have none)")
+    p.add_argument("--attention-output-gate", action="store_true",
+                   help="scale each attention head's output by sigmoid of a gate projected beside its query "
+                   "(Qwen3-Next)")
     p.add_argument("--qk-layernorm", action="store_true",
                    help="normalise each query and key head before attention (Qwen3, OLMo 2)")
     p.add_argument("--calculate-per-token-loss", action="store_true",

@@ -203,6 +203,8 @@ def core_transformer_config_from_args(args: argparse.Namespace) -> tuple[Transfo
         activation = torch.nn.functional.silu if parts["swiglu"] else torch.nn.functional.gelu
         rotary = dict(rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
         attention = {"qk_layernorm": True} if args.qk_layernorm else {}
+        if args.attention_output_gate:
+            attention["attention_output_gate"] = True
         if args.multi_latent_attention:  # its rotary embedding is the config's
             attention.update(mla_settings(args), **rotary)
         config = (MLATransformerConfig if args.multi_latent_attention else TransformerConfig)(

@@ -107,9 +107,12 @@ class ParallelAttention(torch.nn.Module):
         else:  # off-by-one's zeros follow the module's device, unsaved, as Megatron-core's
             self.register_buffer("softmax_offset", offset, persistent=False)
         bias = bool(config.add_bias_linear)
+        # Megatron-core's attention_output_gate: each group's block holds its heads' gates after their
+        # queries ([q, gate, k, v] per group), the attention's output scaled by sigmoid(gate).
+        self.output_gate = bool(getattr(config, "attention_output_gate", False))
         self.query_key_value = ColumnParallelLinear(
             config.hidden_size,
-            config.kv_channels * (heads + 2 * groups),
+            config.kv_channels * (heads * (2 if self.output_gate else 1) + 2 * groups),
             config=config,
             init_method=config.init_method,
             bias=bias or bool(getattr(config, "add_qkv_bias", False)),
@@ -166,7 +169,7 @@ class ParallelAttention(torch.nn.Module):
                 f"ParallelAttention: {self._fused_op_reasons(cu_seqlens)} run in the causal attention op, "
                 f"which takes no attention_mask; got a mask of shape {tuple(attention_mask.shape)}"
             )
-        query, key, value = self.query_key_value_heads(hidden_states)  # [s, b, heads or groups, d]
+        query, key, value, *gate = self.query_key_value_heads(hidden_states)  # [s, b, heads or groups, d]
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary_pos_emb is not None:
@@ -184,14 +187,20 @@ class ParallelAttention(torch.nn.Module):
         else:
             context = self.core_attention(query, key, value, attention_mask, cu_seqlens)
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_partition * self.head_dim)
+        if gate:
+            wide = torch.promote_types(context.dtype, torch.float32)
+            gate = torch.sigmoid(gate[0].reshape(context.shape).to(wide))
+            context = (context.to(wide) * gate).to(context.dtype)
         return self.dense(context)
 
     def query_key_value_heads(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This rank's query heads ``[s, b, heads / tp, d]`` and its groups' keys and values
-        ``[s, b, groups / tp (or 1), d]``, from the fused projection."""
+        ``[s, b, groups / tp (or 1), d]``, from the fused projection; with the output gate also the
+        query heads' gates (a fourth tensor, shaped as the queries)."""
         qkv, _ = self.query_key_value(hidden_states)
         s, b, _ = qkv.shape  # the full sequence, also under sequence parallelism
-        per_group = (self.heads_per_group + 2) * self.head_dim
+        gated = 2 if self.output_gate else 1
+        per_group = (gated * self.heads_per_group + 2) * self.head_dim
         groups = self.config.num_query_groups
         rank = parallel_state.get_tensor_model_parallel_rank()
         if groups < self.tp_size:
@@ -200,14 +209,13 @@ class ParallelAttention(torch.nn.Module):
             group = rank // ranks_per_group
             qkv = qkv[..., group * per_group : (group + 1) * per_group]
         qkv = qkv.view(s, b, self.groups_per_partition, per_group)
-        query, key, value = qkv.split(
-            [self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1
-        )
-        query = query.reshape(s, b, -1, self.head_dim)
+        heads = self.heads_per_group * self.head_dim
+        query, *gate, key, value = qkv.split([heads] * gated + [self.head_dim, self.head_dim], dim=-1)
+        query, *gate = (t.reshape(s, b, -1, self.head_dim) for t in (query, *gate))
         if groups < self.tp_size:
             first = (rank % ranks_per_group) * self.num_heads_per_partition
-            query = query[:, :, first : first + self.num_heads_per_partition]
-        return query, key, value
+            query, *gate = (t[:, :, first : first + self.num_heads_per_partition] for t in (query, *gate))
+        return (query, key, value, *gate)
 
     def _fused_op_reasons(self, cu_seqlens: torch.Tensor | None) -> str:
         """What makes the layer attend through the attention op rather than SDPA ("" for nothing)."""

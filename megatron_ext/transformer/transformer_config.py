@@ -64,7 +64,6 @@ _UNIMPLEMENTED = {
     "qk_l2_norm": "query/key L2 normalisation",
     "qk_clip": "query/key clipping",
     "log_max_attention_logit": "attention-logit logging",
-    "attention_output_gate": "gated attention",
     "no_rope_freq": "rotary embeddings skipped in some layers",
     "apply_query_key_layer_scaling": "query-key layer scaling",
     "disable_bf16_reduced_precision_matmul": "cuBLAS reduced-precision control",
