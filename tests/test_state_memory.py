@@ -72,7 +72,8 @@ def _step_bytes(distributed: bool, overlap: bool) -> tuple[int, int, int]:
     """(bytes of the storages a bf16 model, its DDP and optimizer hold after two steps, bytes
     of the scalar ones among them, number of parameters)."""
     gc.collect()
-    before = live_cpu_storages()
+    # (address, size): a storage freed meanwhile may leave its address to a new one of another size
+    before = set(live_cpu_storages().items())
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(128, 256, bias=False), torch.nn.Tanh(), torch.nn.Linear(256, 128, bias=False)
@@ -98,7 +99,7 @@ def _step_bytes(distributed: bool, overlap: bool) -> tuple[int, int, int]:
     if overlap:
         assert ddp.param_gather_in_flight  # counted while the gathers are in flight
     gc.collect()
-    new = {ptr: n for ptr, n in live_cpu_storages().items() if ptr not in before}
+    new = {ptr: n for ptr, n in live_cpu_storages().items() if (ptr, n) not in before}
     large = sum(n for n in new.values() if n > SCALAR_BYTES)
     scalars = sum(n for n in new.values() if n <= SCALAR_BYTES)
     numel = sum(p.numel() for p in model.parameters())
@@ -170,7 +171,8 @@ def _sharded_step_bytes(strategy: str) -> dict:
     from megatron_ext.distributed import FullyShardedDataParallel
 
     gc.collect()
-    before = live_cpu_storages()
+    # (address, size): a storage freed meanwhile may leave its address to a new one of another size
+    before = set(live_cpu_storages().items())
     torch.manual_seed(0)
     blocks = [_Block(), _Block(), _Block()]
     model = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), *blocks, torch.nn.Linear(HIDDEN, HIDDEN))
@@ -197,7 +199,7 @@ def _sharded_step_bytes(strategy: str) -> dict:
     for i in range(2):
         step(i)
     gc.collect()
-    new = {ptr: n for ptr, n in live_cpu_storages().items() if ptr not in before}
+    new = {ptr: n for ptr, n in live_cpu_storages().items() if (ptr, n) not in before}
     resident = _held_bytes(ddp, optimizer)
     # Registered after the wrapper's own hooks, so each sample sees what they gathered or freed.
     def sampler(phase: str):
