@@ -44,19 +44,22 @@ LAYOUTS = {  # (tp, pp, ep, dp) -> flags; the world is tp x pp x dp
 }
 
 
-def _serial_order(name: str, value: list, tp: int) -> list:
-    """A Gated DeltaNet weight gathered rank after rank put back in its serial block order: each rank
-    holds its part of every block ([q, k, v, z, beta, alpha] of in_proj, [q, k, v] of conv1d)."""
-    qk, v = KEY_HEADS * DK, VALUE_HEADS * DV
-    if name.endswith("self_attention.in_proj.weight"):
-        blocks = [qk, qk, v, v, VALUE_HEADS, VALUE_HEADS]
-    elif name.endswith("self_attention.conv1d.weight"):
-        blocks = [qk, qk, v]
-    else:
-        return value
+def serial_block_order(value: list, blocks: list[int], tp: int) -> list:
+    """A block-split weight gathered rank after rank (each rank holds its part of every block, as the
+    recurrent layers' in_proj and conv1d are split) put back in its serial block order."""
     parts = torch.tensor(value).chunk(tp)
     split = [torch.split(p, [b // tp for b in blocks]) for p in parts]
     return torch.cat([torch.cat([s[i] for s in split]) for i in range(len(blocks))]).tolist()
+
+
+def _serial_order(name: str, value: list, tp: int) -> list:
+    """Gated DeltaNet's blocks: [q, k, v, z, beta, alpha] of in_proj, [q, k, v] of conv1d."""
+    qk, v = KEY_HEADS * DK, VALUE_HEADS * DV
+    if name.endswith("self_attention.in_proj.weight"):
+        return serial_block_order(value, [qk, qk, v, v, VALUE_HEADS, VALUE_HEADS], tp)
+    if name.endswith("self_attention.conv1d.weight"):
+        return serial_block_order(value, [qk, qk, v], tp)
+    return value
 
 
 def _runs(layouts: list) -> dict:

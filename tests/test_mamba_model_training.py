@@ -13,6 +13,7 @@ import torch
 from tests.conftest import load_train_gpt
 from tests.distributed import run_distributed
 from tests.test_deepseek_training import _train
+from tests.test_gated_delta_net_training import LAYOUTS, serial_block_order
 from tests.test_moe_training import _merged
 
 HEADS, P, GROUPS, N = 4, 4, 2, 4
@@ -25,34 +26,16 @@ BASE = [
     "--seq-len", "8", "--micro-batch-size", "2", "--global-batch-size", "8", "--steps", "3", "--lr", "1e-2",
     "--clip-grad", "0.5", "--dtype", "float64", "--no-progress", "--plot", "",
 ]
-LAYOUTS = {  # (tp, pp, ep, dp) -> flags; the world is tp x pp x dp
-    (1, 1, 1, 1): ["--tp", "1", "--pp", "1"],
-    (2, 1, 1, 1): ["--tp", "2", "--pp", "1", "--sequence-parallel"],
-    (1, 2, 1, 1): ["--tp", "1", "--pp", "2"],
-    (1, 2, 1, 1, "vp"): ["--tp", "1", "--pp", "2", "--virtual-pipeline", "2"],
-    (1, 1, 2, 2): ["--tp", "1", "--pp", "1", "--ep", "2"],
-    (1, 1, 1, 2): ["--tp", "1", "--pp", "1", "--use-distributed-optimizer"],
-    (1, 1, 1, 2, "fsdp"): ["--tp", "1", "--pp", "1", "--use-distributed-optimizer", "--use-megatron-fsdp",
-                           "--data-parallel-sharding-strategy", "optim_grads_params"],
-    (1, 1, 1, 2, "fsdp meta"): ["--tp", "1", "--pp", "1", "--use-distributed-optimizer",
-                                "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-                                "optim_grads_params", "--init-model-with-meta-device"],
-}
 
 
 def _serial_order(name: str, value: list, tp: int) -> list:
-    """A mixer weight gathered rank after rank put back in its serial block order: each rank holds its
-    part of every block ([z, x, B, C, dt] of in_proj, [x, B, C] of conv1d)."""
+    """The mixer's blocks: [z, x, B, C, dt] of in_proj, [x, B, C] of conv1d."""
     inner, groups = HEADS * P, GROUPS * N
     if name.endswith("mixer.in_proj.weight"):
-        blocks = [inner, inner, groups, groups, HEADS]
-    elif name.endswith("mixer.conv1d.weight") or name.endswith("mixer.conv1d.bias"):
-        blocks = [inner, groups, groups]
-    else:
-        return value
-    parts = torch.tensor(value).chunk(tp)
-    split = [torch.split(p, [b // tp for b in blocks]) for p in parts]
-    return torch.cat([torch.cat([s[i] for s in split]) for i in range(len(blocks))]).tolist()
+        return serial_block_order(value, [inner, inner, groups, groups, HEADS], tp)
+    if name.endswith("mixer.conv1d.weight") or name.endswith("mixer.conv1d.bias"):
+        return serial_block_order(value, [inner, groups, groups], tp)
+    return value
 
 
 def _runs(layouts: list) -> dict:
